@@ -1,0 +1,1 @@
+"""storch: automatic differentiation of stochastic computation graphs (core being written)."""
