@@ -1,0 +1,48 @@
+# storch developer tasks.  `make test` and `make demo` bootstrap .venv on first use.
+#
+# torch is installed first, pinned, so that pip finds the CPU wheel and never
+# resolves an unpinned `torch` to the multi-GB CUDA build.
+
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+
+VENV := .venv
+VENV_PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+SC_VENV := .venv-storchastic
+SC_PY := $(SC_VENV)/bin/python
+SC_STAMP := $(SC_VENV)/.installed
+
+.PHONY: venv test demo bench bench-storchastic clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VENV_PY) || $(PYTHON) -m venv $(VENV)
+	$(VENV_PY) -m pip install "$(TORCH)"
+	$(VENV_PY) -m pip install -e ".[test,demo]"
+	touch $@
+
+test: $(STAMP)
+	$(VENV_PY) -m pytest
+
+demo: $(STAMP)
+	$(VENV_PY) -m storch.demo
+
+bench: $(STAMP)
+	$(VENV_PY) benchmarks/run.py
+
+# Storchastic 0.3.7 also imports as `storch`, so it lives in its own venv and process.
+$(SC_STAMP):
+	test -x $(SC_PY) || $(PYTHON) -m venv $(SC_VENV)
+	$(SC_PY) -m pip install "$(TORCH)"
+	$(SC_PY) -m pip install storchastic==0.3.7 entmax pyro-ppl
+	touch $@
+
+bench-storchastic: $(SC_STAMP)
+	$(SC_PY) benchmarks/storchastic_step.py
+
+clean:
+	rm -rf $(VENV) $(SC_VENV) build dist *.egg-info .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
