@@ -154,6 +154,10 @@ def run_storchastic(args, timeout: float) -> dict:
            "--op-batch", str(args.op_batch), "--op-dim", str(args.op_dim)]
     if args.quick:
         cmd.append("--quick")
+    if args.step_reps:
+        cmd += ["--step-reps", str(args.step_reps)]
+    if args.op_reps:
+        cmd += ["--op-reps", str(args.op_reps)]
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # it must import the installed Storchastic, not our storch
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
@@ -267,13 +271,21 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--op-batch", type=int, default=8)
     ap.add_argument("--op-dim", type=int, default=16)
+    ap.add_argument("--step-reps", type=int, default=None,
+                    help="timed training steps per variant (default 31, 3 with --quick)")
+    ap.add_argument("--op-reps", type=int, default=None,
+                    help="timed blocks of ops per variant (default 31, 5 with --quick)")
     ap.add_argument("--no-storchastic", action="store_true",
                     help="skip the Storchastic 0.3.7 subprocess")
     ap.add_argument("--output", default=os.path.join(RESULTS_DIR, "latest.txt"))
     args = ap.parse_args(argv)
 
     torch.set_num_threads(1)
-    reps = QUICK if args.quick else FULL
+    reps = dict(QUICK if args.quick else FULL)
+    if args.step_reps:
+        reps["step_reps"] = args.step_reps
+    if args.op_reps:
+        reps["op_reps"] = args.op_reps
     failed = False
     res = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -282,6 +294,7 @@ def main(argv=None) -> int:
         "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus".strip(),
         "threads": torch.get_num_threads(),
         "quick": args.quick,
+        "reps": reps,
         "n_samples": args.samples,
         "op_shape": [args.op_batch, args.op_dim],
         "data": "random binary 784-dim vectors (Bernoulli(0.5)), fixed seed",

@@ -151,10 +151,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--op-batch", type=int, default=8)
     ap.add_argument("--op-dim", type=int, default=16)
+    ap.add_argument("--step-reps", type=int, default=None,
+                    help="timed training steps per variant (default 31, 3 with --quick)")
+    ap.add_argument("--op-reps", type=int, default=None,
+                    help="timed blocks of ops per variant (default 31, 5 with --quick)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
-    reps = QUICK if args.quick else FULL
+    reps = dict(QUICK if args.quick else FULL)
+    if args.step_reps:
+        reps["step_reps"] = args.step_reps
+    if args.op_reps:
+        reps["op_reps"] = args.op_reps
 
     result = {
         "library": "storchastic",
@@ -163,6 +171,7 @@ def main(argv=None) -> dict:
         "python_version": sys.version.split()[0],
         "threads": torch.get_num_threads(),
         "quick": args.quick,
+        "reps": reps,
         "data": "random binary 784-dim vectors (Bernoulli(0.5)), fixed seed",
         "n_samples": args.samples,
         "op_shape": [args.op_batch, args.op_dim],
