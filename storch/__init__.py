@@ -1,1 +1,35 @@
-"""storch: automatic differentiation of stochastic computation graphs (core being written)."""
+"""storch: automatic differentiation of stochastic computation graphs for PyTorch.
+
+Write the model as a generative story, choose a gradient estimator at each sampling step
+(``storch.method``), register costs with :func:`add_cost`, and call :func:`backward`.
+
+Example:
+    >>> import torch, storch
+    >>> from torch.distributions import Normal
+    >>> c = torch.tensor(0.23, requires_grad=True)
+    >>> e = storch.method.Reparameterization("e", n_samples=1000)(Normal(c - 3.0, 1.0))
+    >>> _ = storch.add_cost(2.0 * e * e, "f")
+    >>> _ = storch.backward()
+    >>> abs(c.grad.item() - 4 * (c.item() - 3.0)) < 1.0   # d/dc E[2 e^2] = 4 (c - 3) = -11.08
+    True
+"""
+
+from storch import exceptions, method, nn, sampling, util
+from storch.inference import add_cost, backward, registered_costs, reset, surrogate_loss
+from storch.method.relaxation import conditional_gumbel_rsample
+from storch.ops import cat, expand_as, gather, grad
+from storch.plate import Plate, order_plates
+from storch.reduce import denote_independent, gather_samples, logsumexp, mean, reduce_plates, sum, variance
+from storch.tensor import CostTensor, IndependentTensor, StochasticTensor, Tensor, is_storch
+from storch.wrappers import deterministic, make_left_broadcastable, reduce, stochastic
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Tensor", "StochasticTensor", "CostTensor", "IndependentTensor", "Plate", "is_storch",
+    "add_cost", "backward", "surrogate_loss", "reset", "registered_costs",
+    "denote_independent", "gather_samples", "reduce_plates", "variance", "mean", "sum", "logsumexp",
+    "cat", "gather", "expand_as", "grad", "order_plates", "conditional_gumbel_rsample",
+    "deterministic", "reduce", "make_left_broadcastable", "stochastic",
+    "method", "sampling", "nn", "util", "exceptions",
+]

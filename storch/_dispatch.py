@@ -1,0 +1,283 @@
+"""Plate alignment and operator dispatch for :class:`storch.Tensor` (``__torch_function__``).
+
+Every torch function, method or operator that receives a storch tensor comes through
+:func:`torch_function`. It
+
+1. collects the plate layouts of the storch arguments (top level, inside lists/tuples, and keyword
+   values);
+2. on the *fast path* (every plated argument shares one layout object and one number of dimensions)
+   calls the function directly;
+3. otherwise aligns the arguments: plates are merged into their union (newest first), missing plates
+   become size-1 dimensions, and plated arguments with fewer event dimensions get size-1 event
+   dimensions right after their plates, so that event dimensions broadcast as they would for a single
+   sample. Plain ``torch.Tensor`` arguments and storch tensors without plates are left as they are:
+   they broadcast against the event dimensions, right-aligned, as in PyTorch;
+4. wraps tensor outputs as :class:`storch.Tensor` with the union layout, after checking that the
+   plate dimensions survived (a reduction or reshape over a plate dimension is an error that names the
+   plate; see :func:`storch.reduce_plates` for reducing plates on purpose).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from storch.plate import EMPTY_LAYOUT, PlateLayout, merge_layouts
+
+_Disable = torch._C.DisableTorchFunctionSubclass
+_T = torch.Tensor
+
+# Functions whose result never carries storch metadata: attribute access, hooks, size queries.
+_PROPERTIES = (
+    "shape", "dtype", "device", "requires_grad", "grad", "grad_fn", "is_leaf", "ndim", "layout",
+    "is_cuda", "is_sparse", "is_quantized", "is_meta", "names", "_version", "output_nr", "_base",
+    "itemsize", "nbytes", "_backward_hooks", "_grad", "_grad_fn", "is_nested", "_post_accumulate_grad_hooks",
+)
+PASSTHROUGH: frozenset = frozenset(
+    [getattr(_T, name).__get__ for name in _PROPERTIES if hasattr(_T, name)]
+    + [getattr(_T, name).__set__ for name in ("requires_grad", "grad", "data", "_grad", "names",
+                                               "_backward_hooks") if hasattr(_T, name)]
+    + [
+        _T.dim, _T.size, _T.numel, _T.register_hook, _T.backward, _T.requires_grad_, _T.retain_grad,
+        _T.data_ptr, _T.element_size, _T.is_contiguous, _T.stride, _T.__len__, _T.storage_offset,
+        _T.untyped_storage, _T.is_floating_point, _T.is_complex, _T.get_device, _T.numpy,
+        _T.__array__, _T.nelement, _T.ndimension, _T.is_shared, _T.is_pinned,
+        _T.register_post_accumulate_grad_hook, _T.__reduce_ex__, _T.__setstate__, _T.storage,
+        _T.__dlpack__, _T.__dlpack_device__,
+    ]
+)
+
+# Full reductions to a boolean are harmless (no gradient) and torch.distributions uses them for
+# argument validation: they may drop plates and then return a plain tensor.
+_MAY_DROP_PLATES: frozenset = frozenset([torch.all, _T.all, torch.any, _T.any])
+
+# Functions that need their arguments to have exactly the same shape: expand to a common shape.
+_BROADCAST_FIRST: frozenset = frozenset(
+    [
+        F.binary_cross_entropy, F.binary_cross_entropy_with_logits, F.mse_loss, F.l1_loss,
+        F.smooth_l1_loss, F.huber_loss, F.kl_div, F.poisson_nll_loss, F.soft_margin_loss,
+    ]
+)
+# Functions that join a sequence of tensors: every member gets the full plate dimensions.
+_EXPAND_PLATES: frozenset = frozenset([torch.cat, torch.concat, torch.concatenate, torch.stack])
+# Functions that are not elementwise: align plates but do not pad event dimensions.
+_NO_EVENT_PADDING: frozenset = frozenset(
+    [
+        torch.matmul, _T.matmul, _T.__matmul__, _T.__rmatmul__, torch.mm, _T.mm, torch.bmm, _T.bmm,
+        torch.mv, _T.mv, F.linear, F.bilinear, torch.einsum, torch.tensordot, _T.__getitem__,
+        _T.__setitem__, torch.gather, _T.gather, torch.take_along_dim, _T.index_select,
+        torch.index_select,
+    ]
+)
+_SPECIAL = _BROADCAST_FIRST | _EXPAND_PLATES
+
+# storch.Tensor, set by storch.tensor once the class exists (it imports this module).
+Tensor: type = torch.Tensor
+
+
+def torch_function(cls: type, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+    """``storch.Tensor.__torch_function__``: align plates, call ``func``, wrap the result."""
+    if kwargs is None:
+        kwargs = {}
+    if func in PASSTHROUGH:
+        with _Disable():
+            return func(*args, **kwargs)
+    with _Disable():
+        layout = None
+        ndim = -1
+        simple = func not in _SPECIAL
+        for a in args:
+            if isinstance(a, Tensor):
+                lay = a._layout
+                if lay.plates:
+                    if layout is None:
+                        layout, ndim = lay, a.dim()
+                    elif lay is not layout or a.dim() != ndim:
+                        simple = False
+            elif type(a) is list or type(a) is tuple:
+                for b in a:
+                    if isinstance(b, Tensor) and b._layout.plates:
+                        if layout is None:
+                            layout, ndim = b._layout, b.dim()
+                        elif b._layout is not layout or b.dim() != ndim:
+                            simple = False
+        for a in kwargs.values():
+            if isinstance(a, Tensor) and a._layout.plates:
+                if layout is None:
+                    layout, ndim = a._layout, a.dim()
+                elif a._layout is not layout or a.dim() != ndim:
+                    simple = False
+        if layout is None:
+            layout = EMPTY_LAYOUT
+            if func in _EXPAND_PLATES or func in _BROADCAST_FIRST:
+                simple = True
+        if not simple:
+            args, kwargs, layout = _align_call(func, args, kwargs)
+        out = func(*args, **kwargs)
+        return _wrap_output(out, layout, func, args)
+
+
+def _wrap_output(out: Any, layout: PlateLayout, func: Callable, args: tuple) -> Any:
+    if type(out) is _T:
+        sizes = layout.sizes
+        if sizes and tuple(out.shape[: len(sizes)]) != sizes:
+            if func in _MAY_DROP_PLATES:
+                return out
+            raise plate_dimension_error(func, out.shape, layout)
+        for a in args:
+            if a is out:  # the function returned a plain input unchanged: do not retype the user's tensor
+                out = out.view_as(out)
+                break
+        out.__class__ = Tensor
+        out._layout = layout
+        return out
+    if isinstance(out, Tensor):
+        return out  # in-place operation or identity on a storch tensor: keeps its own layout
+    if isinstance(out, (tuple, list)):
+        items = [_wrap_output(o, layout, func, args) for o in out]
+        if type(out) is tuple or type(out) is list:
+            return type(out)(items)
+        return type(out)(items)  # torch.return_types structseq
+    return out
+
+
+def plate_dimension_error(func: Callable, shape: torch.Size, layout: PlateLayout) -> ValueError:
+    """The error for an operation whose result lost or reshaped a plate dimension."""
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    n = len(layout.sizes)
+    plates = ", ".join(f"{p.name!r} (size {p.size})" for p in layout.plates)
+    if len(shape) < n:
+        head = (
+            f"Got an input tensor with too few dimensions. We expected {n} plate dimensions "
+            f"({plates}) but {name} returned a tensor of shape {tuple(shape)}, with only "
+            f"{len(shape)} dimensions."
+        )
+        bad = len(shape)
+    else:
+        bad = next(i for i, (s, p) in enumerate(zip(shape, layout.sizes)) if s != p)
+        head = (
+            f"{name} returned a tensor of shape {tuple(shape)} whose dimension {bad} has size "
+            f"{shape[bad]}, but plate {layout.names[bad]!r} needs size {layout.sizes[bad]} there "
+            f"(plates: {plates})."
+        )
+    violated = layout.names[bad] if bad < n else layout.names[-1]
+    return ValueError(
+        f"{head} Violated at dimension {bad} (plate {violated!r}). Reducing, indexing or reshaping a "
+        "plate dimension loses the per-sample values storch needs to estimate gradients. Reduce "
+        "event dimensions with negative dims (e.g. t.sum(-1)); reduce plates on purpose with "
+        f"storch.reduce_plates(t, {violated!r}) (weighted) or storch.sum/mean(t, {violated!r}); for "
+        "functions that need one batch dimension use storch.deterministic(fn, flatten_plates=True) "
+        "or storch.make_left_broadcastable(fn)."
+    )
+
+
+def _align_call(func: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict, PlateLayout]:
+    """Align all storch arguments of one call to the union of their plates."""
+    layouts = []
+    event_ndim = 0
+    for a in _iter_tensors(args, kwargs):
+        if isinstance(a, Tensor) and a._layout.plates:
+            layouts.append(a._layout)
+            event_ndim = max(event_ndim, a.dim() - len(a._layout.plates))
+    union = layouts[0] if all(lay == layouts[0] for lay in layouts) else merge_layouts(layouts)
+    if func in _EXPAND_PLATES:
+        mode = "expand"
+    elif func in _NO_EVENT_PADDING:
+        mode = "plates"
+    else:
+        mode = "pad"
+
+    def convert(a: Any) -> Any:
+        if isinstance(a, Tensor):
+            if a._layout.plates:
+                return align_tensor(a, union, event_ndim if mode != "plates" else None, mode == "expand")
+            if mode == "expand":
+                return expand_plain(a, union)
+            return a
+        if mode == "expand" and isinstance(a, torch.Tensor):
+            return expand_plain(a, union)
+        return a
+
+    new_args = tuple(
+        type(a)(convert(b) for b in a) if (type(a) is list or type(a) is tuple) else convert(a)
+        for a in args
+    )
+    new_kwargs = {k: convert(v) for k, v in kwargs.items()}
+    if func in _BROADCAST_FIRST:
+        new_args, new_kwargs = _broadcast_tensor_args(new_args, new_kwargs)
+    return new_args, new_kwargs, union
+
+
+def _iter_tensors(args: tuple, kwargs: dict):
+    for a in args:
+        if type(a) is list or type(a) is tuple:
+            yield from (b for b in a if isinstance(b, torch.Tensor))
+        elif isinstance(a, torch.Tensor):
+            yield a
+    for a in kwargs.values():
+        if isinstance(a, torch.Tensor):
+            yield a
+
+
+def align_tensor(
+    t: torch.Tensor, union: PlateLayout, event_ndim: int | None = None, expand: bool = False
+) -> torch.Tensor:
+    """View of storch tensor ``t`` laid out for ``union``; must run with torch functions disabled.
+
+    Plates of ``union`` that ``t`` lacks become size-1 dimensions (or are expanded with
+    ``expand=True``); with ``event_ndim`` given, size-1 event dimensions are inserted after the plates
+    so that ``t`` has ``event_ndim`` event dimensions.
+    """
+    src = t._layout
+    n_src = len(src.plates)
+    own_event = t.dim() - n_src
+    pad = 0 if event_ndim is None else max(0, event_ndim - own_event)
+    if src is union or src.plates == union.plates:
+        if pad:
+            t = t[(slice(None),) * n_src + (None,) * pad]
+        if expand:
+            t = t.expand(*union.sizes, *t.shape[n_src:])
+        return t
+    positions = [_position(src, u) for u in union.plates]
+    present = [p for p in positions if p is not None]
+    if len(present) != n_src:
+        missing = [p.name for p in src.plates if not any(p == u for u in union.plates)]
+        raise RuntimeError(f"internal error: plates {missing} are missing from the union {union}")
+    if present != sorted(present):
+        t = t.permute(*present, *range(n_src, t.dim()))
+    index = tuple(slice(None) if p is not None else None for p in positions) + (None,) * pad
+    t = t[index]
+    if expand:
+        t = t.expand(*union.sizes, *t.shape[len(union.sizes):])
+    return t
+
+
+def _position(layout: PlateLayout, plate) -> int | None:
+    for i, p in enumerate(layout.plates):
+        if p is plate or p == plate:
+            return i
+    return None
+
+
+def expand_plain(t: torch.Tensor, union: PlateLayout) -> torch.Tensor:
+    n = len(union.sizes)
+    if n == 0:
+        return t
+    return t[(None,) * n].expand(*union.sizes, *t.shape)
+
+
+def _broadcast_tensor_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Expand the top-level tensor arguments to their common broadcast shape."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    if len(tensors) < 2:
+        return args, kwargs
+    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    new_args = tuple(a.expand(shape) if isinstance(a, torch.Tensor) else a for a in args)
+    new_kwargs = {
+        k: (v.expand(shape) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+        for k, v in kwargs.items()
+    }
+    return new_args, new_kwargs

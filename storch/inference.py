@@ -1,0 +1,209 @@
+"""Costs, the surrogate loss and ``storch.backward``.
+
+Registered costs live in a :class:`contextvars.ContextVar`, so each thread and each asyncio task
+builds its own graph. The registry is an immutable tuple that is replaced, never mutated, so a task
+that inherits its parent's context cannot add costs to the parent's graph.
+
+The surrogate loss (Storchastic, §3) is built per cost, so that each sampled decision is credited
+only with the costs downstream of it. Stochastic nodes are read off the cost's plates and processed
+newest first (a reverse topological order):
+
+    S ← f;   for each plate of f, newest first:
+        stochastic node i:  S ← Σ_{x ∈ X_i} w_i(x) [□(l_i(x)) S(x) + (1 − □(l_i(x))) a_i(x)]
+        independent plate:  S ← Σ_j w_j S_j        (the minibatch mean)
+
+``surrogate = Σ_costs S``. Its forward value is the estimate of the expected total cost and its
+derivatives of any order are the gradient estimates.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+
+from storch.method.method import Method
+from storch.plate import Plate
+from storch.reduce import reduce_plate
+from storch.tensor import CostTensor, StochasticTensor, Tensor, _alias, _Disable, layout_of, plain, wrap
+from storch.util import magic_box
+
+__all__ = ["add_cost", "backward", "surrogate_loss", "reset", "registered_costs"]
+
+_COSTS: ContextVar[tuple[CostTensor, ...]] = ContextVar("storch_costs", default=())
+
+
+def add_cost(cost: torch.Tensor, name: str | None = None) -> CostTensor:
+    """Register a cost node (to be minimised) for the next :func:`backward`.
+
+    A cost must hold one value per combination of its plates: no event dimensions. Sum or average
+    them first (e.g. ``loss.sum(-1)``).
+
+    Args:
+        cost: the cost, a storch tensor (or a plain tensor / number for a deterministic cost).
+        name: a unique name in this graph; defaults to ``"cost_<i>"``.
+
+    Example:
+        >>> import torch, storch
+        >>> x = storch.denote_independent(torch.tensor([1.0, 3.0]), 0, "data")
+        >>> c = storch.add_cost(x * 2, "double")
+        >>> c.name, storch.surrogate_loss().item()
+        ('double', 4.0)
+        >>> storch.reset()
+    """
+    if not isinstance(cost, torch.Tensor):
+        cost = torch.as_tensor(cost, dtype=torch.get_default_dtype())
+    costs = _COSTS.get()
+    if name is None:
+        name = f"cost_{len(costs)}"
+    if any(c.name == name for c in costs):
+        raise ValueError(
+            f"A cost named {name!r} is already registered in this graph; give each cost a unique "
+            f"name (e.g. f'{name}_{{t}}' in a loop)."
+        )
+    layout = layout_of(cost)
+    if cost.dim() != len(layout.sizes):
+        event = tuple(cost.shape[len(layout.sizes):])
+        raise ValueError(
+            f"Cost {name!r} has shape {tuple(cost.shape)} with plates {list(layout.names)}: it has "
+            f"event dimensions {event}, but a cost must hold one value per plate combination. Reduce "
+            "them first, e.g. cost.sum(-1) (or storch.nn losses with reduction='sum')."
+        )
+    if not cost.dtype.is_floating_point:
+        raise TypeError(f"Cost {name!r} must be a floating point tensor, got {cost.dtype}.")
+    registered = wrap(cost, layout, CostTensor)
+    registered._name = name  # type: ignore[attr-defined]
+    _COSTS.set(costs + (registered,))
+    return registered  # type: ignore[return-value]
+
+
+def registered_costs() -> tuple[CostTensor, ...]:
+    """The costs registered in the current context."""
+    return _COSTS.get()
+
+
+def reset() -> None:
+    """Forget the registered costs of the current context."""
+    _COSTS.set(())
+
+
+class _Record:
+    """Per-backward bookkeeping: node views built once, and what each method saw."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[int, StochasticTensor] = {}
+        self.triples: dict[int, tuple[Method, list[tuple[Any, ...]]]] = {}
+
+    def node_tensor(self, plate: Plate) -> StochasticTensor:
+        key = id(plate)
+        if key not in self.nodes:
+            self.nodes[key] = plate.node.stochastic_tensor()  # type: ignore[union-attr]
+        return self.nodes[key]
+
+    def add(self, method: Method, triple: tuple[Any, ...]) -> None:
+        self.triples.setdefault(id(method), (method, []))[1].append(triple)
+
+
+def _sum_extra_dims(t: torch.Tensor) -> torch.Tensor:
+    """Sum a per-sample term over its non-plate dimensions (e.g. per-variable log-probabilities)."""
+    n = len(layout_of(t).sizes)
+    if t.dim() > n:
+        return t.sum(tuple(range(n, t.dim())))
+    return t
+
+
+def _node_step(S: Tensor, plate: Plate, cost_name: str, record: _Record) -> torch.Tensor:
+    """One step of the surrogate recursion for the stochastic node that owns ``plate``."""
+    node = plate.node
+    tensor = record.node_tensor(plate)
+    downstream = wrap(S, S._layout, CostTensor)
+    downstream._name = cost_name  # type: ignore[attr-defined]
+    l, cv = node.method.estimator(tensor, downstream)  # type: ignore[union-attr]  # noqa: E741
+    term: torch.Tensor = S
+    if l is not None:
+        term = magic_box(_sum_extra_dims(l)) * term
+    if cv is not None:
+        term = term + _sum_extra_dims(cv)
+    record.add(node.method, (tensor, downstream, term))  # type: ignore[union-attr]
+    return reduce_plate(term, plate, detach_weights=False)  # type: ignore[arg-type]
+
+
+def _cost_surrogate(cost: CostTensor, record: _Record) -> torch.Tensor:
+    S: torch.Tensor = cost
+    while isinstance(S, Tensor) and S._layout.plates:
+        plate = S._layout.plates[0]  # the newest remaining plate
+        if plate.node is None:
+            S = reduce_plate(S, plate, detach_weights=False)
+        else:
+            S = _node_step(S, plate, cost.name, record)  # type: ignore[arg-type]
+    return plain(S)
+
+
+def _surrogate(costs: tuple[CostTensor, ...], record: _Record) -> torch.Tensor:
+    if not costs:
+        raise ValueError(
+            "No costs are registered in this context: call storch.add_cost(cost, name) before "
+            "storch.backward() or storch.surrogate_loss()."
+        )
+    total = None
+    for cost in costs:
+        s = _cost_surrogate(cost, record)
+        total = s if total is None else total + s
+    return total  # type: ignore[return-value]
+
+
+def surrogate_loss(costs: tuple[CostTensor, ...] | None = None) -> torch.Tensor:
+    """The surrogate loss of the registered costs (or of ``costs``), without differentiating it.
+
+    Its value is the estimate of the expected total cost; its derivatives are the gradient
+    estimates. Unlike :func:`backward` this keeps the registry and updates no method state.
+    """
+    return _surrogate(_COSTS.get() if costs is None else tuple(costs), _Record())
+
+
+def backward(
+    create_graph: bool = False,
+    retain_graph: bool = False,
+    update_parameters: bool = True,
+    print_costs: bool = False,
+) -> torch.Tensor:
+    """Estimate the gradients of the expected total cost and accumulate them in ``.grad``.
+
+    Builds the surrogate loss of every registered cost, calls ``backward`` on it, lets each method
+    update its state (baselines, temperatures) and clears the registry, also when an error occurs.
+
+    Args:
+        create_graph: keep the graph of the derivative, for higher-order derivatives (e.g.
+            ``torch.autograd.grad(param.grad, param)`` gives an unbiased Hessian estimate).
+        retain_graph: keep the graph for another backward pass.
+        update_parameters: call each method's ``update_parameters`` afterwards.
+        print_costs: print the estimate of each cost.
+
+    Returns:
+        The estimate of the expected total cost (a plain, detached 0-dim tensor).
+    """
+    costs = _COSTS.get()
+    record = _Record()
+    try:
+        loss = _surrogate(costs, record)
+        if print_costs:
+            for cost in costs:
+                print(f"{cost.name}: {_cost_surrogate(cost, _Record()).item():.6g}")
+        if not loss.requires_grad:
+            raise ValueError(
+                "storch.backward: no registered cost depends on a tensor that requires grad, so there "
+                "is nothing to differentiate. Check that your parameters have requires_grad=True, "
+                "or use storch.surrogate_loss() to only estimate the cost."
+            )
+        loss.backward(create_graph=create_graph, retain_graph=retain_graph or create_graph)
+        if update_parameters:
+            for method, triples in record.triples.values():
+                method.update_parameters(triples)
+        with _Disable():
+            return loss.detach()
+    finally:
+        reset()
+
+
+_ = _alias

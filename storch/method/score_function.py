@@ -1,0 +1,69 @@
+"""Score function (REINFORCE, likelihood ratio). Williams 1992; RLOO: Kool et al. 2019.
+
+    ∇θ E_{p_θ}[f(x)] = E[(f(x) − b) ∇θ log p_θ(x)]
+
+Components: n i.i.d. samples (no gradient through them), weight ``1/n``, gradient function
+``l(x) = log p(x)`` (summed over event and non-plate batch dimensions), control variate ``a = b``, a
+baseline (:mod:`storch.method.baseline`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from storch.method.baseline import BaselineFactory, make_baseline
+from storch.method.method import Method, log_prob
+from storch.sampling.method import SamplingMethod
+from storch.tensor import CostTensor, StochasticTensor
+
+__all__ = ["ScoreFunction"]
+
+
+class ScoreFunction(Method):
+    """The score-function estimator, with an optional baseline.
+
+    Args:
+        plate_name: node / plate name.
+        sampling_method: proposal (default: Monte Carlo with ``n_samples``).
+        n_samples: number of samples.
+        baseline_factory: ``None`` or ``"none"`` (no baseline, the default), ``"moving_average"``,
+            ``"batch_average"`` (leave-one-out, needs ``n_samples >= 2``), a
+            :class:`storch.method.baseline.Baseline`, or a zero-argument callable returning one.
+
+    Example:
+        >>> import torch, storch
+        >>> from torch.distributions import Bernoulli
+        >>> p = torch.tensor(0.3, requires_grad=True)
+        >>> x = ScoreFunction("x", n_samples=100, baseline_factory="batch_average")(Bernoulli(p))
+        >>> storch.add_cost(x, "f")
+        >>> _ = storch.backward()
+        >>> p.grad is not None
+        True
+    """
+
+    def __init__(
+        self,
+        plate_name: str,
+        sampling_method: SamplingMethod | None = None,
+        n_samples: int = 1,
+        baseline_factory: BaselineFactory = None,
+    ) -> None:
+        super().__init__(plate_name, sampling_method, n_samples)
+        self.baseline = make_baseline(baseline_factory)
+        if self.baseline is not None and sampling_method is None:
+            self.baseline.check_samples(n_samples, plate_name)
+
+    def gradient_function(self, tensor: StochasticTensor) -> Optional[torch.Tensor]:
+        return log_prob(tensor)
+
+    def control_variate(self, tensor: StochasticTensor, cost: CostTensor) -> Optional[torch.Tensor]:
+        if self.baseline is None:
+            return None
+        return self.baseline.compute_baseline(tensor, cost)
+
+    def update_parameters(self, result_triples) -> None:
+        super().update_parameters(result_triples)
+        if self.baseline is not None:
+            self.baseline.update()

@@ -1,0 +1,232 @@
+"""Plates: named sample dimensions.
+
+A *plate* is a left dimension of a :class:`storch.Tensor` that indexes conditionally independent
+samples: the samples of a stochastic node (``Method("z", n_samples=8)`` makes a plate ``z`` of size 8),
+a minibatch (:func:`storch.denote_independent`), or repeated estimates (:func:`storch.gather_samples`).
+Each plate carries a *weight* used when it is reduced: ``1/n`` for i.i.d. samples, or a tensor for
+importance or enumeration weights.
+
+Layout rule: the plates of a tensor occupy its leftmost dimensions, newest plate first (a plate is
+always created after the plates it depends on, so this is a reverse topological order). The
+remaining dimensions are *event* dimensions and broadcast as in plain PyTorch.
+
+Identity rule: the plate of a stochastic node is unique to that node. Two different nodes that use
+the same plate name clash with an error instead of merging. Plates made by
+:func:`storch.denote_independent` or :func:`storch.gather_samples` are compared by name and size, so a
+minibatch plate re-created in every training step is the same plate.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from storch.tensor import StochasticNode
+
+__all__ = ["Plate", "PlateLayout", "order_plates", "PlateClashError", "layout_of_plates", "merge_layouts"]
+
+_creation_counter = itertools.count()
+
+
+class PlateClashError(ValueError):
+    """Two different plates with the same name meet in one operation."""
+
+
+class Plate:
+    """A named sample dimension.
+
+    Args:
+        name: the plate name, e.g. ``"z"`` or ``"data"``.
+        size: the number of samples along the dimension.
+        weight: the weight of each sample when the plate is reduced; ``None`` means ``1/size``.
+            A tensor weight may itself carry plates (e.g. enumeration weights ``p(x)``).
+        parents: the plates this plate was created on top of (the plates of the distribution
+            parameters of a stochastic node).
+        node: the stochastic node that owns this plate, or ``None`` for an independent plate.
+
+    Example:
+        >>> p = Plate("gradients", 1000)
+        >>> p
+        ('gradients', 1000, tensor(0.0010))
+        >>> p.name, p.size
+        ('gradients', 1000)
+    """
+
+    __slots__ = ("name", "size", "weight", "parents", "node", "order", "__weakref__")
+
+    def __init__(
+        self,
+        name: str,
+        size: int,
+        weight: torch.Tensor | float | None = None,
+        parents: Sequence["Plate"] = (),
+        node: "StochasticNode | None" = None,
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"A plate name must be a non-empty string, got {name!r}.")
+        if int(size) < 1:
+            raise ValueError(f"Plate {name!r} must have a positive size, got {size}.")
+        self.name = name
+        self.size = int(size)
+        if weight is None:
+            weight = torch.tensor(1.0 / self.size)
+        self.weight = weight
+        self.parents = tuple(parents)
+        self.node = node
+        self.order = next(_creation_counter)
+
+    @property
+    def is_stochastic(self) -> bool:
+        """True if this plate holds the samples of a stochastic node."""
+        return self.node is not None
+
+    @property
+    def has_uniform_weight(self) -> bool:
+        """True if every sample has the same weight ``1/size`` (plain Monte Carlo)."""
+        w = self.weight
+        if isinstance(w, torch.Tensor):
+            return w.dim() == 0 and type(w) is torch.Tensor
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Plate):
+            return NotImplemented
+        return (
+            self.node is None
+            and other.node is None
+            and self.name == other.name
+            and self.size == other.size
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.size))
+
+    def __repr__(self) -> str:
+        return repr((self.name, self.size, self.weight))
+
+
+class PlateLayout:
+    """The ordered plates of a tensor (newest first) and their sizes.
+
+    Layouts are shared between tensors: the output of an operation whose inputs share a layout
+    reuses that layout object, which lets the dispatcher skip alignment by an identity check.
+    """
+
+    __slots__ = ("plates", "sizes", "names", "__weakref__")
+
+    def __init__(self, plates: Sequence[Plate] = ()) -> None:
+        self.plates: tuple[Plate, ...] = tuple(plates)
+        self.sizes: tuple[int, ...] = tuple(p.size for p in self.plates)
+        self.names: tuple[str, ...] = tuple(p.name for p in self.plates)
+
+    def __len__(self) -> int:
+        return len(self.plates)
+
+    def __iter__(self):
+        return iter(self.plates)
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, PlateLayout):
+            return NotImplemented
+        return self.plates == other.plates
+
+    def __hash__(self) -> int:
+        return hash(self.plates)
+
+    def index(self, plate: Plate | str) -> int:
+        """Position of ``plate`` (a :class:`Plate` or a plate name) in this layout."""
+        if isinstance(plate, str):
+            try:
+                return self.names.index(plate)
+            except ValueError:
+                raise ValueError(
+                    f"No plate named {plate!r} on this tensor; its plates are {list(self.names)}."
+                ) from None
+        for i, p in enumerate(self.plates):
+            if p == plate:
+                return i
+        raise ValueError(f"Plate {plate!r} is not on this tensor; its plates are {list(self.names)}.")
+
+    def without(self, plates: Iterable[Plate]) -> "PlateLayout":
+        """A layout with the given plates removed."""
+        drop = list(plates)
+        return layout_of_plates([p for p in self.plates if not any(p == d for d in drop)])
+
+    def __repr__(self) -> str:
+        return f"PlateLayout({list(self.plates)})"
+
+
+EMPTY_LAYOUT = PlateLayout()
+_interned: "weakref.WeakValueDictionary[tuple[int, ...], PlateLayout]" = weakref.WeakValueDictionary()
+
+
+def layout_of_plates(plates: Sequence[Plate]) -> PlateLayout:
+    """The shared :class:`PlateLayout` object for ``plates`` (in the given order).
+
+    Interning layouts lets tensors that carry the same plates share one layout object, so the
+    dispatcher's identity check takes the fast path. A layout keeps its plates alive, so an entry
+    keyed by plate ids is dropped before any of those ids can be reused.
+    """
+    if not plates:
+        return EMPTY_LAYOUT
+    key = tuple(id(p) for p in plates)
+    layout = _interned.get(key)
+    if layout is None:
+        layout = PlateLayout(plates)
+        _interned[key] = layout
+    return layout
+
+
+def _describe(plate: Plate) -> str:
+    kind = f"stochastic node {plate.node.name!r}" if plate.node is not None else "independent plate"
+    return f"{plate.name!r} (size {plate.size}, {kind})"
+
+
+def merge_layouts(layouts: Iterable[PlateLayout]) -> PlateLayout:
+    """The union of several layouts, newest plate first.
+
+    Raises:
+        PlateClashError: if two different plates share a name.
+    """
+    merged: list[Plate] = []
+    by_name: dict[str, Plate] = {}
+    for layout in layouts:
+        for plate in layout.plates:
+            seen = by_name.get(plate.name)
+            if seen is None:
+                by_name[plate.name] = plate
+                merged.append(plate)
+            elif not (seen is plate or seen == plate):
+                raise PlateClashError(
+                    f"Two different plates are named {plate.name!r}: {_describe(seen)} and "
+                    f"{_describe(plate)}. Samples of different stochastic nodes never merge. Give "
+                    "the nodes different plate names (e.g. Method('z1') and Method('z2')), or if one "
+                    "tensor is left over from an earlier step, recompute it in this step."
+                )
+    merged.sort(key=lambda p: p.order, reverse=True)
+    return layout_of_plates(merged)
+
+
+def order_plates(plates: Sequence[Plate], reverse: bool = False) -> list[Plate]:
+    """Order plates topologically: parents before children (``reverse=True``: children first).
+
+    Plates are created after their parents, so creation order is a topological order.
+
+    Example:
+        >>> a = Plate("data", 4); b = Plate("z", 2, parents=[a])
+        >>> [p.name for p in order_plates([b, a])]
+        ['data', 'z']
+    """
+    return sorted(plates, key=lambda p: p.order, reverse=reverse)
+
+
+def plate_names(plates: Any) -> list[str]:
+    return [p.name for p in plates]

@@ -1,0 +1,85 @@
+"""Enumeration of a finite support: the proposal of :class:`storch.method.Expect`.
+
+All joint configurations of the distribution's independent (non-plate) batch elements are
+enumerated, ``K^D`` of them for ``D`` variables with ``K`` values each, and weighted by their joint
+probability ``p(x) = Π_d p(x_d)``, *not* detached, so that ``Σ_x p(x) f(x)`` is the exact
+expectation and its gradient the exact gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+from torch.distributions import Distribution
+
+from storch.plate import Plate
+from storch.sampling.method import SamplingMethod
+from storch.tensor import _Disable, wrap_new
+
+if TYPE_CHECKING:  # pragma: no cover
+    from storch.tensor import StochasticTensor
+
+__all__ = ["Enumerate"]
+
+
+class Enumerate(SamplingMethod):
+    """Enumerate every joint value of a discrete distribution, weighted by its probability.
+
+    Args:
+        plate_name: the name of the plate holding the configurations.
+        budget: the largest number of configurations allowed; more is an error.
+
+    Example:
+        >>> import torch
+        >>> from torch.distributions import Bernoulli
+        >>> Enumerate("z").sample(Bernoulli(torch.tensor([0.2, 0.7])), (), False).tolist()
+        [[0.0, 0.0], [0.0, 1.0], [1.0, 0.0], [1.0, 1.0]]
+    """
+
+    def __init__(self, plate_name: str, budget: int = 10000) -> None:
+        super().__init__(plate_name)
+        self.budget = int(budget)
+
+    def sample(self, distr: Distribution, plates: Sequence[Plate], requires_grad: bool) -> torch.Tensor:
+        if not distr.has_enumerate_support:
+            raise ValueError(
+                f"Enumerate({self.plate_name!r}): {type(distr).__name__} has no finite support to "
+                "enumerate; use a sampling estimator such as ScoreFunction or Reparameterization."
+            )
+        n_plates = len(plates)
+        batch = tuple(distr.batch_shape)
+        plate_shape, var_shape = batch[:n_plates], batch[n_plates:]
+        n_vars = math.prod(var_shape)
+        support = distr.enumerate_support(expand=False)  # (K, 1, ..., 1, *event)
+        k = support.shape[0]
+        if k ** n_vars > self.budget:
+            raise ValueError(
+                f"Enumerate({self.plate_name!r}): {n_vars} independent variables with {k} values each "
+                f"have {k}^{n_vars} = {k ** n_vars} joint configurations, more than the budget of "
+                f"{self.budget}. Raise the budget (Expect({self.plate_name!r}, budget=...)) or use a "
+                "sampling estimator."
+            )
+        event = tuple(distr.event_shape)
+        values = support.reshape((k,) + event)
+        if n_vars == 0 or not var_shape:
+            joint = values
+        else:
+            grids = torch.cartesian_prod(*[torch.arange(k, device=values.device)] * n_vars)
+            grids = grids.reshape(-1, n_vars)
+            joint = values[grids].reshape((grids.shape[0],) + var_shape + event)
+        shape = (joint.shape[0],) + plate_shape + var_shape + event
+        view = joint.reshape((joint.shape[0],) + (1,) * n_plates + var_shape + event)
+        return view.expand(shape)
+
+    def weighting_function(self, tensor: "StochasticTensor", plate: Plate) -> Optional[torch.Tensor]:
+        """The joint probability ``p(x)`` of each configuration (differentiable)."""
+        layout = tensor._layout
+        with _Disable():
+            log_p = tensor.distribution.log_prob(tensor)
+            extra = tuple(range(len(layout.sizes), log_p.dim()))
+            if extra:
+                log_p = log_p.sum(extra)
+            weight = log_p.exp()
+        return wrap_new(weight, layout)

@@ -1,0 +1,308 @@
+"""Storch tensors: ``torch.Tensor`` subclasses that carry plates.
+
+* :class:`Tensor` — any tensor computed from plated values. It *is* a ``torch.Tensor``: it works with
+  every torch function, ``nn.Module`` and optimizer; plates propagate through ``__torch_function__``
+  (see :mod:`storch._dispatch`).
+* :class:`StochasticTensor` — the samples of a stochastic node, returned by a
+  :class:`storch.method.Method`.
+* :class:`CostTensor` — a cost registered with :func:`storch.add_cost`.
+* :class:`IndependentTensor` — a tensor with a new independent plate
+  (:func:`storch.denote_independent`, :func:`storch.gather_samples`).
+
+Example:
+    >>> import torch, storch
+    >>> x = storch.denote_independent(torch.ones(3, 2), 0, "data")
+    >>> y = x * 2 + 1
+    >>> type(y).__name__, y.plates
+    ('Tensor', [('data', 3, tensor(0.3333))])
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+from torch.distributions import Distribution
+
+from storch import _dispatch
+from storch._dispatch import torch_function
+from storch.plate import EMPTY_LAYOUT, Plate, PlateLayout, layout_of_plates
+
+if TYPE_CHECKING:  # pragma: no cover
+    from storch.method.method import Method
+
+__all__ = ["Tensor", "StochasticTensor", "CostTensor", "IndependentTensor", "StochasticNode", "is_storch"]
+
+_Disable = torch._C.DisableTorchFunctionSubclass
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A new plain-tensor object viewing ``t`` and attached to its autograd graph."""
+    with _Disable():
+        return t.view_as(t)
+
+
+def _retype(t: torch.Tensor, cls: type, layout: PlateLayout) -> "Tensor":
+    """Give a freshly created plain tensor the storch class ``cls`` and ``layout`` (no copy)."""
+    t.__class__ = cls
+    t._layout = layout
+    return t
+
+
+class Tensor(torch.Tensor):
+    """A ``torch.Tensor`` whose leftmost dimensions are named plates.
+
+    Args:
+        data: the tensor to wrap (a view is taken; the input is left untouched).
+        plates: the plates of the leftmost dimensions, newest first. Their sizes must match
+            ``data.shape``.
+
+    Plates align automatically in every torch operation; see :mod:`storch._dispatch`.
+    """
+
+    _layout: PlateLayout = EMPTY_LAYOUT
+
+    def __new__(cls, data: torch.Tensor, plates: Sequence[Plate] = ()) -> "Tensor":
+        if not isinstance(data, torch.Tensor):
+            raise TypeError(f"storch.{cls.__name__} wraps a torch.Tensor, got {type(data).__name__}.")
+        layout = layout_of_plates(plates)
+        if tuple(data.shape[: len(layout.sizes)]) != layout.sizes:
+            raise ValueError(
+                f"Tensor of shape {tuple(data.shape)} cannot carry plates {list(layout.names)} of "
+                f"sizes {layout.sizes}: the plates must be its leftmost dimensions."
+            )
+        return _retype(_alias(data), cls, layout)
+
+    __torch_function__ = classmethod(torch_function)
+
+    # ------------------------------------------------------------------ plates
+    @property
+    def plates(self) -> list[Plate]:
+        """The plates of the leftmost dimensions, newest first."""
+        return list(self._layout.plates)
+
+    @property
+    def plate_names(self) -> list[str]:
+        return list(self._layout.names)
+
+    @property
+    def event_shape(self) -> torch.Size:
+        """The shape of one sample: the dimensions right of the plates."""
+        with _Disable():
+            return self.shape[len(self._layout.sizes):]
+
+    @property
+    def _tensor(self) -> torch.Tensor:
+        """A plain ``torch.Tensor`` view of the data, plate dimensions included."""
+        return _alias(self)
+
+    def stochastic(self) -> bool:
+        """True if this is a stochastic node in the stochastic computation graph."""
+        return False
+
+    def is_cost(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------- conversions
+    def _check_single_sample(self, what: str) -> None:
+        big = [f"{p.name!r} (size {p.size})" for p in self._layout.plates if p.size > 1]
+        if big:
+            raise ValueError(
+                f"{what} needs a single value, but this tensor holds several samples along plates "
+                f"{', '.join(big)}. Reduce them first, e.g. storch.reduce_plates(t) for the weighted "
+                "mean over all plates, or use t._tensor for the raw values."
+            )
+
+    def __bool__(self) -> bool:
+        self._check_single_sample("bool()")
+        with _Disable():
+            return torch.Tensor.__bool__(self)
+
+    def item(self) -> Any:
+        self._check_single_sample(".item()")
+        with _Disable():
+            return torch.Tensor.item(self)
+
+    def tolist(self) -> Any:
+        self._check_single_sample(".tolist()")
+        with _Disable():
+            return torch.Tensor.tolist(self)
+
+    def __float__(self) -> float:
+        self._check_single_sample("float()")
+        with _Disable():
+            return torch.Tensor.__float__(self)
+
+    def __int__(self) -> int:
+        self._check_single_sample("int()")
+        with _Disable():
+            return torch.Tensor.__int__(self)
+
+    # ----------------------------------------------------------------- display
+    _kind = "Deterministic"
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        with _Disable():
+            body = repr(self.detach().view_as(self))
+            grad_fn = self.grad_fn
+            if grad_fn is not None:
+                body = f"{body[:-1]}, grad_fn=<{type(grad_fn).__name__}>)"
+            elif self.requires_grad:
+                body = f"{body[:-1]}, requires_grad=True)"
+        return f"{self._kind} {body} plates: {list(self._layout.plates)}"
+
+    def __format__(self, spec: str) -> str:
+        if not spec:
+            return repr(self)
+        with _Disable():
+            return torch.Tensor.__format__(self, spec)
+
+    def __reduce_ex__(self, proto: int):
+        raise TypeError(
+            "storch tensors hold references to their stochastic nodes and cannot be pickled; "
+            "save t._tensor (a plain tensor) and t.plate_names instead."
+        )
+
+
+_dispatch.Tensor = Tensor
+
+
+class StochasticNode:
+    """What the surrogate loss needs to know about a sampled node; owned by its :class:`Plate`.
+
+    It keeps a plain view of the samples, not the user's :class:`StochasticTensor`, so that no
+    reference cycle ties the samples to their plate.
+    """
+
+    __slots__ = ("name", "method", "distribution", "samples", "layout", "param_grads", "plate")
+
+    def __init__(
+        self,
+        name: str,
+        method: "Method",
+        distribution: Distribution,
+        samples: torch.Tensor,
+        layout: PlateLayout,
+        plate: Plate,
+    ) -> None:
+        self.name = name
+        self.method = method
+        self.distribution = distribution
+        self.samples = samples
+        self.layout = layout
+        self.param_grads: dict[str, torch.Tensor] = {}
+        self.plate = plate
+
+    def stochastic_tensor(self) -> "StochasticTensor":
+        """A :class:`StochasticTensor` view of the samples (shares the node's ``param_grads``)."""
+        return StochasticTensor._from_node(_alias(self.samples), self)
+
+
+class StochasticTensor(Tensor):
+    """Samples of a stochastic node.
+
+    Attributes:
+        name: the node's name (also the name of its plate).
+        n: the number of samples (the size of its plate).
+        distribution: the distribution the samples were drawn from.
+        method: the :class:`storch.method.Method` that estimates gradients for this node.
+        param_grads: after :func:`storch.backward`, the gradient of the surrogate loss with respect
+            to each distribution parameter that requires grad, by parameter name.
+    """
+
+    _kind = "Stochastic"
+    _node: StochasticNode
+
+    @classmethod
+    def _from_node(cls, samples: torch.Tensor, node: StochasticNode) -> "StochasticTensor":
+        t = _retype(samples, cls, node.layout)
+        t._node = node
+        return t
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "StochasticTensor":
+        raise TypeError(
+            "StochasticTensor objects are made by sampling with a storch.method.Method, e.g. "
+            "storch.method.ScoreFunction('z', n_samples=8)(distribution)."
+        )
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self._node.name
+
+    @property
+    def n(self) -> int:
+        return self._node.plate.size
+
+    @property
+    def plate(self) -> Plate:
+        return self._node.plate
+
+    @property
+    def distribution(self) -> Distribution:
+        return self._node.distribution
+
+    @property
+    def method(self) -> "Method":
+        return self._node.method
+
+    @property
+    def param_grads(self) -> dict[str, torch.Tensor]:
+        return self._node.param_grads
+
+    def stochastic(self) -> bool:
+        return True
+
+
+class CostTensor(Tensor):
+    """A cost node: one value per combination of its plates (no event dimensions)."""
+
+    _kind = "Cost"
+    _name: str = "cost"
+
+    def __new__(cls, data: torch.Tensor, plates: Sequence[Plate] = (), name: str = "cost") -> "CostTensor":
+        t = super().__new__(cls, data, plates)
+        t._name = name
+        return t
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        """The name the cost was registered under."""
+        return self._name
+
+    def is_cost(self) -> bool:
+        return True
+
+
+class IndependentTensor(Tensor):
+    """A tensor whose leftmost plate indexes independent values (a minibatch, repeated estimates).
+
+    Made by :func:`storch.denote_independent` and :func:`storch.gather_samples`.
+    """
+
+    _kind = "Independent"
+
+
+def is_storch(t: Any) -> bool:
+    """True for a :class:`storch.Tensor`."""
+    return isinstance(t, Tensor)
+
+
+def layout_of(t: Any) -> PlateLayout:
+    """The plate layout of ``t`` (empty for plain tensors and other values)."""
+    return t._layout if isinstance(t, Tensor) else EMPTY_LAYOUT
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A plain ``torch.Tensor`` view of ``t`` (itself if it is already plain)."""
+    return _alias(t) if isinstance(t, Tensor) else t
+
+
+def wrap(t: torch.Tensor, layout: PlateLayout, cls: type = Tensor) -> Tensor:
+    """A storch view of ``t`` with the given layout; ``t`` itself is left untouched."""
+    return _retype(_alias(t), cls, layout)
+
+
+def wrap_new(t: torch.Tensor, layout: PlateLayout, cls: type = Tensor) -> Tensor:
+    """Wrap a plain tensor that nobody else holds (no view is taken)."""
+    return _retype(t, cls, layout)
+

@@ -1,0 +1,246 @@
+"""Utilities: the magic box, distribution parameters, graph inspection, Gumbel sampling, splitting."""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Sequence
+
+import torch
+from torch.distributions import Distribution
+from torch.distributions.utils import lazy_property
+
+from storch.method.relaxation import conditional_gumbel_rsample, relaxation_for
+from storch.plate import EMPTY_LAYOUT, Plate, PlateLayout, layout_of_plates, merge_layouts, order_plates
+from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout_of, wrap_new
+
+__all__ = [
+    "magic_box", "get_distr_parameters", "distribution_layout", "has_differentiable_path",
+    "has_backwards_path", "walk_backward_graph", "print_graph", "topological_sort", "split",
+    "rsample_gumbel", "rsample_gumbel_softmax", "conditional_gumbel_rsample", "tensor_stats",
+    "reduce_mean",
+]
+
+
+def magic_box(l: torch.Tensor) -> torch.Tensor:  # noqa: E741
+    """The DiCE magic box ``□(l) = exp(l − stopgrad(l))``: 1 in the forward pass, ``∇□(l) = □(l) ∇l``.
+
+    Foerster et al. 2018, "DiCE: The Infinitely Differentiable Monte-Carlo Estimator". Derivatives of
+    any order of ``□(l) · f`` are score-function estimates of the derivatives of ``E[f]``.
+
+    Example:
+        >>> import torch
+        >>> l = torch.tensor(0.3, requires_grad=True)
+        >>> m = magic_box(l); m.item()
+        1.0
+        >>> torch.autograd.grad(m, l)[0].item()
+        1.0
+    """
+    return torch.exp(l - l.detach())
+
+
+def _named_parameters(d: Distribution) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters the user gave to ``d`` (lazily derived ones that were never computed are skipped)."""
+    found = False
+    for name in d.arg_constraints:
+        if name in d.__dict__:
+            value = d.__dict__[name]
+        else:
+            attr = getattr(type(d), name, None)
+            if isinstance(attr, lazy_property) or attr is None or isinstance(attr, property):
+                continue
+            value = getattr(d, name)
+        if isinstance(value, torch.Tensor):
+            found = True
+            yield name, value
+    if not found:  # wrappers such as OneHotCategorical and Independent keep their parameters inside
+        for value in d.__dict__.values():
+            if isinstance(value, Distribution):
+                yield from _named_parameters(value)
+
+
+def get_distr_parameters(d: Distribution, filter_requires_grad: bool = True) -> dict[str, torch.Tensor]:
+    """The parameter tensors of a distribution, by name (e.g. ``{"loc": ..., "scale": ...}``).
+
+    Example:
+        >>> import torch
+        >>> from torch.distributions import Normal
+        >>> mu = torch.zeros(2, requires_grad=True)
+        >>> sorted(get_distr_parameters(Normal(mu, torch.ones(2))))
+        ['loc']
+    """
+    params = dict(_named_parameters(d))
+    if filter_requires_grad:
+        params = {k: v for k, v in params.items() if v.requires_grad}
+    return params
+
+
+def distribution_layout(d: Distribution) -> PlateLayout:
+    """The union of the plates carried by the tensors inside a distribution."""
+    layouts = []
+    stack = [d]
+    while stack:
+        dist = stack.pop()
+        for value in dist.__dict__.values():
+            if isinstance(value, Tensor) and value._layout.plates:
+                layouts.append(value._layout)
+            elif isinstance(value, Distribution):
+                stack.append(value)
+    if not layouts:
+        return EMPTY_LAYOUT
+    return merge_layouts(layouts)
+
+
+def walk_backward_graph(tensor: torch.Tensor) -> Iterator[object]:
+    """Every autograd node reachable backwards from ``tensor`` (breadth first)."""
+    start = tensor.grad_fn
+    if start is None:
+        return
+    seen = {start}
+    queue = [start]
+    while queue:
+        node = queue.pop(0)
+        yield node
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                queue.append(nxt)
+
+
+def has_differentiable_path(output: torch.Tensor, input: torch.Tensor) -> bool:  # noqa: A002
+    """True if gradients flow from ``output`` back to ``input`` through the autograd graph.
+
+    Example:
+        >>> import torch
+        >>> a = torch.ones(2, requires_grad=True); b = torch.ones(2, requires_grad=True)
+        >>> has_differentiable_path((a * 2).sum(), a), has_differentiable_path((a * 2).sum(), b)
+        (True, False)
+    """
+    if not (output.requires_grad and input.requires_grad):
+        return False
+    target = input.grad_fn
+    for node in walk_backward_graph(output):
+        if node is target:
+            return True
+        if target is None and getattr(node, "variable", None) is input:
+            return True
+    return False
+
+
+def has_backwards_path(output: torch.Tensor, inputs: Sequence[torch.Tensor]) -> list[bool]:
+    """:func:`has_differentiable_path` for several inputs."""
+    return [has_differentiable_path(output, i) for i in inputs]
+
+
+def topological_sort(costs: Iterable[torch.Tensor]) -> list[StochasticTensor]:
+    """The stochastic nodes upstream of ``costs``, parents before children.
+
+    Storch reads the graph of stochastic nodes from the plates: every node owns a plate, and a value
+    computed from a node's samples carries that plate.
+    """
+    plates: dict[int, Plate] = {}
+    for cost in costs:
+        for plate in layout_of(cost).plates:
+            stack = [plate]
+            while stack:
+                p = stack.pop()
+                if p.node is not None and id(p) not in plates:
+                    plates[id(p)] = p
+                    stack.extend(p.parents)
+    return [p.node.stochastic_tensor() for p in order_plates(list(plates.values()))]  # type: ignore[union-attr]
+
+
+def print_graph(costs: Iterable[torch.Tensor]) -> None:
+    """Print the stochastic nodes and costs, with their plates and methods."""
+    costs = list(costs)
+    for node in topological_sort(costs):
+        parents = [p.name for p in node.plate.parents]
+        print(
+            f"node {node.name!r}: {type(node.distribution).__name__}, "
+            f"{type(node.method).__name__}, n={node.n}, parent plates {parents}"
+        )
+    for i, cost in enumerate(costs):
+        name = cost.name if isinstance(cost, CostTensor) else f"cost {i}"
+        print(f"cost {name!r}: plates {list(layout_of(cost).names)}")
+
+
+def split(
+    tensor: Tensor,
+    plate: Plate | str,
+    *,
+    amt_slices: int | None = None,
+    slices: Sequence[slice] | None = None,
+    create_plates: bool = True,
+) -> tuple[torch.Tensor, ...]:
+    """Split a tensor along a plate into detached pieces (for estimators, logging and debugging).
+
+    Args:
+        amt_slices: split into this many (nearly) equal pieces; or
+        slices: explicit slices of the plate.
+        create_plates: give each piece a fresh independent plate with the same name and the piece's
+            size; otherwise the pieces are plain tensors.
+    """
+    layout = layout_of(tensor)
+    idx = layout.index(plate)
+    size = layout.sizes[idx]
+    if (amt_slices is None) == (slices is None):
+        raise ValueError("split: give exactly one of amt_slices or slices.")
+    if slices is None:
+        bounds = torch.linspace(0, size, amt_slices + 1).round().long().tolist()  # type: ignore[operator]
+        slices = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    pieces = []
+    with _Disable():
+        for s in slices:
+            raw = tensor.detach()[(slice(None),) * idx + (s,)]
+            if create_plates:
+                plates = list(layout.plates)
+                old = plates[idx]
+                plates[idx] = Plate(old.name, raw.shape[idx], parents=old.parents)
+                pieces.append(wrap_new(raw.clone(), layout_of_plates(plates)))
+            else:
+                pieces.append(raw.clone())
+    return tuple(pieces)
+
+
+def rsample_gumbel(distr: Distribution, n: int) -> torch.Tensor:
+    """``n`` samples of the perturbed log-probabilities ``log p + G`` (G standard Gumbel)."""
+    logits = distr.logits
+    g = -torch.log(-torch.log(torch.rand((n,) + tuple(logits.shape), dtype=logits.dtype, device=logits.device)))
+    return logits + g
+
+
+def rsample_gumbel_softmax(
+    distr: Distribution, n: int, temperature: torch.Tensor | float, straight_through: bool = False
+) -> torch.Tensor:
+    """``n`` Gumbel-softmax (Concrete) samples of a discrete distribution.
+
+    With ``straight_through`` the forward value is the discrete sample and the gradient is that of
+    the relaxed sample.
+    """
+    relaxation = relaxation_for(distr)
+    if relaxation is None:
+        raise ValueError(
+            f"No Gumbel-softmax relaxation is registered for {type(distr).__name__}; supported: "
+            "OneHotCategorical, Bernoulli (register one with storch.method.relaxation.register_relaxation)."
+        )
+    t = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))
+    soft = relaxation.relaxed(distr, t).rsample((n,))
+    if not straight_through:
+        return soft
+    hard = relaxation.hard(soft)
+    return hard + (soft - soft.detach())
+
+
+def tensor_stats(tensor: torch.Tensor) -> str:
+    """A one-line summary: shape, plates, mean, std, min, max."""
+    with _Disable():
+        t = tensor.detach().float()
+        return (
+            f"shape={tuple(t.shape)} plates={list(layout_of(tensor).names)} mean={t.mean():.4g} "
+            f"std={t.std() if t.numel() > 1 else 0.0:.4g} min={t.min():.4g} max={t.max():.4g}"
+        )
+
+
+def reduce_mean(tensor: torch.Tensor, keep_dims: Sequence[int]) -> torch.Tensor:
+    """Mean over every dimension except ``keep_dims``."""
+    dims = [d for d in range(tensor.dim()) if d not in {k % tensor.dim() for k in keep_dims}]
+    return tensor.mean(dim=dims) if dims else tensor
+

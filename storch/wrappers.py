@@ -1,0 +1,229 @@
+"""Wrappers that run ordinary functions on plated tensors.
+
+* :func:`deterministic` — align the storch arguments, optionally expand or flatten the plates and
+  name plate dimensions for ``dim``/``dims`` arguments, run the function on plain tensors, and give
+  the outputs the plates back.
+* :func:`reduce` — the same for functions that reduce some plates away.
+* :func:`make_left_broadcastable` — for functions that accept exactly one batch dimension, such as
+  ``nn.Conv2d`` on ``(N, C, H, W)``: the plates are flattened into that batch dimension.
+* :func:`stochastic` — check that a user function that samples returns storch tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+
+from storch._dispatch import align_tensor, expand_plain, plate_dimension_error
+from storch.exceptions import IllegalStorchExposeError
+from storch.plate import EMPTY_LAYOUT, PlateLayout, merge_layouts
+from storch.tensor import Tensor, _Disable, layout_of, wrap_new
+
+__all__ = ["deterministic", "reduce", "make_left_broadcastable", "stochastic"]
+
+
+def _map(fn: Callable[[Any], Any], value: Any) -> Any:
+    """Apply ``fn`` to the tensors in ``value``, looking into lists, tuples and dicts."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_map(fn, v) for v in value)
+    if isinstance(value, dict):
+        return {k: _map(fn, v) for k, v in value.items()}
+    return value
+
+
+def _collect_layouts(args: tuple, kwargs: dict) -> PlateLayout:
+    layouts: list[PlateLayout] = []
+    _map(lambda t: layouts.append(t._layout) if isinstance(t, Tensor) and t._layout.plates else None, (args, kwargs))
+    return merge_layouts(layouts) if layouts else EMPTY_LAYOUT
+
+
+def _call(
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    *,
+    unwrap: bool,
+    expand_plates: bool,
+    flatten_plates: bool,
+    dim: str | None,
+    dims: Sequence[str] | None,
+    removed: Sequence[str],
+) -> Any:
+    union = _collect_layouts(args, kwargs)
+    expand = expand_plates or flatten_plates
+    n = len(union.sizes)
+    flat = math.prod(union.sizes)
+
+    def prepare(t: torch.Tensor) -> torch.Tensor:
+        with _Disable():
+            if isinstance(t, Tensor) and t._layout.plates:
+                t = align_tensor(t, union, expand=expand)
+            elif expand and n:
+                t = expand_plain(t, union) if flatten_plates else t
+            if flatten_plates and n:
+                t = t.reshape((flat,) + tuple(t.shape[n:]))
+        if not unwrap:
+            return wrap_new(t, union) if not flatten_plates else t
+        return t
+
+    new_args = _map(prepare, args)
+    new_kwargs = _map(prepare, kwargs)
+    if dim is not None:
+        new_kwargs["dim"] = union.index(dim)
+    if dims is not None:
+        new_kwargs["dims"] = [union.index(d) for d in dims]
+    with _Disable():
+        out = fn(*new_args, **new_kwargs)
+    out_layout = union.without([union.plates[union.index(r)] for r in removed]) if removed else union
+
+    def finish(t: torch.Tensor) -> torch.Tensor:
+        if flatten_plates and n:
+            if t.dim() == 0 or t.shape[0] != flat:
+                raise ValueError(
+                    f"{getattr(fn, '__name__', fn)} returned shape {tuple(t.shape)} after the plates "
+                    f"{list(union.names)} were flattened into a first dimension of size {flat}; it "
+                    "must keep that dimension."
+                )
+            with _Disable():
+                t = t.reshape(union.sizes + tuple(t.shape[1:]))
+        if type(t) is not torch.Tensor:
+            with _Disable():
+                t = t.view_as(t)
+        sizes = out_layout.sizes
+        if sizes and tuple(t.shape[: len(sizes)]) != sizes:
+            raise plate_dimension_error(fn, t.shape, out_layout)
+        return wrap_new(t, out_layout)
+
+    return _map(finish, out)
+
+
+def deterministic(
+    fn: Callable | None = None,
+    *,
+    unwrap: bool = True,
+    expand_plates: bool = False,
+    flatten_plates: bool = False,
+    dim: str | None = None,
+    dims: Sequence[str] | None = None,
+) -> Callable:
+    """Run ``fn`` on plate-aligned plain tensors and give its outputs the plates back.
+
+    Args:
+        fn: the function; without it, a decorator is returned.
+        unwrap: pass plain ``torch.Tensor`` views (default) instead of storch tensors.
+        expand_plates: expand every argument to the full size of every plate (instead of size-1
+            dimensions for plates it lacks).
+        flatten_plates: flatten all plate dimensions into one first dimension (implies
+            ``expand_plates``); the outputs are unflattened.
+        dim: a plate name passed to ``fn`` as its ``dim`` keyword (the plate's dimension index).
+        dims: plate names passed to ``fn`` as its ``dims`` keyword.
+
+    Example:
+        >>> import torch, storch
+        >>> x = storch.denote_independent(torch.tensor([[1., 2.], [3., 4.]]), 0, "data")
+        >>> softmax_over_data = storch.deterministic(torch.softmax, dim="data")
+        >>> softmax_over_data(x).plates[0].name
+        'data'
+    """
+    if fn is None:
+        return functools.partial(
+            deterministic, unwrap=unwrap, expand_plates=expand_plates, flatten_plates=flatten_plates,
+            dim=dim, dims=dims,
+        )
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return _call(
+            fn, args, kwargs, unwrap=unwrap, expand_plates=expand_plates,
+            flatten_plates=flatten_plates, dim=dim, dims=dims, removed=(),
+        )
+
+    return wrapper
+
+
+def reduce(fn: Callable, plates: str | Sequence[str]) -> Callable:
+    """Like :func:`deterministic`, for a function that reduces the plates named in ``plates``.
+
+    The plate's dimension index is passed as ``fn``'s ``dim`` keyword (``dims`` for several).
+
+    Example:
+        >>> import torch, storch
+        >>> x = storch.denote_independent(torch.tensor([[1., 2.], [3., 4.]]), 0, "data")
+        >>> storch.reduce(torch.logsumexp, "data")(x).plates
+        []
+    """
+    names = [plates] if isinstance(plates, str) else list(plates)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return _call(
+            fn, args, kwargs, unwrap=True, expand_plates=False, flatten_plates=False,
+            dim=names[0] if len(names) == 1 else None, dims=names if len(names) > 1 else None,
+            removed=names,
+        )
+
+    return wrapper
+
+
+def make_left_broadcastable(fn: Callable) -> Callable:
+    """Wrap a function that takes exactly one batch dimension, e.g. ``nn.Conv2d`` on ``(N, C, H, W)``.
+
+    All plates are flattened into the first dimension before the call and restored afterwards, so a
+    ``(Z, N, C, H, W)`` input with plates ``z`` and ``data`` reaches the convolution as
+    ``(Z·N, C, H, W)``.
+
+    Example:
+        >>> import torch, storch
+        >>> conv = storch.make_left_broadcastable(torch.nn.Conv2d(1, 2, 3))
+        >>> x = storch.denote_independent(torch.randn(4, 1, 8, 8), 0, "data")
+        >>> conv(x).shape
+        torch.Size([4, 2, 6, 6])
+    """
+    return deterministic(fn, flatten_plates=True)
+
+
+def stochastic(fn: Callable) -> Callable:
+    """Mark ``fn`` as a function that samples: it must return storch tensors that keep the plates of
+    its storch inputs (for example the output of a :class:`storch.method.Method`).
+
+    Raises:
+        IllegalStorchExposeError: if a tensor output is a plain ``torch.Tensor`` or lost an input plate.
+
+    Example:
+        >>> import torch, storch
+        >>> from torch.distributions import Normal
+        >>> @storch.stochastic
+        ... def noisy(mu):
+        ...     return storch.method.Reparameterization("eps", n_samples=2)(Normal(mu, 1.0))
+        >>> x = storch.denote_independent(torch.zeros(3), 0, "data")
+        >>> [p.name for p in noisy(x).plates]
+        ['eps', 'data']
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        union = _collect_layouts(args, kwargs)
+        out = fn(*args, **kwargs)
+
+        def check(t: torch.Tensor) -> torch.Tensor:
+            if not isinstance(t, Tensor):
+                raise IllegalStorchExposeError(
+                    f"{getattr(fn, '__name__', fn)} is marked @storch.stochastic but returned a plain "
+                    f"torch.Tensor of shape {tuple(t.shape)}; return storch tensors (sample with a "
+                    "storch.method.Method)."
+                )
+            lost = [p.name for p in union.plates if not any(p == q for q in layout_of(t).plates)]
+            if lost:
+                raise IllegalStorchExposeError(
+                    f"{getattr(fn, '__name__', fn)} returned a tensor without the input plates {lost}."
+                )
+            return t
+
+        return _map(check, out)
+
+    return wrapper
