@@ -2,13 +2,17 @@
 
 Imports nothing but ``torch`` and the standard library, so that both programs measure in the
 same way.
+
+Measurements are collected in *chunks* (``run_chunk``) so that a parent process can interleave
+its own chunks with those of a child process (Storchastic runs in its own process): machine
+noise and load changes then affect every variant alike. Results are medians over all chunks.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -20,9 +24,10 @@ OPS: Dict[str, Callable] = {
     "relu": (lambda a, b: torch.relu(a)),
 }
 
-# Repetition counts: (op blocks, ops per block, warm-up steps, timed steps)
-FULL = dict(op_reps=31, op_inner=300, warmup=5, step_reps=31)
-QUICK = dict(op_reps=5, op_inner=50, warmup=2, step_reps=3)
+# Repetition counts: blocks of ops per variant, ops per block, warm-up steps, timed steps per
+# variant, and the chunk sizes (blocks / steps per variant) used when interleaving processes.
+FULL = dict(op_reps=32, op_inner=300, warmup=5, step_reps=32, op_chunk=4, step_chunk=4)
+QUICK = dict(op_reps=4, op_inner=50, warmup=2, step_reps=4, op_chunk=2, step_chunk=2)
 
 
 def time_block(fn: Callable, a, b, inner: int) -> float:
@@ -33,50 +38,74 @@ def time_block(fn: Callable, a, b, inner: int) -> float:
     return (time.perf_counter_ns() - t0) / inner / 1000.0
 
 
-def bench_ops(plain_pair, storch_pair, reps: int, inner: int,
-              check: Callable = None) -> dict:
-    """Median per-op time on plain tensors and on storch tensors, and their difference.
-
-    Blocks of plain and storch calls alternate, so that machine noise affects both alike.
-    ``check(name, result)`` (optional) is called once per op on the storch result.
-    """
-    out = {}
-    for name, fn in OPS.items():
-        if check is not None:
-            check(name, fn(*storch_pair))
-        time_block(fn, *plain_pair, inner)  # warm-up
-        time_block(fn, *storch_pair, inner)
-        plain: List[float] = []
-        st: List[float] = []
-        for _ in range(reps):
-            plain.append(time_block(fn, *plain_pair, inner))
-            st.append(time_block(fn, *storch_pair, inner))
-        p, s = statistics.median(plain), statistics.median(st)
-        out[name] = {"plain_us": p, "storch_us": s, "overhead_us": s - p}
-    out["mean_overhead_us"] = statistics.mean(
-        v["overhead_us"] for k, v in out.items() if isinstance(v, dict))
-    return out
-
-
 def time_ms(fn: Callable) -> float:
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1000.0
 
 
-def bench_interleaved(fns: Dict[str, Callable], warmup: int, reps: int) -> Dict[str, float]:
-    """Median time in milliseconds of each zero-argument function.
+def chunks(total: int, size: int) -> List[int]:
+    """Split ``total`` repetitions into chunks of at most ``size``."""
+    size = max(1, size)
+    return [min(size, total - i) for i in range(0, total, size)]
 
-    After ``warmup`` rounds, each of ``reps`` rounds calls every function once, rotating the
-    order from round to round, so that noise and cache effects hit all of them alike.
+
+class OpBench:
+    """Per-op time on plain tensors and on storch tensors, and their difference.
+
+    Blocks of plain and storch calls alternate, so that machine noise affects both alike.
+    ``check(name, result)`` (optional) is called once per op on the storch result.
     """
-    names = list(fns)
-    for _ in range(warmup):
-        for n in names:
-            fns[n]()
-    times: Dict[str, List[float]] = {n: [] for n in names}
-    for i in range(reps):
-        k = i % len(names)
-        for n in names[k:] + names[:k]:
-            times[n].append(time_ms(fns[n]))
-    return {n: statistics.median(t) for n, t in times.items()}
+
+    def __init__(self, plain_pair, storch_pair, inner: int, check: Optional[Callable] = None):
+        self.plain_pair, self.storch_pair, self.inner = plain_pair, storch_pair, inner
+        self.plain: Dict[str, List[float]] = {n: [] for n in OPS}
+        self.storch: Dict[str, List[float]] = {n: [] for n in OPS}
+        for name, fn in OPS.items():
+            if check is not None:
+                check(name, fn(*storch_pair))
+            time_block(fn, *plain_pair, inner)  # warm-up
+            time_block(fn, *storch_pair, inner)
+
+    def run_chunk(self, reps: int) -> None:
+        for name, fn in OPS.items():
+            for _ in range(reps):
+                self.plain[name].append(time_block(fn, *self.plain_pair, self.inner))
+                self.storch[name].append(time_block(fn, *self.storch_pair, self.inner))
+
+    def summary(self) -> dict:
+        out = {}
+        for name in OPS:
+            p, s = statistics.median(self.plain[name]), statistics.median(self.storch[name])
+            out[name] = {"plain_us": p, "storch_us": s, "overhead_us": s - p,
+                         "blocks": len(self.plain[name])}
+        out["mean_overhead_us"] = statistics.mean(out[n]["overhead_us"] for n in OPS)
+        out["mean_plain_us"] = statistics.mean(out[n]["plain_us"] for n in OPS)
+        return out
+
+
+class StepBench:
+    """Median time in milliseconds of each zero-argument function (a training step).
+
+    Each round calls every function once, rotating the order from round to round, so that
+    noise and cache effects hit all of them alike.
+    """
+
+    def __init__(self, fns: Dict[str, Callable], warmup: int):
+        self.fns = fns
+        self.names = list(fns)
+        self.times: Dict[str, List[float]] = {n: [] for n in self.names}
+        self.round = 0
+        for _ in range(warmup):
+            for n in self.names:
+                fns[n]()
+
+    def run_chunk(self, reps: int) -> None:
+        for _ in range(reps):
+            k = self.round % len(self.names)
+            for n in self.names[k:] + self.names[:k]:
+                self.times[n].append(time_ms(self.fns[n]))
+            self.round += 1
+
+    def summary(self) -> Dict[str, float]:
+        return {n: statistics.median(t) for n, t in self.times.items()}

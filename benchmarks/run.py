@@ -35,6 +35,8 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
+import threading
 import traceback
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -46,7 +48,7 @@ if _REPO not in sys.path:  # our storch, also when it is not pip-installed
 
 import torch  # noqa: E402
 
-from common import FULL, QUICK, bench_interleaved, bench_ops  # noqa: E402
+from common import FULL, QUICK, OpBench, StepBench, chunks  # noqa: E402
 from handwritten import (  # noqa: E402
     CLASSES,
     LATENTS,
@@ -67,9 +69,13 @@ TARGET_OVERHEAD_FACTOR = 4.0
 
 # ---------------------------------------------------------------- storch (ours)
 
-def storch_ops(storch, batch: int, dim: int, reps: int, inner: int) -> dict:
+def make_op_bench(storch, batch: int, dim: int, inner: int) -> OpBench:
+    """Plain vs storch tensors; plain vs plain when storch is None (only the plain column is
+    then reported)."""
     torch.manual_seed(0)
     a0, b0 = torch.randn(batch, dim), torch.randn(batch, dim)
+    if storch is None:
+        return OpBench((a0, b0), (a0.clone(), b0.clone()), inner)
     a = storch.denote_independent(a0.clone(), 0, "data")
     b = storch.denote_independent(b0.clone(), 0, "data")
 
@@ -78,7 +84,7 @@ def storch_ops(storch, batch: int, dim: int, reps: int, inner: int) -> dict:
         names = [p.name for p in r.plates]
         assert names == ["data"], (name, names)
 
-    return bench_ops((a0, b0), (a, b), reps, inner, check)
+    return OpBench((a0, b0), (a, b), inner, check)
 
 
 def storch_step(storch, model, optimizer, method, data: torch.Tensor) -> torch.Tensor:
@@ -118,7 +124,7 @@ def storch_estimate_difference(storch, n_samples: int, steps: int = 3) -> float:
     return max(abs(x - y) for x, y in zip(v1, v2))
 
 
-def bench_steps(storch, batch: int, n_samples: int, warmup: int, reps: int) -> dict:
+def make_step_bench(storch, batch: int, n_samples: int, warmup: int) -> StepBench:
     data = make_data(batch)
     fns = {}
     mh, oh = make_model_and_optimizer()
@@ -129,43 +135,73 @@ def bench_steps(storch, batch: int, n_samples: int, warmup: int, reps: int) -> d
         ms, os_ = make_model_and_optimizer()
         method = _make_method(storch, n_samples)
         fns["storch"] = lambda: storch_step(storch, ms, os_, method, data)
-    t = bench_interleaved(fns, warmup, reps)
+    return StepBench(fns, warmup)
+
+
+def step_summary(bench: StepBench) -> dict:
+    t = bench.summary()
     out = {f"{k}_ms": v for k, v in t.items()}
+    out["steps"] = len(bench.times["handwritten"])
     out["raw_ratio"] = t["handwritten_raw"] / t["handwritten"]
     if "storch" in t:
         out["ratio"] = t["storch"] / t["handwritten"]
     return out
 
 
-def plain_ops(batch: int, dim: int, reps: int, inner: int) -> dict:
-    """Plain-vs-plain timing, used only when storch is unavailable (overhead ~ 0)."""
-    torch.manual_seed(0)
-    a0, b0 = torch.randn(batch, dim), torch.randn(batch, dim)
-    res = bench_ops((a0, b0), (a0.clone(), b0.clone()), reps, inner)
-    return {k: ({"plain_us": v["plain_us"]} if isinstance(v, dict) else None)
-            for k, v in res.items() if isinstance(v, dict)}
-
-
 # ---------------------------------------------------------------- Storchastic (subprocess)
 
-def run_storchastic(args, timeout: float) -> dict:
-    cmd = [STORCHASTIC_PY, os.path.join(_HERE, "storchastic_step.py"),
-           "--batches", *map(str, args.batches), "--samples", str(args.samples),
-           "--op-batch", str(args.op_batch), "--op-dim", str(args.op_dim)]
-    if args.quick:
-        cmd.append("--quick")
-    if args.step_reps:
-        cmd += ["--step-reps", str(args.step_reps)]
-    if args.op_reps:
-        cmd += ["--op-reps", str(args.op_reps)]
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)  # it must import the installed Storchastic, not our storch
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=_HERE)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    lines = [ln for ln in proc.stdout.strip().splitlines() if ln.strip()]
-    return json.loads(lines[-1])
+class StorchasticChild:
+    """``storchastic_step.py --serve`` in .venv-storchastic, driven chunk by chunk."""
+
+    def __init__(self, args, timeout: float = 1800):
+        cmd = [STORCHASTIC_PY, os.path.join(_HERE, "storchastic_step.py"), "--serve",
+               "--batches", *map(str, args.batches), "--samples", str(args.samples),
+               "--op-batch", str(args.op_batch), "--op-dim", str(args.op_dim)]
+        if args.quick:
+            cmd.append("--quick")
+        if args.step_reps:
+            cmd += ["--step-reps", str(args.step_reps)]
+        if args.op_reps:
+            cmd += ["--op-reps", str(args.op_reps)]
+        env = dict(os.environ)
+        env.pop("PYTHONPATH", None)  # it must import the installed Storchastic, not our storch
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.stderr, text=True, env=env, cwd=_HERE)
+        self.watchdog = threading.Timer(timeout, self.proc.kill)
+        self.watchdog.daemon = True
+        self.watchdog.start()
+        self.ready = self._read()  # set-up and warm-up done
+
+    def _read(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                self.proc.wait()
+                self.stderr.seek(0)
+                raise RuntimeError(f"storchastic_step.py exited ({self.proc.returncode}):\n"
+                                   + self.stderr.read()[-3000:])
+            if line.startswith("@@ "):
+                msg = json.loads(line[3:])
+                if "error" in msg:
+                    raise RuntimeError(msg["error"])
+                return msg
+
+    def ask(self, command: str) -> dict:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.watchdog.cancel()
+        if self.proc.poll() is None:
+            try:
+                self.ask("quit")
+                self.proc.wait(timeout=30)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+        self.stderr.close()
 
 
 # ---------------------------------------------------------------- report
@@ -260,6 +296,17 @@ def format_table(res: dict) -> str:
     return "\n".join(L)
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _error(res: dict, msg: str) -> None:
     res["storch_error"] = (res["storch_error"] + "; " if res.get("storch_error") else "") + msg
 
@@ -272,9 +319,9 @@ def main(argv=None) -> int:
     ap.add_argument("--op-batch", type=int, default=8)
     ap.add_argument("--op-dim", type=int, default=16)
     ap.add_argument("--step-reps", type=int, default=None,
-                    help="timed training steps per variant (default 31, 3 with --quick)")
+                    help="timed training steps per variant (default 32, 4 with --quick)")
     ap.add_argument("--op-reps", type=int, default=None,
-                    help="timed blocks of ops per variant (default 31, 5 with --quick)")
+                    help="timed blocks of ops per variant (default 32, 4 with --quick)")
     ap.add_argument("--no-storchastic", action="store_true",
                     help="skip the Storchastic 0.3.7 subprocess")
     ap.add_argument("--output", default=os.path.join(RESULTS_DIR, "latest.txt"))
@@ -291,7 +338,7 @@ def main(argv=None) -> int:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
-        "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus".strip(),
+        "machine": f"{_cpu_name()}, {os.cpu_count()} cpus",
         "threads": torch.get_num_threads(),
         "quick": args.quick,
         "reps": reps,
@@ -308,43 +355,74 @@ def main(argv=None) -> int:
     except Exception as e:  # report it and measure the rest
         _error(res, f"import storch failed: {type(e).__name__}: {e}")
         failed = True
-
     if storch is not None:
-        try:
-            res["ops"] = storch_ops(storch, args.op_batch, args.op_dim,
-                                    reps["op_reps"], reps["op_inner"])
-        except Exception as e:
-            traceback.print_exc()
-            _error(res, f"per-op benchmark failed: {type(e).__name__}: {e}")
-            failed = True
         try:
             res["storch_estimate_difference"] = storch_estimate_difference(storch, args.samples)
         except Exception as e:
             traceback.print_exc()
             _error(res, f"VAE step failed: {type(e).__name__}: {e}")
-            storch = None
             failed = True
-    if "ops" not in res:
-        res["ops"] = plain_ops(args.op_batch, args.op_dim, reps["op_reps"], reps["op_inner"])
 
-    res["steps"] = {}
-    for b in args.batches:
-        print(f"timing VAE steps at batch {b} ...", file=sys.stderr)
-        res["steps"][str(b)] = bench_steps(storch, b, args.samples, reps["warmup"],
-                                           reps["step_reps"])
-
+    child = None
     if args.no_storchastic:
         res["storchastic_error"] = "skipped (--no-storchastic)"
     elif not os.path.exists(STORCHASTIC_PY):
         res["storchastic_error"] = (f"not run: {os.path.relpath(STORCHASTIC_PY, _REPO)} missing "
                                     "(make bench-storchastic creates it)")
     else:
-        print("running Storchastic 0.3.7 in .venv-storchastic ...", file=sys.stderr)
+        print("starting Storchastic 0.3.7 in .venv-storchastic ...", file=sys.stderr)
         try:
-            res["storchastic"] = run_storchastic(args, timeout=1800)
+            child = StorchasticChild(args)
         except Exception as e:
             res["storchastic_error"] = f"failed: {type(e).__name__}: {e}"
             failed = True
+
+    def interleave(own, child_cmd: str, sizes) -> None:
+        """Our chunk and the child's chunk take turns (alternating which goes first)."""
+        nonlocal child, failed
+        for i, n in enumerate(sizes):
+            if i % 2 == 0:
+                own(n)
+            if child is not None:
+                try:
+                    child.ask(child_cmd.format(n=n))
+                except Exception as e:
+                    res["storchastic_error"] = f"failed: {type(e).__name__}: {e}"
+                    failed = True
+                    child = None
+            if i % 2 == 1:
+                own(n)
+
+    try:
+        print("timing ops ...", file=sys.stderr)
+        ops_ok = storch is not None
+        try:
+            op_bench = make_op_bench(storch, args.op_batch, args.op_dim, reps["op_inner"])
+        except Exception as e:
+            traceback.print_exc()
+            _error(res, f"per-op benchmark failed: {type(e).__name__}: {e}")
+            failed, ops_ok = True, False
+            op_bench = make_op_bench(None, args.op_batch, args.op_dim, reps["op_inner"])
+        interleave(op_bench.run_chunk, "ops {n}", chunks(reps["op_reps"], reps["op_chunk"]))
+        res["ops"] = op_bench.summary()
+        if not ops_ok:
+            res["ops"] = {k: {"plain_us": v["plain_us"]}
+                          for k, v in res["ops"].items() if isinstance(v, dict)}
+
+        res["steps"] = {}
+        step_storch = storch if res.get("storch_estimate_difference") is not None else None
+        for b in args.batches:
+            print(f"timing VAE steps at batch {b} ...", file=sys.stderr)
+            bench = make_step_bench(step_storch, b, args.samples, reps["warmup"])
+            interleave(bench.run_chunk, f"steps {b} {{n}}",
+                       chunks(reps["step_reps"], reps["step_chunk"]))
+            res["steps"][str(b)] = step_summary(bench)
+
+        if child is not None:
+            res["storchastic"] = child.ask("result")["result"]
+    finally:
+        if child is not None:
+            child.close()
 
     table = format_table(res)
     print(table)

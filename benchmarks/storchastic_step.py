@@ -19,8 +19,11 @@ It measures, with one thread:
 Data: random binary 784-dim vectors (pixels ~ Bernoulli(0.5), fixed seed); the step time does
 not depend on the pixel values.
 
-The last line of stdout is one JSON object with the results (times of ops in microseconds,
-of steps in milliseconds), for ``benchmarks/run.py`` to parse.
+Run on its own, it prints a summary to stderr and, as the last line of stdout, one JSON object
+with the results (times of ops in microseconds, of steps in milliseconds). With ``--serve``
+(what ``benchmarks/run.py`` uses) it sets up and warms up, then takes commands on stdin to run
+its measurements in chunks, so that the parent can interleave them with its own chunks and
+machine noise or load changes affect both processes alike (see :func:`serve`).
 
 Compatibility: with torch 2.13.0 on Python 3.11, Storchastic 0.3.7 imports and runs this
 benchmark without any shim (checked), so none is installed here. Note that importing
@@ -55,7 +58,7 @@ import torch  # noqa: E402
 import storch  # noqa: E402  (Storchastic 0.3.7)
 from torch.distributions import OneHotCategorical  # noqa: E402
 
-from common import FULL, QUICK, bench_interleaved, bench_ops  # noqa: E402
+from common import FULL, QUICK, OpBench, StepBench, chunks  # noqa: E402
 from handwritten import (  # noqa: E402
     CLASSES,
     LATENTS,
@@ -79,7 +82,7 @@ def storchastic_version() -> str:
 
 # ---------------------------------------------------------------- per-op overhead
 
-def storchastic_ops(batch: int, dim: int, reps: int, inner: int) -> dict:
+def make_op_bench(batch: int, dim: int, inner: int) -> OpBench:
     torch.manual_seed(0)
     a0, b0 = torch.randn(batch, dim), torch.randn(batch, dim)
     a = storch.denote_independent(a0.clone(), 0, "data")
@@ -89,7 +92,7 @@ def storchastic_ops(batch: int, dim: int, reps: int, inner: int) -> dict:
         assert isinstance(r, storch.Tensor) and [p.name for p in r.plates] == ["data"], \
             (name, type(r))
 
-    return bench_ops((a0, b0), (a, b), reps, inner, check)
+    return OpBench((a0, b0), (a, b), inner, check)
 
 
 # ---------------------------------------------------------------- VAE step
@@ -131,20 +134,18 @@ def check_same_estimate(n_samples: int, steps: int = 3) -> float:
     return max(abs(x - y) for x, y in zip(v1, v2))
 
 
-def bench_steps(batch: int, n_samples: int, warmup: int, reps: int) -> dict:
+def make_step_bench(batch: int, n_samples: int, warmup: int) -> StepBench:
     data = make_data(batch)
     mh, oh = make_model_and_optimizer()
     ms, os_ = make_model_and_optimizer()
     method = _make_method(n_samples)
-    t = bench_interleaved({
+    return StepBench({
         "handwritten": lambda: handwritten_step(mh, oh, data, n_samples),
         "storchastic": lambda: storchastic_step(ms, os_, method, data),
-    }, warmup, reps)
-    h, s = t["handwritten"], t["storchastic"]
-    return {"handwritten_ms": h, "storchastic_ms": s, "ratio": s / h}
+    }, warmup)
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="few repetitions (smoke run)")
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 100])
@@ -152,49 +153,120 @@ def main(argv=None) -> dict:
     ap.add_argument("--op-batch", type=int, default=8)
     ap.add_argument("--op-dim", type=int, default=16)
     ap.add_argument("--step-reps", type=int, default=None,
-                    help="timed training steps per variant (default 31, 3 with --quick)")
+                    help="timed training steps per variant (default 32, 4 with --quick)")
     ap.add_argument("--op-reps", type=int, default=None,
-                    help="timed blocks of ops per variant (default 31, 5 with --quick)")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-
-    reps = dict(QUICK if args.quick else FULL)
-    if args.step_reps:
-        reps["step_reps"] = args.step_reps
-    if args.op_reps:
-        reps["op_reps"] = args.op_reps
-
-    result = {
-        "library": "storchastic",
-        "storchastic_version": storchastic_version(),
-        "torch_version": torch.__version__,
-        "python_version": sys.version.split()[0],
-        "threads": torch.get_num_threads(),
-        "quick": args.quick,
-        "reps": reps,
-        "data": "random binary 784-dim vectors (Bernoulli(0.5)), fixed seed",
-        "n_samples": args.samples,
-        "op_shape": [args.op_batch, args.op_dim],
-        "max_estimate_difference_vs_handwritten": check_same_estimate(args.samples),
-        "ops": storchastic_ops(args.op_batch, args.op_dim, reps["op_reps"], reps["op_inner"]),
-        "steps": {},
-    }
-    for batch in args.batches:
-        result["steps"][str(batch)] = bench_steps(batch, args.samples,
-                                                    reps["warmup"], reps["step_reps"])
-    return result
+                    help="timed blocks of ops per variant (default 32, 4 with --quick)")
+    ap.add_argument("--serve", action="store_true",
+                    help="take commands on stdin (used by run.py to interleave processes)")
+    return ap.parse_args(argv)
 
 
-if __name__ == "__main__":
-    res = main()
-    ops = res["ops"]
+class StorchasticBench:
+    """All Storchastic measurements, runnable in chunks (see common.py)."""
+
+    def __init__(self, args):
+        torch.set_num_threads(1)
+        self.args = args
+        reps = dict(QUICK if args.quick else FULL)
+        if args.step_reps:
+            reps["step_reps"] = args.step_reps
+        if args.op_reps:
+            reps["op_reps"] = args.op_reps
+        self.reps = reps
+        self.estimate_difference = check_same_estimate(args.samples)
+        self.ops = make_op_bench(args.op_batch, args.op_dim, reps["op_inner"])
+        self.steps = {b: make_step_bench(b, args.samples, reps["warmup"]) for b in args.batches}
+
+    def run_all(self) -> None:
+        for n in chunks(self.reps["op_reps"], self.reps["op_chunk"]):
+            self.ops.run_chunk(n)
+        for b in self.args.batches:
+            for n in chunks(self.reps["step_reps"], self.reps["step_chunk"]):
+                self.steps[b].run_chunk(n)
+
+    def result(self) -> dict:
+        args = self.args
+        steps = {}
+        for b, bench in self.steps.items():
+            t = bench.summary()
+            h, s = t["handwritten"], t["storchastic"]
+            steps[str(b)] = {"handwritten_ms": h, "storchastic_ms": s, "ratio": s / h,
+                             "steps": len(bench.times["handwritten"])}
+        return {
+            "library": "storchastic",
+            "storchastic_version": storchastic_version(),
+            "torch_version": torch.__version__,
+            "python_version": sys.version.split()[0],
+            "threads": torch.get_num_threads(),
+            "quick": args.quick,
+            "reps": self.reps,
+            "data": "random binary 784-dim vectors (Bernoulli(0.5)), fixed seed",
+            "n_samples": args.samples,
+            "op_shape": [args.op_batch, args.op_dim],
+            "max_estimate_difference_vs_handwritten": self.estimate_difference,
+            "ops": self.ops.summary(),
+            "steps": steps,
+        }
+
+
+def reply(obj) -> None:
+    """One line of the --serve protocol (prefixed, so that stray prints cannot be mistaken)."""
+    sys.stdout.write("@@ " + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def serve(args) -> None:
+    """Commands, one per line on stdin; each is answered by one '@@ <json>' line:
+    ``ops N`` (N more blocks per op), ``steps B N`` (N more steps per variant at batch B),
+    ``result`` (the JSON result), ``quit``. The benchmarks are set up (and warmed up) first,
+    then ``@@ {"ready": ...}`` is sent."""
+    try:
+        bench = StorchasticBench(args)
+    except Exception as e:
+        reply({"error": f"setup failed: {type(e).__name__}: {e}"})
+        raise
+    reply({"ready": True, "reps": bench.reps})
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd:
+            continue
+        try:
+            if cmd[0] == "ops":
+                bench.ops.run_chunk(int(cmd[1]))
+                reply({"ok": True})
+            elif cmd[0] == "steps":
+                bench.steps[int(cmd[1])].run_chunk(int(cmd[2]))
+                reply({"ok": True})
+            elif cmd[0] == "result":
+                reply({"result": bench.result()})
+            elif cmd[0] == "quit":
+                reply({"ok": True})
+                return
+            else:
+                reply({"error": f"unknown command {line.strip()!r}"})
+        except Exception as e:
+            reply({"error": f"{line.strip()!r} failed: {type(e).__name__}: {e}"})
+
+
+def print_summary(res: dict) -> None:
     print(f"Storchastic {res['storchastic_version']}, torch {res['torch_version']}, "
           f"{res['threads']} thread", file=sys.stderr)
-    for name, v in ops.items():
+    for name, v in res["ops"].items():
         if isinstance(v, dict):
-            print(f"  op {name:5s}: plain {v['plain_us']:7.2f} us  storchastic {v['storch_us']:7.2f} us"
-                  f"  overhead {v['overhead_us']:7.2f} us", file=sys.stderr)
+            print(f"  op {name:5s}: plain {v['plain_us']:7.2f} us  storchastic "
+                  f"{v['storch_us']:7.2f} us  overhead {v['overhead_us']:7.2f} us", file=sys.stderr)
     for b, v in res["steps"].items():
         print(f"  VAE step batch {b:>4s}: hand-written {v['handwritten_ms']:8.2f} ms  "
               f"storchastic {v['storchastic_ms']:8.2f} ms  ratio {v['ratio']:.3f}", file=sys.stderr)
-    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    _args = parse_args()
+    if _args.serve:
+        serve(_args)
+    else:
+        _bench = StorchasticBench(_args)
+        _bench.run_all()
+        _res = _bench.result()
+        print_summary(_res)
+        print(json.dumps(_res))
