@@ -51,7 +51,9 @@ PASSTHROUGH: frozenset = frozenset(
 
 # Full reductions to a boolean are harmless (no gradient) and torch.distributions uses them for
 # argument validation: they may drop plates and then return a plain tensor.
-_MAY_DROP_PLATES: frozenset = frozenset([torch.all, _T.all, torch.any, _T.any])
+_MAY_DROP_PLATES: frozenset = frozenset(
+    [torch.all, _T.all, torch.any, _T.any, torch._is_all_true, torch._is_any_true]
+)
 
 # Functions that need their arguments to have exactly the same shape: expand to a common shape.
 _BROADCAST_FIRST: frozenset = frozenset(
@@ -78,51 +80,67 @@ Tensor: type = torch.Tensor
 
 
 def torch_function(cls: type, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
-    """``storch.Tensor.__torch_function__``: align plates, call ``func``, wrap the result."""
-    if kwargs is None:
-        kwargs = {}
+    """``storch.Tensor.__torch_function__``: align plates, call ``func``, wrap the result.
+
+    This runs for every operation on a storch tensor, so the common case (one plate layout shared by
+    all plated arguments, one tensor returned) is kept short.
+    """
     if func in PASSTHROUGH:
         with _Disable():
-            return func(*args, **kwargs)
+            return func(*args, **kwargs) if kwargs else func(*args)
     with _Disable():
         layout = None
-        ndim = -1
+        first = None
         simple = func not in _SPECIAL
         for a in args:
             if isinstance(a, Tensor):
                 lay = a._layout
-                if lay.plates:
+                if lay.sizes:
                     if layout is None:
-                        layout, ndim = lay, a.dim()
-                    elif lay is not layout or a.dim() != ndim:
+                        layout, first = lay, a
+                    elif lay is not layout or a.dim() != first.dim():
                         simple = False
             elif type(a) is list or type(a) is tuple:
                 for b in a:
-                    if isinstance(b, Tensor) and b._layout.plates:
+                    if isinstance(b, Tensor) and b._layout.sizes:
                         if layout is None:
-                            layout, ndim = b._layout, b.dim()
-                        elif b._layout is not layout or b.dim() != ndim:
+                            layout, first = b._layout, b
+                        elif b._layout is not layout or b.dim() != first.dim():
                             simple = False
-        for a in kwargs.values():
-            if isinstance(a, Tensor) and a._layout.plates:
-                if layout is None:
-                    layout, ndim = a._layout, a.dim()
-                elif a._layout is not layout or a.dim() != ndim:
-                    simple = False
+        if kwargs:
+            for a in kwargs.values():
+                if isinstance(a, Tensor) and a._layout.sizes:
+                    if layout is None:
+                        layout, first = a._layout, a
+                    elif a._layout is not layout or a.dim() != first.dim():
+                        simple = False
+        else:
+            kwargs = {}
         if layout is None:
             layout = EMPTY_LAYOUT
-            if func in _EXPAND_PLATES or func in _BROADCAST_FIRST:
-                simple = True
-        if not simple:
+        elif not simple:
             args, kwargs, layout = _align_call(func, args, kwargs)
         out = func(*args, **kwargs)
+        if type(out) is _T:
+            sizes = layout.sizes
+            if sizes and out.shape[: len(sizes)] != sizes:
+                if func in _MAY_DROP_PLATES:
+                    return out
+                raise plate_dimension_error(func, out.shape, layout)
+            for a in args:
+                if a is out:  # a plain input returned unchanged: do not retype the user's tensor
+                    out = out.view_as(out)
+                    break
+            out.__class__ = Tensor
+            out._layout = layout
+            return out
         return _wrap_output(out, layout, func, args)
 
 
 def _wrap_output(out: Any, layout: PlateLayout, func: Callable, args: tuple) -> Any:
     if type(out) is _T:
         sizes = layout.sizes
-        if sizes and tuple(out.shape[: len(sizes)]) != sizes:
+        if sizes and out.shape[: len(sizes)] != sizes:
             if func in _MAY_DROP_PLATES:
                 return out
             raise plate_dimension_error(func, out.shape, layout)
@@ -145,7 +163,7 @@ def _wrap_output(out: Any, layout: PlateLayout, func: Callable, args: tuple) -> 
 
 def plate_dimension_error(func: Callable, shape: torch.Size, layout: PlateLayout) -> ValueError:
     """The error for an operation whose result lost or reshaped a plate dimension."""
-    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    name = getattr(func, "__name__", None) or repr(func)
     n = len(layout.sizes)
     plates = ", ".join(f"{p.name!r} (size {p.size})" for p in layout.plates)
     if len(shape) < n:
