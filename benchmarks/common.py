@@ -77,7 +77,10 @@ class OpBench:
         out = {}
         for name in OPS:
             p, s = statistics.median(self.plain[name]), statistics.median(self.storch[name])
-            out[name] = {"plain_us": p, "storch_us": s, "overhead_us": s - p,
+            # overhead: median of the differences of adjacent (paired) blocks, which cancels
+            # load changes slower than a block pair
+            d = statistics.median(y - x for x, y in zip(self.plain[name], self.storch[name]))
+            out[name] = {"plain_us": p, "storch_us": s, "overhead_us": d,
                          "blocks": len(self.plain[name])}
         out["mean_overhead_us"] = statistics.mean(out[n]["overhead_us"] for n in OPS)
         out["mean_plain_us"] = statistics.mean(out[n]["plain_us"] for n in OPS)
@@ -109,3 +112,7 @@ class StepBench:
 
     def summary(self) -> Dict[str, float]:
         return {n: statistics.median(t) for n, t in self.times.items()}
+
+    def ratio(self, num: str, den: str) -> float:
+        """Median over rounds of time(num) / time(den) within the same round (paired)."""
+        return statistics.median(a / b for a, b in zip(self.times[num], self.times[den]))

@@ -142,9 +142,9 @@ def step_summary(bench: StepBench) -> dict:
     t = bench.summary()
     out = {f"{k}_ms": v for k, v in t.items()}
     out["steps"] = len(bench.times["handwritten"])
-    out["raw_ratio"] = t["handwritten_raw"] / t["handwritten"]
+    out["raw_ratio"] = bench.ratio("handwritten_raw", "handwritten")
     if "storch" in t:
-        out["ratio"] = t["storch"] / t["handwritten"]
+        out["ratio"] = bench.ratio("storch", "handwritten")
     return out
 
 
@@ -253,7 +253,8 @@ def format_table(res: dict) -> str:
     mfac = smo / mo if (mo and smo and mo > 0) else None
     L.append(f"  {'mean':6s}{'':>9s}{'':>9s}{_f(mo):>10s}  |{'':>9s}{'':>13s}{_f(smo):>10s}  |"
              f"{_f(mfac, '{:.1f}x'):>20s}")
-    L.append("  (* plain times measured in Storchastic's process)")
+    L.append("  overhead: median of (storch - plain) over adjacent block pairs; "
+             "* plain times measured in Storchastic's process")
     L.append("")
 
     L.append(f"Discrete-VAE training step, 784-512-256-(20x10)-256-512-784, ScoreFunction "
@@ -270,6 +271,7 @@ def format_table(res: dict) -> str:
                  f"{_f(s.get('ratio'), '{:.3f}'):>9s}")
     L.append("  hand: plain PyTorch with torch.distributions (the reference); raw ops: the same "
              "estimator without torch.distributions")
+    L.append("  ratios: median over rounds of the ratio of the two steps timed in the same round")
     L.append("  (* measured in Storchastic's process, where Storchastic has switched off "
              "torch.distributions argument validation globally)")
     if res.get("storch_estimate_difference") is not None:
