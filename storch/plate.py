@@ -108,7 +108,12 @@ class Plate:
         return hash((self.name, self.size))
 
     def __repr__(self) -> str:
-        return repr((self.name, self.size, self.weight))
+        w = self.weight
+        if isinstance(w, torch.Tensor) and type(w) is not torch.Tensor:
+            # a storch weight carries this plate: show its plain values, or repr would recurse
+            with torch._C.DisableTorchFunctionSubclass():
+                w = w.detach().view_as(w)
+        return repr((self.name, self.size, w))
 
 
 class PlateLayout:
