@@ -19,6 +19,7 @@ Every torch function, method or operator that receives a storch tensor comes thr
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -193,50 +194,77 @@ def plate_dimension_error(func: Callable, shape: torch.Size, layout: PlateLayout
 
 def _align_call(func: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict, PlateLayout]:
     """Align all storch arguments of one call to the union of their plates."""
-    layouts = []
+    layouts: list[PlateLayout] = []
     event_ndim = 0
-    for a in _iter_tensors(args, kwargs):
-        if isinstance(a, Tensor) and a._layout.plates:
-            layouts.append(a._layout)
-            event_ndim = max(event_ndim, a.dim() - len(a._layout.plates))
-    union = layouts[0] if all(lay == layouts[0] for lay in layouts) else merge_layouts(layouts)
-    if func in _EXPAND_PLATES:
-        mode = "expand"
-    elif func in _NO_EVENT_PADDING:
-        mode = "plates"
-    else:
-        mode = "pad"
+    for a in (*args, *kwargs.values()):
+        for b in (a if (type(a) is list or type(a) is tuple) else (a,)):
+            if isinstance(b, Tensor) and b._layout.sizes:
+                layouts.append(b._layout)
+                event = b.dim() - len(b._layout.sizes)
+                if event > event_ndim:
+                    event_ndim = event
+    union = _union(layouts)
+    expand = func in _EXPAND_PLATES
+    pad_to = None if func in _NO_EVENT_PADDING else event_ndim
 
     def convert(a: Any) -> Any:
-        if isinstance(a, Tensor):
-            if a._layout.plates:
-                return align_tensor(a, union, event_ndim if mode != "plates" else None, mode == "expand")
-            if mode == "expand":
-                return expand_plain(a, union)
-            return a
-        if mode == "expand" and isinstance(a, torch.Tensor):
+        if isinstance(a, Tensor) and a._layout.sizes:
+            return align_tensor(a, union, pad_to, expand)
+        if expand and isinstance(a, torch.Tensor):
             return expand_plain(a, union)
         return a
 
     new_args = tuple(
-        type(a)(convert(b) for b in a) if (type(a) is list or type(a) is tuple) else convert(a)
+        type(a)([convert(b) for b in a]) if (type(a) is list or type(a) is tuple) else convert(a)
         for a in args
     )
-    new_kwargs = {k: convert(v) for k, v in kwargs.items()}
+    new_kwargs = {k: convert(v) for k, v in kwargs.items()} if kwargs else kwargs
     if func in _BROADCAST_FIRST:
         new_args, new_kwargs = _broadcast_tensor_args(new_args, new_kwargs)
     return new_args, new_kwargs, union
 
 
-def _iter_tensors(args: tuple, kwargs: dict):
-    for a in args:
-        if type(a) is list or type(a) is tuple:
-            yield from (b for b in a if isinstance(b, torch.Tensor))
-        elif isinstance(a, torch.Tensor):
-            yield a
-    for a in kwargs.values():
-        if isinstance(a, torch.Tensor):
-            yield a
+# Small caches keyed by layout ids. Entries hold weak references and are checked on every hit, so
+# an id reused by a new layout after the old one died is never mistaken for it.
+_CACHE_LIMIT = 4096
+_union_cache: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], PlateLayout]] = {}
+_plan_cache: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, tuple | None, tuple]] = {}
+
+
+def _union(layouts: list[PlateLayout]) -> PlateLayout:
+    first = layouts[0]
+    if all(lay is first for lay in layouts):
+        return first
+    key = tuple(id(lay) for lay in layouts)
+    hit = _union_cache.get(key)
+    if hit is not None and all(r() is lay for r, lay in zip(hit[0], layouts)):
+        return hit[1]
+    union = merge_layouts(layouts)
+    if len(_union_cache) > _CACHE_LIMIT:
+        _union_cache.clear()
+    _union_cache[key] = (tuple(weakref.ref(lay) for lay in layouts), union)
+    return union
+
+
+def _plan(src: PlateLayout, union: PlateLayout) -> tuple[tuple | None, tuple]:
+    """How to lay out a tensor with plates ``src`` for ``union``: a permutation and an index."""
+    key = (id(src), id(union))
+    hit = _plan_cache.get(key)
+    if hit is not None and hit[0]() is src and hit[1]() is union:
+        return hit[2], hit[3]
+    positions = []
+    for u in union.plates:
+        positions.append(next((i for i, p in enumerate(src.plates) if p is u or p == u), None))
+    present = [p for p in positions if p is not None]
+    if len(present) != len(src.plates):
+        missing = [p.name for p in src.plates if not any(p == u for u in union.plates)]
+        raise RuntimeError(f"internal error: plates {missing} are missing from the union {union}")
+    perm = tuple(present) if present != sorted(present) else None
+    index = tuple(slice(None) if p is not None else None for p in positions)
+    if len(_plan_cache) > _CACHE_LIMIT:
+        _plan_cache.clear()
+    _plan_cache[key] = (weakref.ref(src), weakref.ref(union), perm, index)
+    return perm, index
 
 
 def align_tensor(
@@ -249,34 +277,19 @@ def align_tensor(
     so that ``t`` has ``event_ndim`` event dimensions.
     """
     src = t._layout
-    n_src = len(src.plates)
-    own_event = t.dim() - n_src
-    pad = 0 if event_ndim is None else max(0, event_ndim - own_event)
+    n_src = len(src.sizes)
+    pad = 0 if event_ndim is None else max(0, event_ndim - (t.dim() - n_src))
     if src is union or src.plates == union.plates:
         if pad:
             t = t[(slice(None),) * n_src + (None,) * pad]
-        if expand:
-            t = t.expand(*union.sizes, *t.shape[n_src:])
-        return t
-    positions = [_position(src, u) for u in union.plates]
-    present = [p for p in positions if p is not None]
-    if len(present) != n_src:
-        missing = [p.name for p in src.plates if not any(p == u for u in union.plates)]
-        raise RuntimeError(f"internal error: plates {missing} are missing from the union {union}")
-    if present != sorted(present):
-        t = t.permute(*present, *range(n_src, t.dim()))
-    index = tuple(slice(None) if p is not None else None for p in positions) + (None,) * pad
-    t = t[index]
+    else:
+        perm, index = _plan(src, union)
+        if perm is not None:
+            t = t.permute(*perm, *range(n_src, t.dim()))
+        t = t[index + (None,) * pad] if pad else t[index]
     if expand:
         t = t.expand(*union.sizes, *t.shape[len(union.sizes):])
     return t
-
-
-def _position(layout: PlateLayout, plate) -> int | None:
-    for i, p in enumerate(layout.plates):
-        if p is plate or p == plate:
-            return i
-    return None
 
 
 def expand_plain(t: torch.Tensor, union: PlateLayout) -> torch.Tensor:
