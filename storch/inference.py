@@ -26,7 +26,7 @@ import torch
 from storch.method.method import Method
 from storch.plate import Plate
 from storch.reduce import reduce_plate
-from storch.tensor import CostTensor, StochasticTensor, Tensor, _alias, _Disable, layout_of, plain, wrap
+from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout_of, plain, wrap
 from storch.util import magic_box
 
 __all__ = ["add_cost", "backward", "surrogate_loss", "reset", "registered_costs"]
@@ -205,5 +205,3 @@ def backward(
     finally:
         reset()
 
-
-_ = _alias
