@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from collections.abc import Callable
 
 import torch
 
 # The per-op benchmark: each takes two tensors of shape (op_batch, op_dim) with one plate.
-OPS: Dict[str, Callable] = {
+OPS: dict[str, Callable] = {
     "add": (lambda a, b: a + b),
     "mul": (lambda a, b: a * b),
     "exp": (lambda a, b: a.exp()),
@@ -44,7 +44,7 @@ def time_ms(fn: Callable) -> float:
     return (time.perf_counter() - t0) * 1000.0
 
 
-def chunks(total: int, size: int) -> List[int]:
+def chunks(total: int, size: int) -> list[int]:
     """Split ``total`` repetitions into chunks of at most ``size``."""
     size = max(1, size)
     return [min(size, total - i) for i in range(0, total, size)]
@@ -57,10 +57,10 @@ class OpBench:
     ``check(name, result)`` (optional) is called once per op on the storch result.
     """
 
-    def __init__(self, plain_pair, storch_pair, inner: int, check: Optional[Callable] = None):
+    def __init__(self, plain_pair, storch_pair, inner: int, check: Callable | None = None):
         self.plain_pair, self.storch_pair, self.inner = plain_pair, storch_pair, inner
-        self.plain: Dict[str, List[float]] = {n: [] for n in OPS}
-        self.storch: Dict[str, List[float]] = {n: [] for n in OPS}
+        self.plain: dict[str, list[float]] = {n: [] for n in OPS}
+        self.storch: dict[str, list[float]] = {n: [] for n in OPS}
         for name, fn in OPS.items():
             if check is not None:
                 check(name, fn(*storch_pair))
@@ -94,10 +94,10 @@ class StepBench:
     noise and cache effects hit all of them alike.
     """
 
-    def __init__(self, fns: Dict[str, Callable], warmup: int):
+    def __init__(self, fns: dict[str, Callable], warmup: int):
         self.fns = fns
         self.names = list(fns)
-        self.times: Dict[str, List[float]] = {n: [] for n in self.names}
+        self.times: dict[str, list[float]] = {n: [] for n in self.names}
         self.round = 0
         for _ in range(warmup):
             for n in self.names:
@@ -110,7 +110,7 @@ class StepBench:
                 self.times[n].append(time_ms(self.fns[n]))
             self.round += 1
 
-    def summary(self) -> Dict[str, float]:
+    def summary(self) -> dict[str, float]:
         return {n: statistics.median(t) for n, t in self.times.items()}
 
     def ratio(self, num: str, den: str) -> float:

@@ -37,8 +37,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.distributions import OneHotCategorical, kl_divergence
 
 LATENTS = 20
