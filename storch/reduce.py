@@ -16,7 +16,7 @@ from typing import Sequence, Union
 import torch
 
 from storch._dispatch import align_tensor, expand_plain
-from storch.plate import Plate, layout_of_plates, merge_layouts
+from storch.plate import Plate, independent_plate, layout_of_plates, merge_layouts
 from storch.tensor import IndependentTensor, Tensor, _Disable, layout_of, wrap, wrap_new
 
 __all__ = [
@@ -52,7 +52,7 @@ def denote_independent(tensor: torch.Tensor, dim: int, plate_name: str) -> Indep
         )
     if plate_name in layout.names:
         raise ValueError(f"denote_independent: the tensor already has a plate named {plate_name!r}.")
-    plate = Plate(plate_name, tensor.shape[dim])
+    plate = independent_plate(plate_name, tensor.shape[dim])
     with _Disable():
         moved = torch.movedim(tensor, dim, 0)
     return wrap(moved, layout_of_plates((plate,) + layout.plates), IndependentTensor)  # type: ignore[return-value]
@@ -77,7 +77,7 @@ def gather_samples(
     tensors = [s if isinstance(s, torch.Tensor) else torch.as_tensor(s) for s in samples]
     layouts = [layout_of(t) for t in tensors]
     union = merge_layouts(layouts)
-    plate = Plate(plate_name, len(tensors), weight=weight)
+    plate = independent_plate(plate_name, len(tensors)) if weight is None else Plate(plate_name, len(tensors), weight)
     with _Disable():
         if union.plates:
             tensors = [
