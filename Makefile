@@ -30,7 +30,7 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VENV_PY) -m storch.demo
 
-bench: $(STAMP)
+bench: $(STAMP) $(SC_STAMP)
 	$(VENV_PY) benchmarks/run.py
 
 # Storchastic 0.3.7 also imports as `storch`, so it lives in its own venv and process.
