@@ -8,7 +8,7 @@ Example:
     >>> from torch.distributions import Normal
     >>> c = torch.tensor(0.23, requires_grad=True)
     >>> e = storch.method.Reparameterization("e", n_samples=1000)(Normal(c - 3.0, 1.0))
-    >>> _ = storch.add_cost(2.0 * e * e, "f")
+    >>> storch.add_cost(2.0 * e * e, "f")
     >>> _ = storch.backward()
     >>> abs(c.grad.item() - 4 * (c.item() - 3.0)) < 1.0   # d/dc E[2 e^2] = 4 (c - 3) = -11.08
     True

@@ -34,7 +34,7 @@ __all__ = ["add_cost", "backward", "surrogate_loss", "reset", "registered_costs"
 _COSTS: ContextVar[tuple[CostTensor, ...]] = ContextVar("storch_costs", default=())
 
 
-def add_cost(cost: torch.Tensor, name: str | None = None) -> CostTensor:
+def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
     """Register a cost node (to be minimised) for the next :func:`backward`.
 
     A cost must hold one value per combination of its plates: no event dimensions. Sum or average
@@ -47,9 +47,9 @@ def add_cost(cost: torch.Tensor, name: str | None = None) -> CostTensor:
     Example:
         >>> import torch, storch
         >>> x = storch.denote_independent(torch.tensor([1.0, 3.0]), 0, "data")
-        >>> c = storch.add_cost(x * 2, "double")
-        >>> c.name, storch.surrogate_loss().item()
-        ('double', 4.0)
+        >>> storch.add_cost(x * 2, "double")
+        >>> [c.name for c in storch.registered_costs()], storch.surrogate_loss().item()
+        (['double'], 4.0)
         >>> storch.reset()
     """
     if not isinstance(cost, torch.Tensor):
@@ -74,8 +74,7 @@ def add_cost(cost: torch.Tensor, name: str | None = None) -> CostTensor:
         raise TypeError(f"Cost {name!r} must be a floating point tensor, got {cost.dtype}.")
     registered = wrap(cost, layout, CostTensor)
     registered._name = name  # type: ignore[attr-defined]
-    _COSTS.set(costs + (registered,))
-    return registered  # type: ignore[return-value]
+    _COSTS.set(costs + (registered,))  # type: ignore[operator]
 
 
 def registered_costs() -> tuple[CostTensor, ...]:
