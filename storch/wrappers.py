@@ -60,15 +60,18 @@ def _call(
     flat = math.prod(union.sizes)
 
     def prepare(t: torch.Tensor) -> torch.Tensor:
+        plated = isinstance(t, Tensor) and bool(t._layout.plates)
         with _Disable():
-            if isinstance(t, Tensor) and t._layout.plates:
+            if plated:
                 t = align_tensor(t, union, expand=expand)
             elif expand and n:
                 t = expand_plain(t, union) if flatten_plates else t
             if flatten_plates and n:
                 t = t.reshape((flat,) + tuple(t.shape[n:]))
-        if not unwrap:
-            return wrap_new(t, union) if not flatten_plates else t
+            if isinstance(t, Tensor):  # never hand out (or retype below) the caller's storch tensor
+                t = t.view_as(t)
+        if not unwrap and plated and not flatten_plates:
+            return wrap_new(t, union)  # t is a fresh view here
         return t
 
     new_args = _map(prepare, args)
