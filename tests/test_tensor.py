@@ -1,0 +1,269 @@
+"""storch tensor classes and plates: types, attributes, conversions, display."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributions import Bernoulli, Normal, OneHotCategorical
+
+import storch
+from storch.method import Expect, Reparameterization, ScoreFunction
+from storch.plate import Plate, PlateClashError
+from storch.tensor import CostTensor, IndependentTensor, StochasticTensor
+
+
+# ----------------------------------------------------------------------------- classes
+
+
+def test_storch_tensor_is_a_torch_tensor_subclass():
+    assert issubclass(storch.Tensor, torch.Tensor)
+    for cls in (StochasticTensor, CostTensor, IndependentTensor):
+        assert issubclass(cls, storch.Tensor)
+    t = storch.Tensor(torch.ones(3, 2), [Plate("a", 3)])
+    assert isinstance(t, torch.Tensor)
+    assert torch.is_tensor(t)
+    assert t.plate_names == ["a"]
+    assert t.event_shape == torch.Size([2])
+
+
+def test_tensor_constructor_checks_plate_sizes():
+    with pytest.raises(ValueError, match="leftmost"):
+        storch.Tensor(torch.ones(2, 3), [Plate("a", 3)])
+    with pytest.raises(TypeError):
+        storch.Tensor([1.0, 2.0], [])
+
+
+def test_tensor_constructor_does_not_retype_its_input():
+    data = torch.ones(3)
+    t = storch.Tensor(data, [Plate("a", 3)])
+    assert type(data) is torch.Tensor
+    assert type(t) is storch.Tensor
+    assert t.data_ptr() == data.data_ptr()  # a view, no copy
+
+
+def test_stochastic_tensor_attributes():
+    mu = torch.zeros(2, requires_grad=True)
+    distr = Normal(mu, 1.0)
+    method = ScoreFunction("z", n_samples=5)
+    z = method(distr)
+    assert type(z) is StochasticTensor
+    assert z.stochastic() and not z.is_cost()
+    assert z.name == "z"
+    assert z.n == 5
+    assert z.distribution is distr
+    assert z.method is method
+    assert z.shape == (5, 2)
+    assert z.plate_names == ["z"]
+    assert z.plate.name == "z" and z.plate.size == 5 and z.plate.node is not None
+    assert z.param_grads == {}
+
+
+def test_stochastic_tensor_cannot_be_built_by_hand():
+    with pytest.raises(TypeError, match="storch.method"):
+        StochasticTensor(torch.ones(3))
+
+
+def test_param_grads_filled_after_backward():
+    mu = torch.tensor([0.5, -1.0], requires_grad=True)
+    z = Reparameterization("z", n_samples=4)(Normal(mu, 1.0))
+    storch.add_cost((z * z).sum(-1), "f")
+    storch.backward()
+    assert set(z.param_grads) == {"loc"}
+    # d/dmu E[sum z^2] estimated by mean over samples of 2 z
+    expected = (2 * z._tensor.detach()).mean(0)
+    torch.testing.assert_close(z.param_grads["loc"], expected)
+    torch.testing.assert_close(mu.grad, expected)
+
+
+def test_param_grads_of_one_hot_categorical_probs():
+    probs = torch.tensor([0.2, 0.3, 0.5], requires_grad=True)
+    z = Expect("z")(OneHotCategorical(probs=probs))
+    storch.add_cost((z * torch.tensor([1.0, 2.0, 4.0])).sum(-1), "f")
+    storch.backward()
+    assert "probs" in z.param_grads
+    # E f = sum_k p_k f_k  =>  d/dp_k = f_k
+    torch.testing.assert_close(z.param_grads["probs"], torch.tensor([1.0, 2.0, 4.0]))
+
+
+def test_cost_tensor_from_add_cost():
+    x = storch.denote_independent(torch.tensor([1.0, 2.0]), 0, "data")
+    storch.add_cost(x * 3, "triple")
+    (c,) = storch.registered_costs()
+    assert type(c) is CostTensor
+    assert c.is_cost() and not c.stochastic()
+    assert c.name == "triple"
+    assert c.plate_names == ["data"]
+    torch.testing.assert_close(c._tensor, torch.tensor([3.0, 6.0]))
+
+
+def test_independent_tensor_types():
+    x = storch.denote_independent(torch.randn(4, 3), 0, "data")
+    assert type(x) is IndependentTensor
+    assert not x.stochastic()
+    g = storch.gather_samples([torch.tensor(1.0), torch.tensor(2.0)], "gradients")
+    assert type(g) is storch.tensor.IndependentTensor
+    assert type(g) is IndependentTensor
+
+
+def test_denote_independent_moves_dim_left():
+    data = torch.arange(24.0).reshape(2, 3, 4)
+    x = storch.denote_independent(data, 1, "data")
+    assert x.shape == (3, 2, 4)
+    assert x.plate_names == ["data"]
+    torch.testing.assert_close(x._tensor, data.movedim(1, 0))
+    with pytest.raises(ValueError, match="already"):
+        storch.denote_independent(x, 1, "data")
+    with pytest.raises(ValueError, match="already plate"):
+        storch.denote_independent(x, 0, "other")
+
+
+def test_results_of_ops_are_plain_storch_tensors():
+    z = ScoreFunction("z", n_samples=3)(Normal(torch.zeros(2), 1.0))
+    y = z * 2 + 1
+    assert type(y) is storch.Tensor
+    assert y.plates == z.plates
+    assert not y.stochastic()
+
+
+# ------------------------------------------------------------------------------ plates
+
+
+def test_plate_attributes_and_repr():
+    p = Plate("gradients", 1000)
+    assert repr(p) == "('gradients', 1000, tensor(0.0010))"
+    assert p.name == "gradients" and p.size == 1000
+    torch.testing.assert_close(p.weight, torch.tensor(0.001))
+    assert p.parents == ()
+    assert not p.is_stochastic
+    q = Plate("z", 2, parents=[p])
+    assert q.parents == (p,)
+
+
+def test_gather_samples_plate_repr_like_the_manual():
+    g = storch.gather_samples([torch.tensor(float(i)) for i in range(1000)], "gradients")
+    assert repr(g.plates) == "[('gradients', 1000, tensor(0.0010))]"
+
+
+def test_plate_validation():
+    with pytest.raises(ValueError):
+        Plate("a", 0)
+    with pytest.raises(TypeError):
+        Plate("", 3)
+
+
+def test_independent_plates_compare_by_name_and_size_node_plates_by_identity():
+    assert Plate("data", 3) == Plate("data", 3)
+    assert Plate("data", 3) != Plate("data", 4)
+    z1 = ScoreFunction("z", n_samples=3)(Normal(0.0, 1.0))
+    z2 = ScoreFunction("z", n_samples=3)(Normal(0.0, 1.0))
+    assert z1.plate == z1.plate
+    assert z1.plate != z2.plate
+
+
+def test_nested_node_plate_parents():
+    z1 = ScoreFunction("z1", n_samples=3)(Normal(torch.zeros(2), 1.0))
+    z2 = ScoreFunction("z2", n_samples=4)(Normal(z1, 1.0))
+    assert z2.plate.parents == (z1.plate,)
+    assert z2.plate_names == ["z2", "z1"]
+    assert z2.shape == (4, 3, 2)
+
+
+def test_plate_with_tensor_weight_has_finite_repr():
+    # Expect's plate weight is a storch tensor that carries the plate itself.
+    x = Expect("x")(Bernoulli(torch.tensor([0.2, 0.5])))
+    r = repr(x.plate)
+    assert r.startswith("('x', 4, tensor([")
+    assert "0.4000" in r and "0.1000" in r
+    assert "plates: [('x', 4" in repr(x)
+
+
+def test_weights_of_expect_are_probabilities():
+    p = torch.tensor([0.2, 0.5])
+    x = Expect("x")(Bernoulli(p))
+    w = x.plate.weight
+    expected = torch.tensor([0.8 * 0.5, 0.8 * 0.5, 0.2 * 0.5, 0.2 * 0.5])
+    torch.testing.assert_close(w._tensor, expected)
+    torch.testing.assert_close(x._tensor, torch.tensor([[0.0, 0.0], [0.0, 1.0], [1.0, 0.0], [1.0, 1.0]]))
+
+
+# ------------------------------------------------------------------------- conversions
+
+
+def test_bool_item_tolist_on_multi_sample_tensor_raise_naming_the_plate():
+    z = ScoreFunction("z", n_samples=3)(Normal(0.0, 1.0))
+    for convert in (bool, float, int, lambda t: t.item(), lambda t: t.tolist()):
+        with pytest.raises(ValueError, match="'z' \\(size 3\\)"):
+            convert(z)
+    with pytest.raises(ValueError, match="reduce_plates"):
+        if z > 0:  # noqa: SIM108 - implicit bool()
+            pass
+
+
+def test_bool_item_tolist_allowed_on_size_one_plates():
+    z = ScoreFunction("z", n_samples=1)(Normal(0.0, 1.0))
+    x = storch.denote_independent(torch.tensor([2.0]), 0, "data")
+    y = z * 0 + x
+    assert sorted(y.plate_names) == ["data", "z"]
+    assert y.item() == 2.0
+    assert float(y) == 2.0
+    assert bool(y > 1.0)
+    assert y.tolist() == [[2.0]]
+    assert z.tolist() == [z._tensor.item()]
+
+
+def test_conversions_without_plates_work_normally():
+    t = storch.Tensor(torch.tensor([1.0, 2.0]))
+    assert t.tolist() == [1.0, 2.0]
+    assert t.sum().item() == 3.0
+
+
+def test_raw_tensor_view():
+    z = ScoreFunction("z", n_samples=3)(Normal(torch.zeros(2), 1.0))
+    raw = z._tensor
+    assert type(raw) is torch.Tensor
+    assert raw.shape == (3, 2)
+    assert raw.data_ptr() == z.data_ptr()
+
+
+def test_repr_mentions_kind_and_plates():
+    z = ScoreFunction("z", n_samples=2)(Normal(0.0, 1.0))
+    assert repr(z).startswith("Stochastic tensor(")
+    assert "plates: [('z', 2, tensor(0.5000))]" in repr(z)
+    y = z * 1
+    assert repr(y).startswith("Deterministic tensor(")
+    x = storch.denote_independent(torch.ones(2), 0, "data")
+    assert repr(x).startswith("Independent tensor(")
+
+
+def test_storch_tensors_cannot_be_pickled():
+    import pickle
+
+    z = ScoreFunction("z", n_samples=2)(Normal(0.0, 1.0))
+    with pytest.raises(TypeError, match="_tensor"):
+        pickle.dumps(z)
+
+
+def test_plate_name_clash_between_two_nodes_raises_naming_both():
+    z1 = ScoreFunction("z", n_samples=3)(Normal(torch.zeros(2), 1.0))
+    z2 = ScoreFunction("z", n_samples=3)(Normal(torch.zeros(2), 1.0))
+    with pytest.raises(PlateClashError, match="'z'") as info:
+        z1 + z2
+    assert isinstance(info.value, ValueError)
+    assert str(info.value).count("stochastic node 'z'") == 2
+
+
+def test_node_cannot_reuse_a_parent_plate_name():
+    z1 = ScoreFunction("z", n_samples=3)(Normal(torch.zeros(2), 1.0))
+    with pytest.raises(ValueError, match="already carry a plate named 'z'"):
+        ScoreFunction("z", n_samples=2)(Normal(z1, 1.0))
+
+
+def test_minibatch_plates_of_the_same_name_and_size_merge():
+    a = storch.denote_independent(torch.ones(4, 2), 0, "data")
+    b = storch.denote_independent(torch.full((4, 2), 2.0), 0, "data")
+    c = a + b
+    assert c.plate_names == ["data"]
+    assert c.shape == (4, 2)
+    d = storch.denote_independent(torch.ones(5, 2), 0, "data")
+    with pytest.raises(PlateClashError):
+        a + d
