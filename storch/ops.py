@@ -57,6 +57,10 @@ def gather(input: torch.Tensor, dim: str, index: torch.Tensor) -> torch.Tensor: 
         upos = union.index(plate)
         src = src.expand(union.sizes[:upos] + (plate.size,) + union.sizes[upos + 1:] + event)
         out = torch.gather(src, upos, idx.long())
+        if not any(p == plate for p in layout_of(index).plates):
+            # one sample of ``dim`` per entry of the index: the plate is gone (its entries are equal)
+            out = out.select(upos, 0)
+            union = union.without([plate])
     return wrap_new(out, union)
 
 
