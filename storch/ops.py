@@ -92,10 +92,13 @@ def grad(
     """``torch.autograd.grad`` for storch tensors: each gradient gets the plates of its input."""
     ins = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
     outs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
-    grads = torch.autograd.grad(
-        [plain(o) for o in outs], ins, grad_outputs=grad_outputs, retain_graph=retain_graph,
-        create_graph=create_graph, only_inputs=only_inputs, allow_unused=allow_unused,
-    )
+    if grad_outputs is not None:
+        grad_outputs = [plain(g) if isinstance(g, torch.Tensor) else g for g in grad_outputs]
+    with _Disable():  # else torch.autograd.grad dispatches to storch and gives every result the union of plates
+        grads = torch.autograd.grad(
+            [plain(o) for o in outs], ins, grad_outputs=grad_outputs, retain_graph=retain_graph,
+            create_graph=create_graph, only_inputs=only_inputs, allow_unused=allow_unused,
+        )
     return tuple(
         None if g is None else (wrap(g, i._layout) if isinstance(i, Tensor) else g)
         for g, i in zip(grads, ins)
