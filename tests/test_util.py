@@ -421,3 +421,23 @@ def test_conditional_gumbel_rsample_is_reparameterised():
     (g,) = torch.autograd.grad((z * torch.tensor([1.0, 2.0, 3.0])).sum(), probs)
     assert torch.isfinite(g).all() and g.abs().sum() > 0
     assert storch.conditional_gumbel_rsample is conditional_gumbel_rsample
+
+
+# --------------------------------------------------------------------------- storch.nn
+
+
+def test_b_binary_cross_entropy_reduces_event_dims_only():
+    z = ScoreFunction("z", n_samples=3)(Bernoulli(torch.full((4,), 0.5)))
+    target = storch.denote_independent(torch.tensor([[1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 0.0]]), 0, "bdata")
+    recon = torch.sigmoid(z * 2.0 - 1.0)
+    loss = storch.nn.b_binary_cross_entropy(recon, target)
+    assert sorted(loss.plate_names) == ["bdata", "z"] and loss.event_shape == ()
+    r, t = recon._tensor[:, None], target._tensor[None]
+    expected = -(t * r.log() + (1 - t) * (1 - r).log()).sum(-1)
+    torch.testing.assert_close(raw(loss, "z", "bdata"), expected)
+    mean = storch.nn.b_binary_cross_entropy(recon, target, reduction="mean")
+    torch.testing.assert_close(raw(mean, "z", "bdata"), expected / 4)
+    none = storch.nn.b_binary_cross_entropy(recon, target, reduction="none")
+    assert none.event_shape == (4,)
+    with pytest.raises(ValueError, match="reduction"):
+        storch.nn.b_binary_cross_entropy(recon, target, reduction="bogus")
