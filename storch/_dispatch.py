@@ -65,15 +65,26 @@ _BROADCAST_FIRST: frozenset = frozenset(
 )
 # Functions that join a sequence of tensors: every member gets the full plate dimensions.
 _EXPAND_PLATES: frozenset = frozenset([torch.cat, torch.concat, torch.concatenate, torch.stack])
-# Functions that are not elementwise: align plates but do not pad event dimensions.
-_NO_EVENT_PADDING: frozenset = frozenset(
-    [
-        torch.matmul, _T.matmul, _T.__matmul__, _T.__rmatmul__, torch.mm, _T.mm, torch.bmm, _T.bmm,
-        torch.mv, _T.mv, F.linear, F.bilinear, torch.einsum, torch.tensordot, _T.__getitem__,
-        _T.__setitem__, torch.gather, _T.gather, torch.take_along_dim, _T.index_select,
-        torch.index_select,
-    ]
-)
+# Elementwise functions act per sample: plated arguments get size-1 event dimensions after their
+# plates until they have as many event dimensions as every other argument, plain tensors included.
+# Every other function sees the plates aligned but its arguments' event dimensions untouched.
+_ELEMENTWISE_NAMES = (
+    "add sub subtract rsub mul multiply div divide true_divide floor_divide remainder fmod pow "
+    "float_power atan2 arctan2 hypot maximum minimum fmax fmin eq ne lt le gt ge greater less "
+    "greater_equal less_equal not_equal logical_and logical_or logical_xor bitwise_and bitwise_or "
+    "bitwise_xor where lerp addcmul addcdiv clamp clip copysign xlogy heaviside logaddexp "
+    "logaddexp2 nextafter ldexp masked_fill isclose broadcast_tensors"
+).split()
+_OPERATORS = (
+    "add radd iadd sub rsub isub mul rmul imul truediv rtruediv itruediv div rdiv floordiv "
+    "rfloordiv mod rmod pow rpow ipow eq ne lt le gt ge and rand iand or ror ior xor rxor ixor"
+).split()
+_ELEMENTWISE: frozenset = frozenset(
+    [getattr(torch, n) for n in _ELEMENTWISE_NAMES if hasattr(torch, n)]
+    + [getattr(_T, n) for n in _ELEMENTWISE_NAMES if hasattr(_T, n)]
+    + [getattr(_T, n + "_") for n in _ELEMENTWISE_NAMES if hasattr(_T, n + "_")]
+    + [getattr(_T, f"__{n}__") for n in _OPERATORS if hasattr(_T, f"__{n}__")]
+) | _BROADCAST_FIRST
 _SPECIAL = _BROADCAST_FIRST | _EXPAND_PLATES
 
 # storch.Tensor, set by storch.tensor once the class exists (it imports this module).
@@ -92,35 +103,49 @@ def torch_function(cls: type, func: Callable, types: tuple, args: tuple = (), kw
     with _Disable():
         layout = None
         first = None
-        simple = func not in _SPECIAL
+        same = True  # every plated argument has the same plates
+        ragged = False  # ... but not the same number of event dimensions as all others
+        plain_ndim = 0
         for a in args:
             if isinstance(a, Tensor):
                 lay = a._layout
                 if lay.sizes:
                     if layout is None:
                         layout, first = lay, a
-                    elif lay is not layout or a.dim() != first.dim():
-                        simple = False
+                    elif lay is not layout and lay.plates != layout.plates:
+                        same = False
+                    elif a.dim() != first.dim():
+                        ragged = True
+            elif isinstance(a, _T):
+                if a.dim() > plain_ndim:
+                    plain_ndim = a.dim()
             elif type(a) is list or type(a) is tuple:
                 for b in a:
                     if isinstance(b, Tensor) and b._layout.sizes:
                         if layout is None:
                             layout, first = b._layout, b
-                        elif b._layout is not layout or b.dim() != first.dim():
-                            simple = False
+                        elif b._layout is not layout and b._layout.plates != layout.plates:
+                            same = False
         if kwargs:
             for a in kwargs.values():
                 if isinstance(a, Tensor) and a._layout.sizes:
                     if layout is None:
                         layout, first = a._layout, a
-                    elif a._layout is not layout or a.dim() != first.dim():
-                        simple = False
+                    elif a._layout is not layout and a._layout.plates != layout.plates:
+                        same = False
+                    elif a.dim() != first.dim():
+                        ragged = True
+                elif isinstance(a, _T) and a.dim() > plain_ndim:
+                    plain_ndim = a.dim()
         else:
             kwargs = {}
         if layout is None:
             layout = EMPTY_LAYOUT
-        elif not simple:
-            args, kwargs, layout = _align_call(func, args, kwargs)
+        else:
+            if plain_ndim > first.dim() - len(layout.sizes):
+                ragged = True
+            if not same or (ragged and func in _ELEMENTWISE) or func in _SPECIAL:
+                args, kwargs, layout = _align_call(func, args, kwargs)
         out = func(*args, **kwargs)
         if type(out) is _T:
             sizes = layout.sizes
@@ -197,15 +222,20 @@ def _align_call(func: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict,
     layouts: list[PlateLayout] = []
     event_ndim = 0
     for a in (*args, *kwargs.values()):
-        for b in (a if (type(a) is list or type(a) is tuple) else (a,)):
+        top_level = not (type(a) is list or type(a) is tuple)
+        for b in ((a,) if top_level else a):
             if isinstance(b, Tensor) and b._layout.sizes:
                 layouts.append(b._layout)
                 event = b.dim() - len(b._layout.sizes)
-                if event > event_ndim:
-                    event_ndim = event
+            elif top_level and isinstance(b, torch.Tensor):
+                event = b.dim()  # a plain tensor is one sample's worth of event dimensions
+            else:
+                continue
+            if event > event_ndim:
+                event_ndim = event
     union = _union(layouts)
     expand = func in _EXPAND_PLATES
-    pad_to = None if func in _NO_EVENT_PADDING else event_ndim
+    pad_to = event_ndim if func in _ELEMENTWISE else None
 
     def convert(a: Any) -> Any:
         if isinstance(a, Tensor) and a._layout.sizes:
@@ -233,7 +263,7 @@ _plan_cache: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, tuple | None,
 
 def _union(layouts: list[PlateLayout]) -> PlateLayout:
     first = layouts[0]
-    if all(lay is first for lay in layouts):
+    if all(lay is first or lay.plates == first.plates for lay in layouts):
         return first
     key = tuple(id(lay) for lay in layouts)
     hit = _union_cache.get(key)

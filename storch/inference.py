@@ -27,7 +27,7 @@ from storch.method.method import Method
 from storch.plate import Plate
 from storch.reduce import reduce_plate
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout_of, plain, wrap
-from storch.util import magic_box
+from storch.util import get_distr_parameters, magic_box
 
 __all__ = ["add_cost", "backward", "surrogate_loss", "reset", "registered_costs"]
 
@@ -165,6 +165,24 @@ def surrogate_loss(costs: tuple[CostTensor, ...] | None = None) -> torch.Tensor:
     return _surrogate(_COSTS.get() if costs is None else tuple(costs), _Record())
 
 
+def _retain_param_grads(record: _Record) -> list[Any]:
+    """Hooks that store, for each node in this surrogate, the gradient of each distribution
+    parameter in ``node.param_grads``; removed again right after the backward pass."""
+    handles = []
+    for tensor in record.nodes.values():
+        grads = tensor.param_grads
+        grads.clear()
+        for name, param in get_distr_parameters(tensor.distribution).items():
+            layout = layout_of(param)
+
+            def hook(grad: torch.Tensor, grads: dict = grads, name: str = name, layout=layout) -> None:
+                value = grad.detach().clone()  # autograd may accumulate into the tensor it passed us
+                grads[name] = wrap(value, layout) if layout.plates else value
+
+            handles.append(param.register_hook(hook))
+    return handles
+
+
 def backward(
     create_graph: bool = False,
     retain_graph: bool = False,
@@ -199,7 +217,12 @@ def backward(
                 "is nothing to differentiate. Check that your parameters have requires_grad=True, "
                 "or use storch.surrogate_loss() to only estimate the cost."
             )
-        loss.backward(create_graph=create_graph, retain_graph=retain_graph or create_graph)
+        handles = _retain_param_grads(record)
+        try:
+            loss.backward(create_graph=create_graph, retain_graph=retain_graph or create_graph)
+        finally:
+            for handle in handles:
+                handle.remove()
         if update_parameters:
             for method, triples in record.triples.values():
                 method.update_parameters(triples)

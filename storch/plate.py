@@ -27,10 +27,7 @@ import torch
 if TYPE_CHECKING:  # pragma: no cover
     from storch.tensor import StochasticNode
 
-__all__ = [
-    "Plate", "PlateLayout", "order_plates", "PlateClashError", "layout_of_plates", "merge_layouts",
-    "independent_plate",
-]
+__all__ = ["Plate", "PlateLayout", "order_plates", "PlateClashError", "layout_of_plates", "merge_layouts"]
 
 _creation_counter = itertools.count()
 
@@ -173,21 +170,6 @@ class PlateLayout:
 
 
 EMPTY_LAYOUT = PlateLayout()
-_independent: "weakref.WeakValueDictionary[tuple[str, int], Plate]" = weakref.WeakValueDictionary()
-
-
-def independent_plate(name: str, size: int) -> Plate:
-    """The independent plate ``name`` of ``size`` with uniform weights, shared while it is alive.
-
-    Independent plates are equal by name and size anyway; sharing the object lets tensors from
-    separate ``denote_independent`` calls share a layout, so their operations take the fast path.
-    """
-    key = (name, int(size))
-    plate = _independent.get(key)
-    if plate is None:
-        plate = Plate(name, size)
-        _independent[key] = plate
-    return plate
 _interned: "weakref.WeakValueDictionary[tuple[int, ...], PlateLayout]" = weakref.WeakValueDictionary()
 
 

@@ -16,7 +16,7 @@ from typing import Sequence, Union
 import torch
 
 from storch._dispatch import align_tensor, expand_plain
-from storch.plate import Plate, independent_plate, layout_of_plates, merge_layouts
+from storch.plate import Plate, layout_of_plates, merge_layouts
 from storch.tensor import IndependentTensor, Tensor, _Disable, layout_of, wrap, wrap_new
 
 __all__ = [
@@ -52,7 +52,7 @@ def denote_independent(tensor: torch.Tensor, dim: int, plate_name: str) -> Indep
         )
     if plate_name in layout.names:
         raise ValueError(f"denote_independent: the tensor already has a plate named {plate_name!r}.")
-    plate = independent_plate(plate_name, tensor.shape[dim])
+    plate = Plate(plate_name, tensor.shape[dim])
     with _Disable():
         moved = torch.movedim(tensor, dim, 0)
     return wrap(moved, layout_of_plates((plate,) + layout.plates), IndependentTensor)  # type: ignore[return-value]
@@ -77,7 +77,7 @@ def gather_samples(
     tensors = [s if isinstance(s, torch.Tensor) else torch.as_tensor(s) for s in samples]
     layouts = [layout_of(t) for t in tensors]
     union = merge_layouts(layouts)
-    plate = independent_plate(plate_name, len(tensors)) if weight is None else Plate(plate_name, len(tensors), weight)
+    plate = Plate(plate_name, len(tensors), weight)
     with _Disable():
         if union.plates:
             tensors = [
@@ -146,6 +146,12 @@ def _plate_weight(plate: Plate, detach: bool) -> torch.Tensor | None:
         return None
     if isinstance(w, torch.Tensor) and detach:
         w = w.detach()
+    if type(w) is torch.Tensor and w.dim() == 1:  # one weight per sample of this plate
+        if w.shape[0] != plate.size:
+            raise ValueError(
+                f"Plate {plate.name!r} of size {plate.size} has a weight vector of size {w.shape[0]}."
+            )
+        w = wrap(w, layout_of_plates((plate,)))
     return w  # type: ignore[return-value]
 
 

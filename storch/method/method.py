@@ -52,7 +52,7 @@ from torch.distributions import Distribution
 from storch.plate import Plate, layout_of_plates
 from storch.sampling.method import MonteCarlo, SamplingMethod
 from storch.tensor import CostTensor, StochasticNode, StochasticTensor, Tensor, _alias, _Disable, wrap_new
-from storch.util import distribution_layout, get_distr_parameters, magic_box
+from storch.util import distribution_layout, magic_box
 
 __all__ = ["Method", "log_prob"]
 
@@ -131,7 +131,6 @@ class Method(nn.Module):
         plate.node = node
         tensor = StochasticTensor._from_node(_alias(samples), node)
         plate.weight = self._plate_weight(tensor, plate)
-        self._retain_param_grads(distr, node)
         return tensor
 
     def _check_samples(self, distr: Distribution, samples: torch.Tensor, sizes: tuple[int, ...]) -> None:
@@ -158,18 +157,6 @@ class Method(nn.Module):
                 "a storch tensor for weights that depend on other plates."
             )
         return wrap_new(weight.clone(), layout_of_plates((plate,)))
-
-    @staticmethod
-    def _retain_param_grads(distr: Distribution, node: StochasticNode) -> None:
-        """Keep the gradient of each distribution parameter in ``node.param_grads`` after backward."""
-        grads = node.param_grads
-        for name, param in get_distr_parameters(distr).items():
-            layout = param._layout if isinstance(param, Tensor) else None
-
-            def hook(grad: torch.Tensor, name: str = name, layout=layout) -> None:
-                grads[name] = grad if layout is None else wrap_new(grad.detach().clone(), layout)
-
-            param.register_hook(hook)
 
     # ------------------------------------------------------------- components
     def check_distribution(self, distr: Distribution) -> None:
