@@ -112,8 +112,9 @@ class Method(nn.Module):
         if not isinstance(distr, Distribution):
             raise TypeError(
                 f"{type(self).__name__}({self.plate_name!r}) samples a torch.distributions.Distribution, "
-                f"got {type(distr).__name__}. (The manual's older form method('z', q, n=8) is now "
-                f"{type(self).__name__}('z', n_samples=8)(q).)"
+                f"got {type(distr).__name__}. Build the method with its plate name and call it on the "
+                "distribution, e.g. ScoreFunction('z', n_samples=8)(q) (the manual's older form was "
+                "method('z', q, n=8))."
             )
         self.check_distribution(distr)
         parents = distribution_layout(distr)
