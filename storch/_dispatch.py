@@ -148,42 +148,34 @@ def torch_function(cls: type, func: Callable, types: tuple, args: tuple = (), kw
                 args, kwargs, layout = _align_call(func, args, kwargs)
         out = func(*args, **kwargs)
         if type(out) is _T:
-            sizes = layout.sizes
-            if sizes and out.shape[: len(sizes)] != sizes:
-                if func in _MAY_DROP_PLATES:
-                    return out
-                raise plate_dimension_error(func, out.shape, layout)
-            for a in args:
-                if a is out:  # a plain input returned unchanged: do not retype the user's tensor
-                    out = out.view_as(out)
-                    break
-            out.__class__ = Tensor
-            out._layout = layout
-            return out
+            return _wrap_tensor(out, layout, func, args)
         return _wrap_output(out, layout, func, args)
 
 
+def _wrap_tensor(out: torch.Tensor, layout: PlateLayout, func: Callable, args: tuple) -> Any:
+    """Make a fresh plain result a storch tensor with ``layout``, after checking its plate dims."""
+    sizes = layout.sizes
+    if sizes and out.shape[: len(sizes)] != sizes:
+        if func in _MAY_DROP_PLATES:
+            return out
+        raise plate_dimension_error(func, out.shape, layout)
+    for a in args:
+        if a is out:  # a plain input returned unchanged: do not retype the user's tensor
+            out = out.view_as(out)
+            break
+    out.__class__ = Tensor
+    out._layout = layout
+    return out
+
+
 def _wrap_output(out: Any, layout: PlateLayout, func: Callable, args: tuple) -> Any:
+    """Wrap the tensors in a non-tensor result (tuples, named tuples, lists); pass others through."""
     if type(out) is _T:
-        sizes = layout.sizes
-        if sizes and out.shape[: len(sizes)] != sizes:
-            if func in _MAY_DROP_PLATES:
-                return out
-            raise plate_dimension_error(func, out.shape, layout)
-        for a in args:
-            if a is out:  # the function returned a plain input unchanged: do not retype the user's tensor
-                out = out.view_as(out)
-                break
-        out.__class__ = Tensor
-        out._layout = layout
-        return out
+        return _wrap_tensor(out, layout, func, args)
     if isinstance(out, Tensor):
         return out  # in-place operation or identity on a storch tensor: keeps its own layout
     if isinstance(out, (tuple, list)):
-        items = [_wrap_output(o, layout, func, args) for o in out]
-        if type(out) is tuple or type(out) is list:
-            return type(out)(items)
-        return type(out)(items)  # torch.return_types structseq
+        return type(out)([_wrap_output(o, layout, func, args) for o in out])  # also torch.return_types
     return out
 
 
