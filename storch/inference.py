@@ -161,6 +161,15 @@ def surrogate_loss(costs: tuple[CostTensor, ...] | None = None) -> torch.Tensor:
 
     Its value is the estimate of the expected total cost; its derivatives are the gradient
     estimates. Unlike :func:`backward` this keeps the registry and updates no method state.
+
+    Example:
+        >>> import torch, storch
+        >>> from torch.distributions import Normal
+        >>> x = storch.method.Reparameterization("x", n_samples=3)(Normal(torch.tensor(1.0), 1.0))
+        >>> storch.add_cost(x * 0.0 + 2.0, "two")
+        >>> storch.surrogate_loss()
+        tensor(2.)
+        >>> storch.reset()
     """
     return _surrogate(_COSTS.get() if costs is None else tuple(costs), _Record())
 
@@ -203,6 +212,15 @@ def backward(
 
     Returns:
         The estimate of the expected total cost (a plain, detached 0-dim tensor).
+
+    Example:
+        >>> import torch, storch
+        >>> from torch.distributions import Bernoulli
+        >>> p = torch.tensor(0.3, requires_grad=True)
+        >>> x = storch.method.Expect("x")(Bernoulli(p))   # exact: E[5x] = 5p
+        >>> storch.add_cost(5.0 * x, "f")
+        >>> storch.backward(), p.grad
+        (tensor(1.5000), tensor(5.))
     """
     costs = _COSTS.get()
     record = _Record()

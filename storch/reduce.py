@@ -130,12 +130,26 @@ def sum(tensor: torch.Tensor, dims: PlateRef | Sequence[PlateRef]) -> torch.Tens
 
 
 def mean(tensor: torch.Tensor, dims: PlateRef | Sequence[PlateRef]) -> torch.Tensor:
-    """Unweighted mean over plates and/or dimensions. For estimates use :func:`reduce_plates`."""
+    """Unweighted mean over plates and/or dimensions. For estimates use :func:`reduce_plates`.
+
+    Example:
+        >>> import torch, storch
+        >>> x = storch.denote_independent(torch.arange(6.).reshape(3, 2), 0, "data")
+        >>> storch.mean(x, ["data", -1]).item()
+        2.5
+    """
     return _reduce_dims(tensor, dims, "mean")
 
 
 def logsumexp(tensor: torch.Tensor, dims: PlateRef | Sequence[PlateRef]) -> torch.Tensor:
-    """``log Σ exp`` over plates and/or dimensions (e.g. importance-weighted bounds)."""
+    """``log Σ exp`` over plates and/or dimensions (e.g. importance-weighted bounds).
+
+    Example:
+        >>> import torch, storch
+        >>> x = storch.denote_independent(torch.zeros(4), 0, "k")
+        >>> round(storch.logsumexp(x, "k").item(), 4)   # log 4
+        1.3863
+    """
     return _reduce_dims(tensor, dims, "logsumexp")
 
 

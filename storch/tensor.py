@@ -208,6 +208,17 @@ class StochasticTensor(Tensor):
         method: the :class:`storch.method.Method` that estimates gradients for this node.
         param_grads: after :func:`storch.backward`, the gradient of the surrogate loss with respect
             to each distribution parameter that requires grad, by parameter name.
+
+    Example:
+        >>> import torch, storch
+        >>> from torch.distributions import Normal
+        >>> mu = torch.tensor(0.5, requires_grad=True)
+        >>> z = storch.method.Reparameterization("z", n_samples=4)(Normal(mu, 1.0))
+        >>> z.name, z.n, type(z.distribution).__name__, z.plate_names
+        ('z', 4, 'Normal', ['z'])
+        >>> storch.add_cost(z * 2.0, "f"); _ = storch.backward()
+        >>> z.param_grads["loc"]
+        tensor(2.)
     """
 
     _kind = "Stochastic"
