@@ -1,0 +1,8 @@
+"""``python -m storch.demo``: see :mod:`storch.demo`."""
+
+import sys
+
+from storch.demo import main
+
+if __name__ == "__main__":
+    sys.exit(main())
