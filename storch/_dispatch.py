@@ -225,7 +225,7 @@ def _align_call(func: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict,
                 continue
             if event > event_ndim:
                 event_ndim = event
-    union = _union(layouts)
+    union = union_of_layouts(layouts)
     expand = func in _EXPAND_PLATES
     pad_to = event_ndim if func in _ELEMENTWISE else None
 
@@ -253,7 +253,8 @@ _union_cache: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], PlateLayout]]
 _plan_cache: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, tuple | None, tuple]] = {}
 
 
-def _union(layouts: list[PlateLayout]) -> PlateLayout:
+def union_of_layouts(layouts: list[PlateLayout]) -> PlateLayout:
+    """The union of layouts (see :func:`storch.plate.merge_layouts`), cached for repeated calls."""
     first = layouts[0]
     if all(lay is first or lay.plates == first.plates for lay in layouts):
         return first
@@ -321,13 +322,26 @@ def expand_plain(t: torch.Tensor, union: PlateLayout) -> torch.Tensor:
     return t[(None,) * n].expand(*union.sizes, *t.shape)
 
 
+def _broadcast_shape(shapes: list[torch.Size]) -> tuple[int, ...]:
+    """``torch.broadcast_shapes`` for a few shapes, without its Python-reference overhead."""
+    ndim = max(len(s) for s in shapes)
+    out = [1] * ndim
+    for s in shapes:
+        for i, size in enumerate(s, ndim - len(s)):
+            if size != 1:
+                if out[i] not in (1, size):
+                    raise RuntimeError(f"shapes {[tuple(x) for x in shapes]} do not broadcast")
+                out[i] = size
+    return tuple(out)
+
+
 def _broadcast_tensor_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Expand the top-level tensor arguments to their common broadcast shape."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     if len(tensors) < 2:
         return args, kwargs
-    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    shape = _broadcast_shape([t.shape for t in tensors])
     new_args = tuple(a.expand(shape) if isinstance(a, torch.Tensor) else a for a in args)
     new_kwargs = {
         k: (v.expand(shape) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)

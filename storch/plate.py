@@ -36,6 +36,17 @@ class PlateClashError(ValueError):
     """Two different plates with the same name meet in one operation."""
 
 
+_uniform_weights: dict[int, torch.Tensor] = {}
+
+
+def uniform_weight(size: int) -> torch.Tensor:
+    """The (shared, read-only) weight ``1/size`` of i.i.d. samples."""
+    w = _uniform_weights.get(size)
+    if w is None:
+        w = _uniform_weights[size] = torch.tensor(1.0 / size)
+    return w
+
+
 class Plate:
     """A named sample dimension.
 
@@ -72,9 +83,7 @@ class Plate:
             raise ValueError(f"Plate {name!r} must have a positive size, got {size}.")
         self.name = name
         self.size = int(size)
-        if weight is None:
-            weight = torch.tensor(1.0 / self.size)
-        self.weight = weight
+        self.weight = uniform_weight(self.size) if weight is None else weight
         self.parents = tuple(parents)
         self.node = node
         self.order = next(_creation_counter)

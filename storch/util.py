@@ -9,14 +9,15 @@ from torch.distributions import Distribution
 from torch.distributions.utils import lazy_property
 
 from storch.method.relaxation import conditional_gumbel_rsample, relaxation_for
-from storch.plate import EMPTY_LAYOUT, Plate, PlateLayout, layout_of_plates, merge_layouts, order_plates
+from storch._dispatch import union_of_layouts
+from storch.plate import EMPTY_LAYOUT, Plate, PlateLayout, layout_of_plates, order_plates
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout_of, wrap_new
 
 __all__ = [
     "magic_box", "get_distr_parameters", "distribution_layout", "has_differentiable_path",
     "has_backwards_path", "walk_backward_graph", "print_graph", "topological_sort", "split",
     "rsample_gumbel", "rsample_gumbel_softmax", "conditional_gumbel_rsample", "tensor_stats",
-    "reduce_mean",
+    "reduce_mean", "log_prob_of_own_samples",
 ]
 
 
@@ -86,7 +87,36 @@ def distribution_layout(d: Distribution) -> PlateLayout:
                 stack.append(value)
     if not layouts:
         return EMPTY_LAYOUT
-    return merge_layouts(layouts)
+    return union_of_layouts(layouts)
+
+
+def _with_nested(d: Distribution) -> list[Distribution]:
+    found = [d]
+    for value in d.__dict__.values():
+        if isinstance(value, Distribution):
+            found.extend(_with_nested(value))
+    return found
+
+
+def log_prob_of_own_samples(d: Distribution, samples: torch.Tensor) -> torch.Tensor:
+    """``d.log_prob(samples)`` for samples that ``d`` (or an enumeration of its support) produced.
+
+    Such samples are in the support by construction, so argument validation of this one call is
+    skipped on this distribution object only (restored afterwards; torch's global default is
+    untouched). It costs about as much as the log-probability itself.
+    """
+    dists = _with_nested(d)
+    saved = [dist.__dict__.get("_validate_args", None) for dist in dists]
+    try:
+        for dist in dists:
+            dist._validate_args = False
+        return d.log_prob(samples)
+    finally:
+        for dist, old in zip(dists, saved):
+            if old is None:
+                del dist.__dict__["_validate_args"]
+            else:
+                dist._validate_args = old
 
 
 def walk_backward_graph(tensor: torch.Tensor) -> Iterator[object]:

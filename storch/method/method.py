@@ -52,7 +52,7 @@ from torch.distributions import Distribution
 from storch.plate import Plate, layout_of_plates
 from storch.sampling.method import MonteCarlo, SamplingMethod
 from storch.tensor import CostTensor, StochasticNode, StochasticTensor, Tensor, _alias, _Disable, wrap_new
-from storch.util import distribution_layout, magic_box
+from storch.util import distribution_layout, log_prob_of_own_samples, magic_box
 
 __all__ = ["Method", "log_prob"]
 
@@ -62,7 +62,7 @@ def log_prob(tensor: StochasticTensor) -> Tensor:
     node = tensor._node
     layout = node.layout
     with _Disable():
-        lp = node.distribution.log_prob(node.samples)
+        lp = log_prob_of_own_samples(node.distribution, node.samples)
         extra = tuple(range(len(layout.sizes), lp.dim()))
         if extra:
             lp = lp.sum(extra)
@@ -145,7 +145,7 @@ class Method(nn.Module):
     def _plate_weight(self, tensor: StochasticTensor, plate: Plate) -> torch.Tensor:
         weight = self.sampling_method.weighting_function(tensor, plate)
         if weight is None:
-            return torch.tensor(1.0 / plate.size)
+            return plate.weight  # the uniform 1/n the plate was created with
         if isinstance(weight, Tensor):
             return weight
         weight = torch.as_tensor(weight)

@@ -17,6 +17,7 @@ from torch.distributions import Distribution
 from storch.plate import Plate
 from storch.sampling.method import SamplingMethod
 from storch.tensor import _Disable, wrap_new
+from storch.util import log_prob_of_own_samples
 
 if TYPE_CHECKING:  # pragma: no cover
     from storch.tensor import StochasticTensor
@@ -77,7 +78,7 @@ class Enumerate(SamplingMethod):
         """The joint probability ``p(x)`` of each configuration (differentiable)."""
         layout = tensor._layout
         with _Disable():
-            log_p = tensor.distribution.log_prob(tensor)
+            log_p = log_prob_of_own_samples(tensor.distribution, tensor)
             extra = tuple(range(len(layout.sizes), log_p.dim()))
             if extra:
                 log_p = log_p.sum(extra)
