@@ -213,37 +213,44 @@ def _align_call(func: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict,
     """Align all storch arguments of one call to the union of their plates."""
     layouts: list[PlateLayout] = []
     event_ndim = 0
-    for a in (*args, *kwargs.values()):
-        top_level = not (type(a) is list or type(a) is tuple)
-        for b in ((a,) if top_level else a):
-            if isinstance(b, Tensor) and b._layout.sizes:
-                layouts.append(b._layout)
-                event = b.dim() - len(b._layout.sizes)
-            elif top_level and isinstance(b, torch.Tensor):
-                event = b.dim()  # a plain tensor is one sample's worth of event dimensions
-            else:
-                continue
-            if event > event_ndim:
-                event_ndim = event
+    for a in (args + tuple(kwargs.values())) if kwargs else args:
+        if isinstance(a, Tensor) and a._layout.sizes:
+            layouts.append(a._layout)
+            event = a.dim() - len(a._layout.sizes)
+        elif isinstance(a, _T):
+            event = a.dim()  # a plain tensor is one sample's worth of event dimensions
+        elif type(a) is list or type(a) is tuple:
+            for b in a:
+                if isinstance(b, Tensor) and b._layout.sizes:
+                    layouts.append(b._layout)
+            continue
+        else:
+            continue
+        if event > event_ndim:
+            event_ndim = event
     union = union_of_layouts(layouts)
     expand = func in _EXPAND_PLATES
     pad_to = event_ndim if func in _ELEMENTWISE else None
-
-    def convert(a: Any) -> Any:
-        if isinstance(a, Tensor) and a._layout.sizes:
-            return align_tensor(a, union, pad_to, expand)
-        if expand and isinstance(a, torch.Tensor):
-            return expand_plain(a, union)
-        return a
-
     new_args = tuple(
-        type(a)([convert(b) for b in a]) if (type(a) is list or type(a) is tuple) else convert(a)
+        type(a)([_convert(b, union, pad_to, expand) for b in a])
+        if (type(a) is list or type(a) is tuple)
+        else _convert(a, union, pad_to, expand)
         for a in args
     )
-    new_kwargs = {k: convert(v) for k, v in kwargs.items()} if kwargs else kwargs
+    if kwargs:
+        kwargs = {k: _convert(v, union, pad_to, expand) for k, v in kwargs.items()}
     if func in _BROADCAST_FIRST:
-        new_args, new_kwargs = _broadcast_tensor_args(new_args, new_kwargs)
-    return new_args, new_kwargs, union
+        new_args, kwargs = _broadcast_tensor_args(new_args, kwargs)
+    return new_args, kwargs, union
+
+
+def _convert(a: Any, union: PlateLayout, pad_to: int | None, expand: bool) -> Any:
+    """One argument laid out for ``union`` (see :func:`align_tensor`)."""
+    if isinstance(a, Tensor) and a._layout.sizes:
+        return align_tensor(a, union, pad_to, expand)
+    if expand and isinstance(a, _T):
+        return expand_plain(a, union)
+    return a
 
 
 # Small caches keyed by layout ids. Entries hold weak references and are checked on every hit, so
