@@ -10,6 +10,7 @@ noise and load changes then affect every variant alike. Results are medians over
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -116,3 +117,16 @@ class StepBench:
     def ratio(self, num: str, den: str) -> float:
         """Median over rounds of time(num) / time(den) within the same round (paired)."""
         return statistics.median(a / b for a, b in zip(self.times[num], self.times[den]))
+
+
+def add_measurement_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options both benchmark processes share (run.py and storchastic_step.py)."""
+    ap.add_argument("--quick", action="store_true", help="few repetitions (smoke run)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[8, 100])
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--op-batch", type=int, default=8)
+    ap.add_argument("--op-dim", type=int, default=16)
+    ap.add_argument("--step-reps", type=int, default=None,
+                    help="timed training steps per variant (default 32, 4 with --quick)")
+    ap.add_argument("--op-reps", type=int, default=None,
+                    help="timed blocks of ops per variant (default 32, 4 with --quick)")

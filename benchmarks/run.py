@@ -48,7 +48,7 @@ if _REPO not in sys.path:  # our storch, also when it is not pip-installed
 
 import torch  # noqa: E402
 
-from common import FULL, QUICK, OpBench, StepBench, chunks  # noqa: E402
+from common import FULL, QUICK, OpBench, StepBench, add_measurement_arguments, chunks  # noqa: E402
 from handwritten import (  # noqa: E402
     CLASSES,
     LATENTS,
@@ -315,15 +315,7 @@ def _error(res: dict, msg: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="storch vs plain PyTorch vs Storchastic 0.3.7")
-    ap.add_argument("--quick", action="store_true", help="few repetitions (smoke run)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[8, 100])
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--op-batch", type=int, default=8)
-    ap.add_argument("--op-dim", type=int, default=16)
-    ap.add_argument("--step-reps", type=int, default=None,
-                    help="timed training steps per variant (default 32, 4 with --quick)")
-    ap.add_argument("--op-reps", type=int, default=None,
-                    help="timed blocks of ops per variant (default 32, 4 with --quick)")
+    add_measurement_arguments(ap)
     ap.add_argument("--no-storchastic", action="store_true",
                     help="skip the Storchastic 0.3.7 subprocess")
     ap.add_argument("--output", default=os.path.join(RESULTS_DIR, "latest.txt"))

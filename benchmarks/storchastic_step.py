@@ -58,7 +58,7 @@ import torch  # noqa: E402
 import storch  # noqa: E402  (Storchastic 0.3.7)
 from torch.distributions import OneHotCategorical  # noqa: E402
 
-from common import FULL, QUICK, OpBench, StepBench, chunks  # noqa: E402
+from common import FULL, QUICK, OpBench, StepBench, add_measurement_arguments, chunks  # noqa: E402
 from handwritten import (  # noqa: E402
     CLASSES,
     LATENTS,
@@ -147,15 +147,7 @@ def make_step_bench(batch: int, n_samples: int, warmup: int) -> StepBench:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="few repetitions (smoke run)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[8, 100])
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--op-batch", type=int, default=8)
-    ap.add_argument("--op-dim", type=int, default=16)
-    ap.add_argument("--step-reps", type=int, default=None,
-                    help="timed training steps per variant (default 32, 4 with --quick)")
-    ap.add_argument("--op-reps", type=int, default=None,
-                    help="timed blocks of ops per variant (default 32, 4 with --quick)")
+    add_measurement_arguments(ap)
     ap.add_argument("--serve", action="store_true",
                     help="take commands on stdin (used by run.py to interleave processes)")
     return ap.parse_args(argv)

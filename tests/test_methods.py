@@ -10,10 +10,10 @@ import torch
 from torch.distributions import Bernoulli, Categorical, Normal, OneHotCategorical, Poisson
 
 import storch
+from score_function_loo import ScoreFunctionLOO
 from storch.method import Expect, GumbelSoftmax, Infer, Method, Reparameterization, ScoreFunction
 from storch.method.baseline import BatchAverageBaseline, MovingAverageBaseline
 from storch.sampling import Enumerate, MonteCarlo
-from storch.util import magic_box
 
 # ------------------------------------------------------------------------------ errors
 
@@ -341,22 +341,6 @@ def test_param_grad_hooks_do_not_accumulate_on_leaf_parameters():
 
 
 # ------------------------------------------------------------------ a user-written method
-
-
-class ScoreFunctionLOO(Method):
-    """The manual's leave-one-out score function (chapter 5.2 / storch.method.method docstring)."""
-
-    def proposal_dist(self, distr, amt_samples):
-        return distr.sample((amt_samples,))
-
-    def weighting_function(self, distr, amt_samples):
-        return torch.full((amt_samples,), 1 / amt_samples)
-
-    def estimator(self, tensor, cost):
-        log_prob = tensor.distribution.log_prob(tensor)
-        sum_costs = storch.sum(cost.detach(), tensor.name)
-        baseline = (sum_costs - cost.detach()) / (tensor.n - 1)
-        return log_prob, (1.0 - magic_box(log_prob)) * baseline
 
 
 def _vae_like(method, seed=21):

@@ -16,28 +16,12 @@ import torch
 from torch.distributions import Bernoulli, Normal, OneHotCategorical
 
 import storch
-from storch.method import Expect, Infer, Method, Reparameterization, ScoreFunction
+from storch.method import Expect, Infer, Reparameterization, ScoreFunction
 from storch.testing import assert_unbiased, check_unbiased, replicated_gradients
-from storch.util import magic_box
+
+from score_function_loo import ScoreFunctionLOO  # examples/score_function_loo.py, the manual's estimator
 
 R = 3000
-
-
-class ScoreFunctionLOO(Method):
-    """The manual's user-written estimator (chapter 5.2), typos fixed: proposal, weighting
-    function, gradient function and control variate in a few lines."""
-
-    def proposal_dist(self, distr, amt_samples):
-        return distr.sample((amt_samples,))
-
-    def weighting_function(self, distr, amt_samples):
-        return torch.full((amt_samples,), 1 / amt_samples)
-
-    def estimator(self, tensor, cost):
-        log_prob = tensor.distribution.log_prob(tensor)
-        sum_costs = storch.sum(cost.detach(), tensor.name)
-        baseline = (sum_costs - cost) / (tensor.n - 1)
-        return log_prob, (1.0 - magic_box(log_prob)) * baseline
 
 
 @pytest.fixture(autouse=True)
