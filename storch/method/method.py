@@ -19,20 +19,11 @@ How to add an estimator
 Subclass :class:`Method` and override what differs from plain Monte Carlo. The surrogate is
 unbiased for all orders of derivatives if, for every order ``n`` and every function ``g``,
 ``E_X[Σ_x w(x) ∇ⁿ(□(l(x)) g(x))] = ∇ⁿ E_p[g]`` and ``E_X[Σ_x w(x) ∇ⁿ((1 − □(l(x))) a(x))] = 0``.
-A score-function estimator with a leave-one-out baseline takes a few lines::
-
-    class ScoreFunctionLOO(Method):
-        def proposal_dist(self, distr, amt_samples):
-            return distr.sample((amt_samples,))
-
-        def weighting_function(self, distr, amt_samples):
-            return torch.full((amt_samples,), 1 / amt_samples)
-
-        def estimator(self, tensor, cost):
-            log_prob = tensor.distribution.log_prob(tensor)
-            sum_costs = storch.sum(cost.detach(), tensor.name)
-            baseline = (sum_costs - cost.detach()) / (tensor.n - 1)
-            return log_prob, (1.0 - magic_box(log_prob)) * baseline
+A score-function estimator with a leave-one-out baseline takes a few lines: it overrides
+:meth:`proposal_dist` (``distr.sample((n,))``), :meth:`weighting_function` (``1/n`` per sample)
+and :meth:`estimator`, which returns ``log p(x)`` and ``(1 − □(log p(x))) · b`` with ``b`` the mean
+cost of the other samples. The complete class is ``examples/score_function_loo.py`` (the manual's
+``ScoreFunctionLOO``); the tests check it is unbiased.
 
 :meth:`estimator` returns the gradient function and the whole control-variate term; by default it
 combines :meth:`gradient_function` and :meth:`control_variate`. Gradient functions and control
