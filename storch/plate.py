@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
@@ -240,7 +240,3 @@ def order_plates(plates: Sequence[Plate], reverse: bool = False) -> list[Plate]:
         ['data', 'z']
     """
     return sorted(plates, key=lambda p: p.order, reverse=reverse)
-
-
-def plate_names(plates: Any) -> list[str]:
-    return [p.name for p in plates]

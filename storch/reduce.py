@@ -16,7 +16,7 @@ from typing import Sequence, Union
 import torch
 
 from storch._dispatch import align_tensor, expand_plain
-from storch.plate import Plate, layout_of_plates, merge_layouts
+from storch.plate import Plate, layout_of_plates, merge_layouts, uniform_weight
 from storch.tensor import IndependentTensor, Tensor, _Disable, layout_of, wrap, wrap_new
 
 __all__ = [
@@ -156,7 +156,7 @@ def logsumexp(tensor: torch.Tensor, dims: PlateRef | Sequence[PlateRef]) -> torc
 def _plate_weight(plate: Plate, detach: bool) -> torch.Tensor | None:
     """The weight tensor of a plate, or ``None`` if it is the uniform ``1/size``."""
     w = plate.weight
-    if plate.has_uniform_weight and float(w) == 1.0 / plate.size:  # type: ignore[arg-type]
+    if w is uniform_weight(plate.size):  # identity check: no device sync to read the value
         return None
     if isinstance(w, torch.Tensor) and detach:
         w = w.detach()

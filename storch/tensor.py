@@ -49,6 +49,19 @@ def _retype(t: torch.Tensor, cls: type, layout: PlateLayout) -> "Tensor":
     return t
 
 
+def _single_value(method: Any, what: str) -> Any:
+    """``method`` of torch.Tensor, refused when the tensor holds several samples."""
+
+    def convert(self: "Tensor") -> Any:
+        self._check_single_sample(what)
+        with _Disable():
+            return method(self)
+
+    convert.__name__ = method.__name__
+    convert.__doc__ = f"{what} of a tensor whose plates all have size 1 (else ValueError)."
+    return convert
+
+
 class Tensor(torch.Tensor):
     """A ``torch.Tensor`` whose leftmost dimensions are named plates.
 
@@ -113,30 +126,11 @@ class Tensor(torch.Tensor):
                 "mean over all plates, or use t._tensor for the raw values."
             )
 
-    def __bool__(self) -> bool:
-        self._check_single_sample("bool()")
-        with _Disable():
-            return torch.Tensor.__bool__(self)
-
-    def item(self) -> Any:
-        self._check_single_sample(".item()")
-        with _Disable():
-            return torch.Tensor.item(self)
-
-    def tolist(self) -> Any:
-        self._check_single_sample(".tolist()")
-        with _Disable():
-            return torch.Tensor.tolist(self)
-
-    def __float__(self) -> float:
-        self._check_single_sample("float()")
-        with _Disable():
-            return torch.Tensor.__float__(self)
-
-    def __int__(self) -> int:
-        self._check_single_sample("int()")
-        with _Disable():
-            return torch.Tensor.__int__(self)
+    __bool__ = _single_value(torch.Tensor.__bool__, "bool()")
+    item = _single_value(torch.Tensor.item, ".item()")
+    tolist = _single_value(torch.Tensor.tolist, ".tolist()")
+    __float__ = _single_value(torch.Tensor.__float__, "float()")
+    __int__ = _single_value(torch.Tensor.__int__, "int()")
 
     # ----------------------------------------------------------------- display
     _kind = "Deterministic"

@@ -64,7 +64,7 @@ class Enumerate(SamplingMethod):
             )
         event = tuple(distr.event_shape)
         values = support.reshape((k,) + event)
-        if n_vars == 0 or not var_shape:
+        if not var_shape:  # one variable: the support itself
             joint = values
         else:
             grids = torch.cartesian_prod(*[torch.arange(k, device=values.device)] * n_vars)
