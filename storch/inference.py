@@ -236,8 +236,13 @@ def backward(
                 "or use storch.surrogate_loss() to only estimate the cost."
             )
         handles = _retain_param_grads(record)
+        # methods that learn from the gradient estimate (RELAX's control variate) differentiate
+        # through the surrogate again in update_parameters, so its graph must outlive backward
+        keep_graph = update_parameters and any(
+            method.needs_graph_after_backward for method, _ in record.triples.values()
+        )
         try:
-            loss.backward(create_graph=create_graph, retain_graph=retain_graph or create_graph)
+            loss.backward(create_graph=create_graph, retain_graph=retain_graph or create_graph or keep_graph)
         finally:
             for handle in handles:
                 handle.remove()

@@ -75,6 +75,9 @@ class Method(nn.Module):
 
     #: whether the samples carry pathwise gradients (``rsample``)
     reparameterized: bool = False
+    #: whether :meth:`update_parameters` differentiates through the surrogate again (e.g. to train
+    #: a control variate on the gradient variance); ``storch.backward`` then retains the graph
+    needs_graph_after_backward: bool = False
 
     def __init__(
         self, plate_name: str, sampling_method: SamplingMethod | None = None, n_samples: int = 1

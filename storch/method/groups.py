@@ -1,0 +1,125 @@
+"""Evaluation groups: estimators that evaluate the cost at several points per sample.
+
+ARM, DisARM, measure-valued derivatives, local expectations and REBAR need the cost at more points
+than the samples themselves (antithetic pairs, the positive and negative parts of a measure, every
+value of one variable with the others fixed, relaxed inputs). Such a method draws ``n`` *groups* of
+``M`` evaluation points and lays them out along its own plate, group-major: point ``m`` of group
+``j`` sits at position ``j·M + m`` of a plate of size ``n·M``. The user's model evaluates the cost at
+every point in one vectorised pass, exactly as for ordinary samples.
+
+The plate weight of each point says how it counts in the estimate of the expected cost. The weights
+of a group sum to ``1/n`` (e.g. ``1/n`` on the one sample drawn from ``p`` and ``0`` on the extra
+points, or ``1/(2n)`` on each of two antithetic samples), so that reducing the plate gives an
+unbiased estimate of the expectation.
+
+Inside :meth:`~storch.method.Method.estimator` the method views the cost per group with
+:func:`split_groups` (the plate of ``n·M`` becomes a plate of ``n`` groups, and ``M`` the first event
+dimension), computes one term per group with ordinary storch arithmetic, and hands it back per point
+with :func:`spread_groups`. A term spread over a group counts once per group, since the group's
+weights sum to ``1/n``.
+
+Example:
+    >>> import torch, storch
+    >>> from storch.plate import Plate, layout_of_plates
+    >>> plate = Plate("z", 6)                             # n = 3 groups of M = 2 points
+    >>> cost = storch.Tensor(torch.arange(6.0), [plate])
+    >>> per_group = split_groups(cost, plate, 2)
+    >>> per_group.plates[0].size, tuple(per_group.shape)
+    (3, (3, 2))
+    >>> difference = per_group[..., 1] - per_group[..., 0]
+    >>> spread_groups(difference, cost, plate, 2)._tensor.tolist()
+    [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from storch._dispatch import align_tensor
+from storch.plate import Plate, layout_of_plates, merge_layouts
+from storch.tensor import Tensor, _Disable, layout_of, wrap, wrap_new
+
+__all__ = ["group_weights", "flatten_groups", "split_groups", "spread_groups", "group_plate"]
+
+
+def group_weights(n_groups: int, point_weights: torch.Tensor | list[float]) -> torch.Tensor:
+    """Plate weights for ``n_groups`` groups whose points weigh ``point_weights`` (summing to 1).
+
+    Example:
+        >>> group_weights(2, [1.0, 0.0, 0.0]).tolist()
+        [0.5, 0.0, 0.0, 0.5, 0.0, 0.0]
+    """
+    w = torch.as_tensor(point_weights, dtype=torch.get_default_dtype())
+    if w.dim() != 1 or not torch.isclose(w.sum(), torch.tensor(1.0, dtype=w.dtype)):
+        raise ValueError(f"group_weights: point weights must be a vector summing to 1, got {w.tolist()}.")
+    return (w / n_groups).repeat(n_groups)
+
+
+def flatten_groups(points: torch.Tensor) -> torch.Tensor:
+    """``(n, M, *rest)`` evaluation points to the plate layout ``(n·M, *rest)``."""
+    return points.reshape((points.shape[0] * points.shape[1],) + tuple(points.shape[2:]))
+
+
+def group_plate(plate: Plate, group_size: int) -> Plate:
+    """The independent plate of the ``plate.size // group_size`` groups of ``plate``."""
+    if plate.size % group_size:
+        raise ValueError(
+            f"Plate {plate.name!r} of size {plate.size} does not hold whole groups of {group_size} points."
+        )
+    return Plate(plate.name, plate.size // group_size)
+
+
+def _plate_first(t: Tensor, plate: Plate) -> tuple[torch.Tensor, int]:
+    layout = t._layout
+    i = layout.index(plate)
+    with _Disable():
+        x = t.view_as(t)
+        if i:
+            x = x.movedim(i, 0)
+    return x, i
+
+
+def split_groups(t: torch.Tensor, plate: Plate, group_size: int) -> Tensor:
+    """View ``t`` per group: the plate of ``n·M`` points becomes a plate of ``n`` groups and ``M``
+    the first event dimension (after all plates). Other plates are kept."""
+    layout = layout_of(t)
+    if plate not in layout.plates:
+        raise ValueError(f"split_groups: the tensor has no plate {plate.name!r}; its plates are {list(layout.names)}.")
+    groups = group_plate(plate, group_size)
+    x, _ = _plate_first(t, plate)  # type: ignore[arg-type]
+    rest = [p for p in layout.plates if p is not plate]
+    with _Disable():
+        x = x.reshape((groups.size, group_size) + tuple(x.shape[1:]))
+        x = x.movedim(1, len(rest) + 1)
+    return wrap_new(x, layout_of_plates([groups] + rest))
+
+
+def spread_groups(term: torch.Tensor, like: Tensor, plate: Plate, group_size: int) -> Tensor:
+    """Give each point of a group its group's value of ``term``, laid out like ``like``.
+
+    ``term`` holds one value per group (a storch tensor with the group plate of
+    :func:`split_groups`, or without it for a term shared by all groups) and per value of
+    ``like``'s other plates; it may lack some of them, and must have no event dimensions.
+    """
+    groups = group_plate(plate, group_size)
+    like_layout = like._layout
+    rest = [p for p in like_layout.plates if p is not plate]
+    target = layout_of_plates([groups] + rest)
+    term_layout = layout_of(term)
+    if term.dim() != len(term_layout.sizes):
+        raise ValueError(
+            f"spread_groups: the per-group term must have no event dimensions, got shape {tuple(term.shape)} "
+            f"with plates {list(term_layout.names)}; sum them first."
+        )
+    union = merge_layouts([term_layout, target])
+    if len(union.plates) != len(target.plates):
+        extra = [p.name for p in union.plates if p not in target.plates]
+        raise ValueError(f"spread_groups: the term carries plates {extra} that the cost does not have.")
+    with _Disable():
+        x = align_tensor(term, target, expand=True) if isinstance(term, Tensor) else term.expand(target.sizes)
+        x = x.unsqueeze(1).expand((groups.size, group_size) + tuple(x.shape[1:]))
+        x = x.reshape((groups.size * group_size,) + tuple(x.shape[2:]))
+        i = like_layout.index(plate)
+        if i:
+            x = x.movedim(0, i)
+    return wrap(x, like_layout)
