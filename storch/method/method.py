@@ -30,6 +30,12 @@ combines :meth:`gradient_function` and :meth:`control_variate`. Gradient functio
 variates with extra (non-plate) dimensions, such as the per-variable log-probabilities above, are
 summed over those dimensions. Pathwise estimators set ``reparameterized = True`` so that samples keep
 their gradient.
+
+Estimators that need the cost at extra points (ARM, measure-valued derivatives, local expectations,
+REBAR) lay out groups of evaluation points along their own plate and weight them; see
+:mod:`storch.method.groups`. Methods that learn from the gradient estimate (RELAX's control
+variate) set ``needs_graph_after_backward`` so that :meth:`update_parameters` can differentiate
+through the surrogate once more.
 """
 
 from __future__ import annotations
