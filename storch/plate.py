@@ -27,7 +27,7 @@ import torch
 if TYPE_CHECKING:  # pragma: no cover
     from storch.tensor import StochasticNode
 
-__all__ = ["Plate", "PlateLayout", "order_plates", "PlateClashError", "layout_of_plates", "merge_layouts"]
+__all__ = ["Plate", "AncestralPlate", "PlateLayout", "order_plates", "PlateClashError", "layout_of_plates", "merge_layouts"]
 
 _creation_counter = itertools.count()
 
@@ -123,6 +123,79 @@ class Plate:
             with torch._C.DisableTorchFunctionSubclass():
                 w = w.detach().view_as(w)
         return repr((self.name, self.size, w))
+
+
+class AncestralPlate(Plate):
+    """The plate of one step of a sequence decoded step by step (beam search, ancestral sampling).
+
+    Each step makes a new plate with the *same name*; sample ``b`` of this step extends sample
+    ``parent_index[b]`` of the ``ancestor`` step. When tensors of two steps of one chain meet in an
+    operation, the newer plate is kept and the older tensor is re-indexed along the chain (see
+    :func:`storch._dispatch.reindex_ancestral`), so a decoder combines its previous tokens and states
+    with the new ones without bookkeeping. Plates of different chains still clash.
+
+    Args:
+        name, size, weight, parents, node: as for :class:`Plate`.
+        ancestor: the plate of the previous step (``None`` for the first step).
+        parent_index: a plain ``LongTensor`` ``(size, *sizes of index_plates)``: for each sample of
+            this plate (and each value of ``index_plates``) the position of its parent along
+            ``ancestor``.
+        index_plates: the other plates ``parent_index`` depends on (not ``ancestor``), in layout
+            order; ``index_layout`` is this plate followed by them.
+        info: anything the sampling method keeps about this step (e.g. beam scores).
+
+    Example:
+        >>> import torch
+        >>> first = AncestralPlate("seq", 2)
+        >>> second = AncestralPlate("seq", 3, ancestor=first, parent_index=torch.tensor([1, 1, 0]))
+        >>> second.descends_from(first), first.descends_from(second)
+        (True, False)
+    """
+
+    __slots__ = ("ancestor", "parent_index", "index_plates", "info")
+
+    def __init__(
+        self,
+        name: str,
+        size: int,
+        weight: torch.Tensor | float | None = None,
+        parents: Sequence[Plate] = (),
+        node: "StochasticNode | None" = None,
+        ancestor: "AncestralPlate | None" = None,
+        parent_index: torch.Tensor | None = None,
+        index_plates: Sequence[Plate] = (),
+        info: object = None,
+    ) -> None:
+        super().__init__(name, size, weight, parents, node)
+        if ancestor is not None:
+            if ancestor.name != name:
+                raise ValueError(f"AncestralPlate {name!r}: its ancestor is named {ancestor.name!r}.")
+            if parent_index is None:
+                raise ValueError(f"AncestralPlate {name!r}: a plate with an ancestor needs parent_index.")
+        self.index_plates = tuple(index_plates)
+        sizes = (self.size,) + tuple(p.size for p in self.index_plates)
+        if parent_index is not None and tuple(parent_index.shape) != sizes:
+            raise ValueError(
+                f"AncestralPlate {name!r}: parent_index of shape {tuple(parent_index.shape)} does not "
+                f"match its plates {[name] + [p.name for p in self.index_plates]} of sizes {sizes}."
+            )
+        self.ancestor = ancestor
+        self.parent_index = parent_index
+        self.info = info
+
+    @property
+    def index_layout(self) -> "PlateLayout":
+        """The layout of ``parent_index``: this plate, then ``index_plates``."""
+        return layout_of_plates((self,) + self.index_plates)
+
+    def descends_from(self, other: Plate) -> bool:
+        """True if ``other`` is a strict ancestor of this plate."""
+        a = self.ancestor
+        while a is not None:
+            if a is other:
+                return True
+            a = a.ancestor
+        return False
 
 
 class PlateLayout:

@@ -1,0 +1,360 @@
+"""Sampling without replacement: Gumbel-top-k and stochastic beam search (Kool, van Hoof & Welling 2019).
+
+Perturb every log-probability with an independent standard Gumbel, ``G(s) = log p(s) + Gumbel``, and
+keep the ``k`` largest: the ``k`` values are a sample without replacement (Gumbel-top-k). Let ``κ``
+be the ``(k+1)``-th largest perturbed value. Then ``s`` is in the set with probability
+``q_κ(s) = P(G(s) > κ) = 1 − exp(−exp(log p(s) − κ))`` given ``κ``, and
+
+    Σ_{s ∈ S} p(s) / q_κ(s) · f(s)                  is unbiased for E_p[f]   (priority sampling).
+
+When the support has at most ``k`` elements the set is the whole support, ``κ = −∞`` and the weights
+are ``p(s)``: the estimate is exact.
+
+Over a product space (several categorical variables, or a sequence decoded step by step) the set is
+drawn by *stochastic beam search*: the perturbed value of a prefix is the maximum of the perturbed
+values of its completions, so the children of a prefix with perturbed value ``T`` get Gumbels
+conditioned on their maximum being ``T``; keeping the ``k`` best of the ``k·V`` extensions at every
+step gives an exact Gumbel-top-k sample of prefixes at every step, hence of full sequences. The
+``(k+1)``-th largest perturbed value over *all* prefixes of length ``t`` is
+``κ_t = max(κ_{t−1}, (k+1)-th largest candidate)``, since the best descendant of a pruned prefix has
+the pruned prefix's value.
+
+Extension points (for estimators built on this proposal, e.g. the unordered set estimator):
+
+* :class:`WORState` — the sampled set of one step: ``log_prob`` (log-probability of each sampled
+  element or prefix, summed over variables/steps, differentiable), ``perturbed`` (its perturbed
+  log-probability), ``kappa`` (the ``(k+1)``-th largest perturbed value, ``−∞`` when the support is
+  covered), ``tokens``, ``parent_index``, ``finished``. Beam dimension first, then the batch (plate)
+  dimensions of the distribution.
+* :meth:`SampleWithoutReplacement.weights` — the plate weight of each element from a
+  :class:`WORState`; override it to weight the set differently.
+* :meth:`SampleWithoutReplacement.state_of` — the :class:`WORState` behind a sampled tensor's plate.
+* :func:`log_inclusion_probability` — ``log q_κ(s)``; :func:`wor_support` and
+  :func:`register_wor_support` — the registry of distributions with an enumerable support.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.distributions import Bernoulli, Categorical, Distribution, OneHotCategorical
+
+from storch.plate import Plate
+from storch.sampling.method import SamplingMethod
+from storch.tensor import Tensor, _Disable, wrap_new
+
+if TYPE_CHECKING:  # pragma: no cover
+    from storch.tensor import StochasticTensor
+
+__all__ = [
+    "SampleWithoutReplacement", "WORState", "WORSupport", "register_wor_support", "wor_support",
+    "log_inclusion_probability", "gumbel_top_k_step",
+]
+
+
+# ----------------------------------------------------------------------- support registry
+@dataclass
+class WORSupport:
+    """The finite support of a distribution, as a sampling-without-replacement proposal needs it.
+
+    Attributes:
+        log_probs: ``(*batch_shape, V)`` log-probabilities of the ``V`` values (differentiable).
+        values: maps value indices ``(...)`` (a ``LongTensor``) to samples ``(..., *event_shape)``.
+    """
+
+    log_probs: torch.Tensor
+    values: Callable[[torch.Tensor], torch.Tensor]
+
+
+_SUPPORTS: dict[type, Callable[[Distribution], WORSupport]] = {}
+
+
+def register_wor_support(dist_type: type) -> Callable:
+    """Register how to enumerate the support of ``dist_type`` (a decorator, like ``register_kl``).
+
+    The decorated function takes the distribution and returns a :class:`WORSupport`.
+    """
+
+    def decorator(fn: Callable[[Distribution], WORSupport]) -> Callable[[Distribution], WORSupport]:
+        _SUPPORTS[dist_type] = fn
+        return fn
+
+    return decorator
+
+
+def wor_support(distr: Distribution) -> WORSupport:
+    """The registered :class:`WORSupport` of ``distr`` (the most specific registered base class)."""
+    for cls in type(distr).__mro__:
+        fn = _SUPPORTS.get(cls)
+        if fn is not None:
+            return fn(distr)
+    raise TypeError(
+        f"Sampling without replacement needs a distribution with a finite, enumerable support; "
+        f"{type(distr).__name__} has no registered support (registered: "
+        f"{sorted(c.__name__ for c in _SUPPORTS)}). Register one with "
+        "storch.sampling.swor.register_wor_support, or use ScoreFunction for other distributions."
+    )
+
+
+@register_wor_support(Categorical)
+def _categorical_support(d: Categorical) -> WORSupport:
+    return WORSupport(d.logits, lambda idx: idx)
+
+
+@register_wor_support(OneHotCategorical)
+def _one_hot_support(d: OneHotCategorical) -> WORSupport:
+    logits = d.logits
+    size = logits.shape[-1]
+    return WORSupport(logits, lambda idx: F.one_hot(idx, size).to(logits.dtype))
+
+
+@register_wor_support(Bernoulli)
+def _bernoulli_support(d: Bernoulli) -> WORSupport:
+    logits = d.logits
+    log_probs = torch.stack([-F.softplus(logits), -F.softplus(-logits)], -1)  # values 0, 1
+    return WORSupport(log_probs, lambda idx: idx.to(logits.dtype))
+
+
+# ----------------------------------------------------------------------- Gumbel-top-k math
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 − exp(x))`` for ``x ≤ 0``, accurate everywhere (Mächler 2012)."""
+    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def log_inclusion_probability(log_p: torch.Tensor, kappa: torch.Tensor) -> torch.Tensor:
+    """``log q_κ(s) = log(1 − exp(−exp(log p(s) − κ)))``: the log-probability that ``s`` is sampled.
+
+    ``κ = −∞`` gives ``0`` (the set holds the whole support).
+
+    Example:
+        >>> import torch
+        >>> log_inclusion_probability(torch.tensor([0.0, -1.0]), torch.tensor(float("-inf"))).exp().tolist()
+        [1.0, 1.0]
+        >>> round(log_inclusion_probability(torch.tensor(-1.0), torch.tensor(0.0)).exp().item(), 4)
+        0.3078
+    """
+    a = log_p - kappa
+    return torch.where(a < -30.0, a, _log1mexp(-torch.exp(a.clamp(max=30.0))))
+
+
+def _gumbel_like(t: torch.Tensor) -> torch.Tensor:
+    return -torch.empty_like(t).exponential_().log()
+
+
+def _conditional_gumbel(parent: torch.Tensor, free: torch.Tensor) -> torch.Tensor:
+    """Shift the Gumbels ``free`` (``(..., V)``) so that their maximum is ``parent`` (``(..., 1)``).
+
+    Kool et al. 2019, eq. 23 in its numerically stable form; impossible children (``−∞``) and the
+    children of dead beams stay ``−∞``.
+    """
+    z = free.max(-1, keepdim=True).values
+    alive = (z > -math.inf) & (parent > -math.inf)
+    z_safe = torch.where(alive, z, torch.zeros_like(z))
+    t_safe = torch.where(alive, parent, torch.zeros_like(parent))
+    v = t_safe - free + _log1mexp((free - z_safe).clamp(max=0.0))
+    shifted = t_safe - v.clamp(min=0.0) - torch.log1p(torch.exp(-v.abs()))
+    return torch.where(alive & (free > -math.inf), shifted, torch.full_like(shifted, -math.inf))
+
+
+def gumbel_top_k_step(
+    parent_log_p: torch.Tensor,
+    parent_perturbed: Optional[torch.Tensor],
+    extension_log_p: torch.Tensor,
+    k: int,
+    kappa: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step of stochastic beam search on plain, detached tensors.
+
+    Args:
+        parent_log_p: ``(n, *B)`` log-probabilities of the current prefixes (``−∞``: dead beam).
+        parent_perturbed: ``(n, *B)`` their perturbed values, or ``None`` at the root (``n = 1``).
+        extension_log_p: ``(n, *B, V)`` log-probability of each extension given its prefix.
+        k: beam size.
+        kappa: ``(*B)`` the previous step's ``κ`` (``−∞`` at the root).
+
+    Returns:
+        ``(parent_index, token, log_p, perturbed, kappa)``: the ``min(k, n·V)`` best extensions
+        (beam dimension first, best first) and the new ``κ``.
+    """
+    n, size = extension_log_p.shape[0], extension_log_p.shape[-1]
+    cand_log_p = parent_log_p.unsqueeze(-1) + extension_log_p
+    free = cand_log_p + _gumbel_like(cand_log_p)
+    cand = free if parent_perturbed is None else _conditional_gumbel(parent_perturbed.unsqueeze(-1), free)
+    m = n * size
+    flat = cand.movedim(0, -2).reshape(cand.shape[1:-1] + (m,))  # index = parent · V + token
+    flat_log_p = cand_log_p.movedim(0, -2).reshape(flat.shape)
+    n_new = min(k, m)
+    top, idx = flat.topk(min(k + 1, m), dim=-1)
+    if m > k:
+        kappa = torch.maximum(kappa, top[..., k])
+    chosen = idx[..., :n_new]
+    log_p = flat_log_p.gather(-1, chosen).movedim(-1, 0)
+    return (chosen // size).movedim(-1, 0), (chosen % size).movedim(-1, 0), log_p, top[..., :n_new].movedim(-1, 0), kappa
+
+
+# ----------------------------------------------------------------------- the sampled set
+@dataclass
+class WORState:
+    """A sample without replacement (one step of a sequence, or a whole set of joint values).
+
+    Beam dimension first, then the batch dimensions ``B`` (the plates of the distribution's
+    parameters, the ancestor's plate excluded).
+
+    Attributes:
+        log_prob: ``(n, *B)`` log-probability of each element / prefix (summed over variables and
+            steps), differentiable; ``0`` on dead beams.
+        perturbed: ``(n, *B)`` its perturbed log-probability (detached; ``−∞`` on dead beams).
+        kappa: ``(*B)`` the ``(k+1)``-th largest perturbed value (``−∞`` when the set is the support).
+        tokens: ``(n, *B, *var_shape)`` value indices (for sequences: this step's token).
+        parent_index: ``(n, *B)`` the beam of the previous step each element extends (``None`` for
+            a set drawn in one call).
+        finished: ``(n, *B)`` whether the sequence has emitted the end-of-sequence token.
+        alive: ``(n, *B)`` whether the element has positive probability.
+    """
+
+    log_prob: torch.Tensor
+    perturbed: torch.Tensor
+    kappa: torch.Tensor
+    tokens: torch.Tensor
+    parent_index: Optional[torch.Tensor] = None
+    finished: Optional[torch.Tensor] = None
+    alive: Optional[torch.Tensor] = None
+
+
+class SampleWithoutReplacement(SamplingMethod):
+    """Gumbel-top-k sampling without replacement (stochastic beam search over several variables).
+
+    Draws ``min(k, |support|)`` distinct joint values of a discrete distribution per combination of
+    the parameters' plates and weights each by ``p(s)/q_κ(s)`` (Kool, van Hoof & Welling 2019,
+    ICML). Several independent variables (non-plate batch dimensions) are sampled jointly: the set
+    holds distinct *joint* configurations, drawn by stochastic beam search over the variables.
+
+    Args:
+        plate_name: the plate of the sampled set.
+        k: the number of distinct samples.
+        normalize: divide the weights by their sum ``W = Σ_S p(s)/q_κ(s)`` (consistent, biased).
+        eos: the end-of-sequence value index, for sequences decoded step by step (see
+            :class:`storch.method.wor.ScoreFunctionWOR`).
+
+    Example:
+        >>> import torch
+        >>> from torch.distributions import Categorical
+        >>> swor = SampleWithoutReplacement("z", k=3)
+        >>> s = swor.sample(Categorical(logits=torch.zeros(5)), (), False)
+        >>> s.shape, len(set(s.tolist()))
+        (torch.Size([3]), 3)
+    """
+
+    def __init__(self, plate_name: str, k: int, normalize: bool = False, eos: Optional[int] = None) -> None:
+        super().__init__(plate_name)
+        if int(k) < 1:
+            raise ValueError(f"SampleWithoutReplacement({plate_name!r}): k must be at least 1, got {k}.")
+        self.k = int(k)
+        self.normalize = bool(normalize)
+        self.eos = eos
+        self._pending: Optional[WORState] = None
+
+    @property
+    def n_samples(self) -> int:
+        return self.k
+
+    # -------------------------------------------------------------- one call
+    def draw(self, distr: Distribution, n_plates: int) -> tuple[torch.Tensor, WORState]:
+        """A set of ``min(k, V^D)`` distinct joint values of ``distr`` per plate combination.
+
+        Args:
+            distr: the distribution; its first ``n_plates`` batch dimensions are plates, the other
+                ``D`` batch dimensions independent variables sampled jointly.
+            n_plates: the number of plate dimensions.
+
+        Returns:
+            the samples ``(n, *batch_shape, *event_shape)`` and the :class:`WORState`.
+        """
+        support = wor_support(distr)
+        log_probs = support.log_probs
+        plate_shape = tuple(log_probs.shape[:n_plates])
+        var_shape = tuple(log_probs.shape[n_plates:-1])
+        size = log_probs.shape[-1]
+        lp = log_probs.reshape(plate_shape + (-1, size))  # (*P, D, V)
+        lp_detached = lp.detach()
+        n_vars = lp.shape[-2]
+        beam_log_p = lp_detached.new_zeros((1,) + plate_shape)
+        perturbed: Optional[torch.Tensor] = None
+        kappa = lp_detached.new_full(plate_shape, -math.inf)
+        tokens = torch.zeros((1,) + plate_shape + (0,), dtype=torch.long, device=lp.device)
+        for d in range(n_vars):
+            ext = lp_detached[..., d, :].unsqueeze(0).expand((beam_log_p.shape[0],) + plate_shape + (size,))
+            parent, token, beam_log_p, perturbed, kappa = gumbel_top_k_step(beam_log_p, perturbed, ext, self.k, kappa)
+            tokens = torch.cat([_take_beams(tokens, parent), token.unsqueeze(-1)], -1)
+        alive = beam_log_p > -math.inf
+        # the differentiable log-probability of each joint value
+        lp_exp = lp.unsqueeze(0).expand((tokens.shape[0],) + tuple(lp.shape))
+        log_prob = lp_exp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).sum(-1)
+        log_prob = torch.where(alive, log_prob, torch.zeros_like(log_prob))
+        tokens = tokens.reshape(tokens.shape[: 1 + n_plates] + var_shape)
+        state = WORState(log_prob, perturbed, kappa, tokens, alive=alive)  # type: ignore[arg-type]
+        return support.values(tokens), state
+
+    def sample(self, distr: Distribution, plates: Sequence[Plate], requires_grad: bool) -> torch.Tensor:
+        if requires_grad:
+            raise ValueError(
+                f"SampleWithoutReplacement({self.plate_name!r}) draws discrete samples without a "
+                "pathwise gradient; use it with a score-function estimator (ScoreFunctionWOR)."
+            )
+        samples, self._pending = self.draw(distr, len(plates))
+        return samples
+
+    # -------------------------------------------------------------- weights
+    def weights(self, state: WORState) -> torch.Tensor:
+        """The plate weight of each element: ``p(s)/q_κ(s)`` (divided by its sum if ``normalize``).
+
+        Detached; ``0`` for elements of probability ``0``. ``(n, *B)``.
+        """
+        log_p = state.log_prob.detach()
+        log_w = log_p - log_inclusion_probability(log_p, state.kappa.unsqueeze(0))
+        alive = state.alive if state.alive is not None else state.perturbed > -math.inf
+        w = torch.where(alive, log_w.exp(), torch.zeros_like(log_w))
+        if self.normalize:
+            w = w / w.sum(0, keepdim=True)
+        return w
+
+    def state_of(self, tensor: "StochasticTensor") -> WORState:
+        """The :class:`WORState` behind ``tensor``'s plate (sampled by this method)."""
+        info = getattr(tensor.plate, "info", None)
+        if isinstance(info, WORState):
+            return info
+        if self._pending is not None:
+            return self._pending
+        raise ValueError(
+            f"SampleWithoutReplacement({self.plate_name!r}): no sampled set is recorded for plate "
+            f"{tensor.plate.name!r}."
+        )
+
+    def weighting_function(self, tensor: "StochasticTensor", plate: Plate) -> Optional[torch.Tensor]:
+        state = getattr(plate, "info", None)
+        if not isinstance(state, WORState):
+            state, self._pending = self._pending, None
+        if state is None:
+            raise ValueError(
+                f"SampleWithoutReplacement({self.plate_name!r}): weighting_function called without a "
+                "preceding sample."
+            )
+        with _Disable():
+            w = self.weights(state)
+        return wrap_new(w, tensor._layout)
+
+    def reset(self) -> None:
+        self._pending = None
+
+    def extra_repr(self) -> str:
+        return f"plate_name={self.plate_name!r}, k={self.k}, normalize={self.normalize}, eos={self.eos}"
+
+
+def _take_beams(t: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
+    """Rows of ``t`` (``(n, *B, *rest)``) selected per batch element by ``parent`` (``(n', *B)``)."""
+    idx = parent.reshape(tuple(parent.shape) + (1,) * (t.dim() - parent.dim()))
+    return torch.take_along_dim(t, idx, 0)
