@@ -1,0 +1,184 @@
+"""ARM and DisARM: antithetic estimators for Bernoulli logits.
+
+ARM (Yin & Zhou 2019, "ARM: Augment-REINFORCE-Merge Gradient for Stochastic Binary Networks"). For
+logits ``φ`` and one uniform vector ``u ~ U(0, 1)``:
+
+    g_φ = [f(b̃) − f(b)] ⊙ (u − ½),    b = 1[u < σ(φ)],  b̃ = 1[u > σ(−φ)] = 1[1 − u < σ(φ)]
+
+DisARM (Dong, Mnih & Tucker 2020, "DisARM: An Antithetic Gradient Estimator for Binary Latent
+Variables") integrates ``u`` out given the pair (a Rao-Blackwellisation of ARM, never of higher variance):
+
+    g_φᵢ = ½ (f(b) − f(b̃)) (−1)^{b̃ᵢ} 1[bᵢ ≠ b̃ᵢ] σ(|φᵢ|)
+
+Both ``b`` and ``b̃`` are samples of ``Bernoulli(σ(φ))`` (antithetic: they share ``u``). Each ``u``
+gives an evaluation group (:mod:`storch.method.groups`) of the two points ``[b, b̃]``, each with
+weight ``1/(2n)``, so the forward value averages the cost over both. No gradient function; the
+control-variate term ``(φ − stopgrad φ) · stopgrad(g_φ)`` (summed over the coordinates) is zero in
+the forward pass and has gradient ``g_φ``. Gradients reaching the cost by other paths flow through
+both points with their weights.
+
+Parameterisation: the estimate is of ``∂ E f / ∂φ`` for the logits ``φ``. A Bernoulli built from
+``probs`` is accepted: ``φ = logit(probs)`` is computed differentiably (``torch``'s
+``probs_to_logits``), so the gradient reaches ``probs`` by the chain rule, ``g_φ / (p (1 − p))``
+(unbiased as well; probabilities within float epsilon of 0 or 1 are clamped there).
+
+Unbiased for first-order derivatives only.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.distributions import Bernoulli, Distribution
+from torch.distributions.utils import probs_to_logits
+from torch.utils.weak import WeakIdKeyDictionary
+
+from storch.method.groups import flatten_groups, group_plate, group_weights, split_groups, spread_groups
+from storch.method.method import Method
+from storch.plate import layout_of_plates
+from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout_of, wrap
+
+__all__ = ["ARM", "DisARM", "bernoulli_logits"]
+
+
+def bernoulli_logits(d: Bernoulli) -> torch.Tensor:
+    """The logits of ``d``: as given, or ``logit(probs)`` computed from the given ``probs``.
+
+    The lazily cached attribute ``d.logits`` is not used: torch caches it on first use, possibly
+    while storch dispatch is disabled, without the plates of the parameters.
+
+    Example:
+        >>> import torch
+        >>> bernoulli_logits(Bernoulli(probs=torch.tensor([0.5, 0.75]))).tolist()
+        [0.0, 1.0986123085021973]
+    """
+    given = d.__dict__.get("_param")
+    if given is not None and given is d.__dict__.get("logits"):
+        return given
+    return probs_to_logits(d.probs, is_binary=True)
+
+
+class _AntitheticBernoulli(Method):
+    """Shared sampling of ARM and DisARM: per uniform vector ``u``, the group ``[b, b̃]``."""
+
+    def __init__(self, plate_name: str, n_samples: int = 1) -> None:
+        super().__init__(plate_name, None, n_samples)
+
+    def check_distribution(self, distr: Distribution) -> None:
+        if not isinstance(distr, Bernoulli):
+            raise ValueError(
+                f"{type(self).__name__}({self.plate_name!r}) estimates gradients of Bernoulli logits "
+                f"only, got {type(distr).__name__}. Use Bernoulli(logits=...) for binary variables, "
+                "or another method for this node (MVD, ScoreFunction, Reparameterization)."
+            )
+
+    def _record(self, samples: torch.Tensor, u: torch.Tensor) -> None:
+        """Keep what the estimator needs besides the samples (nothing by default)."""
+
+    def proposal_dist(self, distr: Distribution, amt_samples: int) -> torch.Tensor:
+        phi = bernoulli_logits(distr).detach()  # type: ignore[arg-type]
+        u = torch.rand((amt_samples,) + tuple(phi.shape), dtype=phi.dtype, device=phi.device)
+        b = (u < torch.sigmoid(phi)).to(phi.dtype)
+        b_tilde = (u > torch.sigmoid(-phi)).to(phi.dtype)
+        samples = flatten_groups(torch.stack([b, b_tilde], 1))
+        self._record(samples, u)
+        return samples
+
+    def weighting_function(self, distr: Distribution, amt_samples: int) -> torch.Tensor:
+        return group_weights(amt_samples // 2, [0.5, 0.5])
+
+    def _per_group(self, tensor: StochasticTensor, values: torch.Tensor) -> Tensor:
+        """Plain ``(n, *parameter plates, *C)`` values as a storch tensor over the group plate."""
+        node_layout = tensor._node.layout
+        groups = group_plate(tensor.plate, 2)
+        return wrap(values, layout_of_plates((groups,) + node_layout.plates[1:]))
+
+    def _gradient(self, tensor: StochasticTensor, f_b: Tensor, f_b_tilde: Tensor, phi: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def estimator(
+        self, tensor: StochasticTensor, cost: CostTensor
+    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        plate = tensor.plate
+        per_group = split_groups(cost.detach(), plate, 2)
+        phi = bernoulli_logits(tensor.distribution)  # type: ignore[arg-type]
+        g = self._gradient(tensor, per_group[..., 0], per_group[..., 1], phi.detach())
+        term = (phi - phi.detach()) * g
+        event = term.dim() - len(layout_of(term).sizes)
+        if event:
+            term = term.sum(tuple(range(-event, 0)))
+        return None, spread_groups(term, cost, plate, 2)
+
+    def extra_repr(self) -> str:
+        return f"plate_name={self.plate_name!r}, n_samples={self.n_samples}"
+
+
+class ARM(_AntitheticBernoulli):
+    """Augment-REINFORCE-Merge for ``Bernoulli`` nodes: ``g_φ = [f(b̃) − f(b)](u − ½)``.
+
+    The plate holds ``2 · n_samples`` points, the antithetic pair ``[b, b̃]`` of each uniform draw
+    ``u`` (2 cost evaluations per ``u``, each weighted ``1/(2n)``). Unbiased for the first-order
+    gradient with respect to the logits (or, by the chain rule, ``probs``); not for higher orders.
+
+    Args:
+        plate_name: node / plate name.
+        n_samples: the number of uniform draws ``u`` (evaluation groups).
+
+    Example:
+        >>> import torch, storch
+        >>> from torch.distributions import Bernoulli
+        >>> phi = torch.tensor([0.3, -0.5], requires_grad=True)
+        >>> b = ARM("b", n_samples=2)(Bernoulli(logits=phi))
+        >>> b.shape                                   # [b, b̃] for each of 2 draws
+        torch.Size([4, 2])
+        >>> storch.add_cost(((b - 0.4) ** 2).sum(-1), "f")
+        >>> _ = storch.backward()
+        >>> phi.grad.shape
+        torch.Size([2])
+    """
+
+    def __init__(self, plate_name: str, n_samples: int = 1) -> None:
+        super().__init__(plate_name, n_samples)
+        self._noise: WeakIdKeyDictionary = WeakIdKeyDictionary()  # samples -> u
+
+    def _record(self, samples: torch.Tensor, u: torch.Tensor) -> None:
+        self._noise[samples] = u
+
+    def _gradient(self, tensor: StochasticTensor, f_b: Tensor, f_b_tilde: Tensor, phi: torch.Tensor) -> torch.Tensor:
+        u = self._noise.get(tensor._node.samples)
+        if u is None:
+            raise RuntimeError(f"ARM({tensor.name!r}): the uniforms of these samples were not recorded.")
+        return (f_b_tilde - f_b) * (self._per_group(tensor, u) - 0.5)
+
+
+class DisARM(_AntitheticBernoulli):
+    """DisARM for ``Bernoulli`` nodes: ``g_φᵢ = ½ (f(b) − f(b̃)) (−1)^{b̃ᵢ} 1[bᵢ ≠ b̃ᵢ] σ(|φᵢ|)``.
+
+    The same antithetic pairs as :class:`ARM` (2 cost evaluations per draw, each weighted
+    ``1/(2n)``), with the uniform integrated out given the pair: the variance is never larger than
+    ARM's. Unbiased for the first-order gradient with respect to the logits (or ``probs``); not for
+    higher orders.
+
+    Args:
+        plate_name: node / plate name.
+        n_samples: the number of antithetic pairs (evaluation groups).
+
+    Example:
+        >>> import torch, storch
+        >>> from torch.distributions import Bernoulli
+        >>> phi = torch.tensor([0.3, -0.5], requires_grad=True)
+        >>> b = DisARM("b", n_samples=3)(Bernoulli(logits=phi))
+        >>> storch.add_cost(((b - 0.4) ** 2).sum(-1), "f")
+        >>> _ = storch.backward()
+        >>> phi.grad.shape
+        torch.Size([2])
+    """
+
+    def _gradient(self, tensor: StochasticTensor, f_b: Tensor, f_b_tilde: Tensor, phi: torch.Tensor) -> torch.Tensor:
+        samples = tensor._node.samples
+        with _Disable():
+            pairs = samples.reshape((samples.shape[0] // 2, 2) + tuple(samples.shape[1:]))
+            b, b_tilde = pairs[:, 0], pairs[:, 1]
+            sign_disagree = (1.0 - 2.0 * b_tilde) * (b != b_tilde).to(samples.dtype)  # (−1)^{b̃} 1[b ≠ b̃]
+        return 0.5 * (f_b - f_b_tilde) * self._per_group(tensor, sign_disagree) * torch.sigmoid(phi.abs())
