@@ -128,8 +128,8 @@ def gumbel_rao(
         >>> y.tolist(), y.requires_grad
         ([0.0, 0.0, 1.0], True)
     """
-    probs = logits.detach().softmax(-1)
     hard_k = hard.expand((n_relaxed,) + tuple(hard.shape))
+    probs = logits.detach().softmax(-1).expand_as(hard_k)  # one noise draw per element
     relaxed = conditional_gumbel_rsample(hard_k, probs, False, temperature)
     # log softmax(z̃/τ) is z̃/τ up to a constant, which softmax ignores: differentiate as z = θ + G
     log_relaxed = relaxed.clamp_min(torch.finfo(relaxed.dtype).tiny).log()
