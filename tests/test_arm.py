@@ -189,8 +189,10 @@ def test_costs_that_depend_on_the_logits_directly_get_their_pathwise_gradient():
 # ---------------------------------------------------------------------------- variance
 def test_disarm_has_lower_variance_than_arm():
     variances = {}
-    for name, method in METHODS.items():
-        def model(phi, method=method("x")):
+    for name, make in METHODS.items():
+        method = make("x")
+
+        def model(phi, method=method):
             storch.add_cost(cost(method(Bernoulli(logits=phi))), "f")
 
         (grads,) = replicated_gradients([PHI], 6000, model)
@@ -210,7 +212,7 @@ def test_non_bernoulli_is_refused(name):
 
 
 def test_bernoulli_logits_ignores_a_cached_plain_copy():
-    leaf, phi = storch.testing.replicate(PHI, 4)
+    _, phi = storch.testing.replicate(PHI, 4)
     d = Bernoulli(logits=phi)
     assert bernoulli_logits(d) is d.logits
     d_probs = Bernoulli(probs=torch.sigmoid(phi))

@@ -46,7 +46,6 @@ class _Plan:
 
     blocks: tuple[tuple[str, int], ...]  # (parameter name, points per coordinate J), in order
     coordinates: tuple[int, ...]  # the coordinate shape C
-    n_plates: int  # plate dimensions of the distribution's batch shape
 
     @property
     def n_coordinates(self) -> int:
@@ -149,7 +148,7 @@ class MVD(Method):
             groups.append(_coordinate_points(x, values.to(x.dtype), n_plates, coord_ndim))
             blocks.append((name, values.shape[1]))
         samples = flatten_groups(torch.cat(groups, 1))
-        self._plans[samples] = _Plan(tuple(blocks), tuple(distr.batch_shape[n_plates:]), n_plates)
+        self._plans[samples] = _Plan(tuple(blocks), tuple(distr.batch_shape[n_plates:]))
         return samples
 
     def _weights(self, tensor: StochasticTensor, plate: Plate) -> torch.Tensor:
@@ -206,6 +205,7 @@ class MVD(Method):
             if event:
                 contribution = contribution.sum(tuple(range(-event, 0)))
             term = contribution if term is None else term + contribution
+        assert term is not None  # plan.blocks is not empty
         return None, spread_groups(term, cost, plate, m)
 
     def extra_repr(self) -> str:

@@ -47,7 +47,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from storch.method.groups import flatten_groups, group_plate, group_weights, split_groups, spread_groups
 from storch.method.method import Method
 from storch.plate import Plate, layout_of_plates
-from storch.tensor import CostTensor, StochasticTensor, _Disable, layout_of, wrap
+from storch.tensor import CostTensor, StochasticTensor, layout_of, wrap
 
 __all__ = ["SPSA", "register_spsa_wrapper", "perturbable_parameters"]
 
@@ -306,6 +306,7 @@ class SPSA(Method):
             if event:
                 contribution = contribution.sum(tuple(range(-event, 0)))
             term = contribution if term is None else term + contribution
+        assert term is not None  # record.coordinates is not empty
         return None, spread_groups(term, cost, plate, 3)
 
     def extra_repr(self) -> str:
