@@ -1,14 +1,33 @@
-"""Gradient-estimation methods (``storch.method``); see :class:`storch.method.Method`."""
+"""Gradient-estimation methods (``storch.method``); see :class:`storch.method.Method`.
+
+One family per module: pathwise (:mod:`~storch.method.reparameterization`), score function and
+baselines (:mod:`~storch.method.score_function`, :mod:`~storch.method.baseline`), enumeration
+(:mod:`~storch.method.expect`), relaxations (:mod:`~storch.method.gumbel`,
+:mod:`~storch.method.straight_through`), antithetic pairs (:mod:`~storch.method.arm`),
+measure-valued derivatives (:mod:`~storch.method.mvd`), finite differences
+(:mod:`~storch.method.spsa`), local expectations (:mod:`~storch.method.local_expectation`),
+sampling without replacement (:mod:`~storch.method.wor`), Rao-Blackwellisation
+(:mod:`~storch.method.rao_blackwell`) and multi-sample bounds (:mod:`~storch.method.vimco`).
+"""
 
 from storch.method import baseline
+from storch.method.arm import ARM, DisARM
 from storch.method.expect import Expect
 from storch.method.gumbel import GumbelSoftmax
 from storch.method.infer import Infer
+from storch.method.local_expectation import IndeCateR, LocalExpectation
 from storch.method.method import Method, log_prob
+from storch.method.mvd import MVD
+from storch.method.rao_blackwell import RaoBlackwellSF
 from storch.method.reparameterization import Reparameterization
 from storch.method.score_function import ScoreFunction
+from storch.method.spsa import SPSA
+from storch.method.straight_through import GumbelRao, ReinMax, StraightThrough
+from storch.method.vimco import VIMCO, iwae_bound
+from storch.method.wor import ScoreFunctionWOR
 
 __all__ = [
     "Method", "Reparameterization", "ScoreFunction", "Expect", "Infer", "GumbelSoftmax", "baseline",
-    "log_prob",
+    "log_prob", "ARM", "DisARM", "MVD", "SPSA", "LocalExpectation", "IndeCateR", "StraightThrough",
+    "GumbelRao", "ReinMax", "VIMCO", "iwae_bound", "ScoreFunctionWOR", "RaoBlackwellSF",
 ]

@@ -1,6 +1,8 @@
 """Sampling methods (``storch.sampling``): the proposal component of an estimator."""
 
 from storch.sampling.expect import Enumerate
+from storch.sampling.importance import ImportanceSampling
 from storch.sampling.method import MonteCarlo, SamplingMethod
+from storch.sampling.swor import SampleWithoutReplacement
 
-__all__ = ["SamplingMethod", "MonteCarlo", "Enumerate"]
+__all__ = ["SamplingMethod", "MonteCarlo", "Enumerate", "ImportanceSampling", "SampleWithoutReplacement"]
