@@ -7,7 +7,8 @@ import re
 import pytest
 import torch
 
-from storch.demo import main
+import storch
+from storch.demo import main, vae
 from storch.demo.intro import (
     ROWS,
     TRUE_GRADIENT,
@@ -90,6 +91,85 @@ def test_cli_quick(capsys):
     # the exact method has no gradient variance, the others do
     (expect_line,) = [s for s in summary.splitlines() if s.startswith("Expect")]
     assert _numbers(expect_line.split(")", 1)[1])[2] == 0.0
+    assert "evals" in summary.splitlines()[1]
+    assert _numbers(expect_line.split(")", 1)[1])[-1] == 100.0  # evaluations per datum: the whole support
+    # every method of the comparison is in the summary: run (with numbers) or listed with the reason
+    runnable, missing = vae.available(list(vae.METHODS))
+    assert {"score", "score-rloo", "gumbel", "expect"} <= set(runnable)
+    for key in runnable:
+        label = vae.METHODS[key].label
+        (line,) = [s for s in summary.splitlines() if s.startswith(label + " ")]
+        numbers = _numbers(line[len(label):])
+        assert len(numbers) >= 7 and all(math.isfinite(x) for x in numbers), line
+        assert numbers[-1] >= 1  # cost evaluations per datum and step
+    for key, reason in missing.items():
+        (line,) = [s for s in summary.splitlines() if s.startswith(vae.METHODS[key].label + " ")]
+        assert line.rstrip().endswith(reason)
+        assert reason.startswith(("not importable", "not applicable"))
+
+
+def test_unimportable_method_is_listed_not_dropped():
+    spec = vae.MethodSpec("ghost", "Ghost estimator", lambda: None, requires=("storch.method.no_such_module", "Ghost"))
+    assert spec.missing().startswith("not importable (ModuleNotFoundError")
+    absent = vae.MethodSpec("ghost2", "Ghost", lambda: None, requires=("storch.method.score_function", "Ghost"))
+    assert "has no attribute 'Ghost'" in absent.missing()
+    assert vae.METHODS["arm"].missing() in (
+        "not applicable: Bernoulli nodes only",
+        *(m for m in [vae.METHODS["arm"].missing()] if m.startswith("not importable")),
+    )
+    saved = dict(vae.METHODS)
+    try:
+        vae.METHODS["ghost"] = spec
+        buf = io.StringIO()
+        vae.run_vae(vae.quick_config(methods=("score", "ghost"), grad_samples=2), out=buf, progress_bar=False)
+        summary = buf.getvalue().split("Summary", 1)[1]
+        assert any(line.startswith("Ghost estimator") and "not importable" in line for line in summary.splitlines())
+        assert any(line.startswith("ScoreFunction n=1") for line in summary.splitlines())
+    finally:
+        vae.METHODS.clear()
+        vae.METHODS.update(saved)
+
+
+class _FixedEncoder(vae.DiscreteVAE):
+    """The demo's model with the encoder replaced by fixed logits ``u`` (a leaf), to read ``∂/∂u``."""
+
+    def __init__(self, u):
+        super().__init__(64, (16, 8), u.shape[1], u.shape[2])
+        self.u = u
+
+    def encode(self, x):
+        return storch.denote_independent(self.u.reshape(self.u.shape[0], -1), 0, "data")
+
+
+def test_evaluated_gradient_is_the_gradient_wrt_the_encoder_logits():
+    # the comparison uses g - p * sum(g) from param_grads["logits"]; it must equal autograd's gradient
+    # w.r.t. the encoder output, also when a probability is below float32 eps (the clamping of
+    # probs-built categoricals made Expect's gradient through it zero, see storch/demo/vae.py)
+    torch.manual_seed(3)
+    u = torch.randn(3, 2, 10)
+    u[0, 1, 4] = -25.0  # probability ~1e-11 < 1.2e-7
+    u.requires_grad_()
+    model = _FixedEncoder(u)
+    data = (torch.rand(3, 64) < 0.5).float()
+    z = vae.generative_story(storch.method.Expect("z"), model, data)
+    storch.backward()
+    g = vae._centred_grad(z)
+    g = g._tensor if hasattr(g, "_tensor") else g
+    assert torch.allclose(g, u.grad, atol=1e-6, rtol=1e-4)
+    assert float(g.sum(-1).abs().max()) < 1e-5
+
+
+def test_unbiased_catalog_estimators_show_no_bias_in_the_demo_evaluation():
+    # an unbiased estimator of the catalog, evaluated as in the demo, has bias² ≈ 0 against Expect
+    le = pytest.importorskip("storch.method.local_expectation")
+    torch.manual_seed(0)
+    model = vae.DiscreteVAE(64, (32, 16), 2, 10)
+    with torch.no_grad():
+        model.fc3.bias[3] = -25.0  # a posterior probability below float32 eps
+    data = (torch.rand(4, 64) < 0.4).float()
+    _, var, bias_raw = vae.evaluate(le.LocalExpectation("z", n_samples=1), model, data, 20)
+    assert var > 0
+    assert abs(bias_raw - var / 20) < 5 * var / 20 + 1e-9
 
 
 def test_cli_rejects_missing_mnist_directory(tmp_path, capsys):

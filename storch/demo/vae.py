@@ -1,17 +1,22 @@
-"""The manual's discrete VAE tutorial (§1.3): train with four estimators, measure gradient variance and bias.
+"""The manual's discrete VAE tutorial (§1.3): train with each estimator, measure gradient variance and bias.
 
-Generative story (as in the manual)::
+Generative story (the manual's, with the posterior given by its logits)::
 
-    x ~ data;  q = OneHotCategorical(softmax(E_φ(x)))  (L latent variables with K values each)
+    x ~ data;  q = OneHotCategorical(logits=E_φ(x))  (L latent variables with K values each)
     z ~ q  (by the chosen method);  cost KL(q ‖ uniform prior);  x̂ = D_θ(z);  cost BCE(x̂, x)
 
 By default the data are scikit-learn's 8×8 digits, binarized (:func:`storch.datasets.load_digits_binarized`),
 with a 64-256-128-(2×10)-128-256-64 network; ``--mnist DIR`` uses binarized MNIST and the manual's
 784-512-256-(2×10)-256-512-784 network.
 
+The estimators: the score function without and with a leave-one-out baseline, Gumbel-softmax and
+exact enumeration (``Expect``), as in the manual, and the estimators of the catalog (importance
+sampling, ARM/DisARM, local expectations, REBAR/RELAX, straight-through variants, ...; see
+:data:`METHODS`). A catalog estimator whose module is not importable is listed as "not run".
+
 Evaluation (the manual's ``evaluate``): on a fixed evaluation minibatch, the exact gradient of the
-ELBO w.r.t. the posterior probabilities by ``storch.method.Expect("z")``, then ``S`` gradient samples
-``z.param_grads["probs"]`` of the trained method, gathered with ``storch.gather_samples``. We report
+ELBO w.r.t. the posterior's parameters by ``storch.method.Expect("z")``, then ``S`` gradient samples
+``z.param_grads["logits"]`` of the trained method, gathered with ``storch.gather_samples``. We report
 
 * ``grad var``: ``storch.variance(gradients, "gradients").sum()`` (the per-element variance,
   averaged over the data plate, summed over the 2×10 elements: the total variance);
@@ -19,20 +24,26 @@ ELBO w.r.t. the posterior probabilities by ``storch.method.Expect("z")``, then `
   expectation is ``‖bias‖² + grad var / S``, so it is not zero for an unbiased estimator;
 * ``bias²``: ``bias² raw − grad var / S``, an unbiased estimate of ``‖bias‖²`` (≈ 0 for unbiased methods).
 
-The gradient w.r.t. ``probs`` is only defined up to a constant per latent variable: ``probs`` are
-normalised inside the distribution, so adding ``c·(1, …, 1)`` to it changes nothing upstream (the
-softmax Jacobian annihilates it). Estimators differ in that direction (the score function without a
-baseline puts ``E[f]·(1, …, 1)`` there, ``Expect`` something else), so we centre every gradient over
-the K values (``g − g.mean(-1)``, the projection onto the simplex' tangent space) before comparing.
+The manual builds ``q = OneHotCategorical(probs=softmax(E_φ(x)))`` and compares gradients w.r.t.
+``probs``. We use the logits, the same distribution, because torch computes the log-probabilities of
+a ``probs``-built categorical from probabilities clamped to ``[ε, 1 − ε]`` (``ε ≈ 1.2e-7`` in
+float32): once training drives a probability below ``ε``, the gradient through it is zero for
+``Expect`` (which weights by ``exp(log p)``) but not for an estimator that uses the probabilities
+themselves (``LocalExpectation``), and the comparison showed a spurious bias. We compare gradients
+w.r.t. the encoder's output ``u = E_φ(x)``: the distribution stores the normalised logits
+``u − logsumexp(u)``, and ``param_grads["logits"]`` is the gradient ``g`` w.r.t. those, which is only
+defined up to a multiple of ``p`` per latent variable (estimators differ in that direction, which
+the normalisation annihilates); ``g − p·Σ_k g_k`` is the gradient w.r.t. ``u``, the same for all.
 
 The ``exact NELBO`` column is the negative ELBO on (a subset of) the training set computed exactly
 with ``Expect`` (no sampling); ``train NELBO`` is the average of the values ``storch.backward()``
-returned during the training steps since the previous evaluation (for GumbelSoftmax that is the
-relaxed objective, not the ELBO).
+returned during the training steps since the previous evaluation (for relaxations such as
+GumbelSoftmax that is the relaxed objective, not the ELBO).
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import sys
 import time
@@ -111,7 +122,7 @@ def generative_story(method: Method, model: DiscreteVAE, data: torch.Tensor) -> 
         >>> [p.name for p in z.plates], tuple(z.shape)
         (['z', 'data'], (3, 5, 2, 10))
         >>> _ = storch.backward()
-        >>> tuple(z.param_grads["probs"].shape)
+        >>> tuple(z.param_grads["logits"].shape)
         (5, 2, 10)
     """
     L, K = model.latents, model.categories
@@ -122,7 +133,7 @@ def generative_story(method: Method, model: DiscreteVAE, data: torch.Tensor) -> 
     # Shape: (data, L, K)
     q_logits = q_logits.reshape(-1, L, K)
     # Define variational posterior
-    q = OneHotCategorical(probs=q_logits.softmax(dim=-1))
+    q = OneHotCategorical(logits=q_logits)
     # Sample from variational posterior. Shape: (amt_samples, data, L, K)
     z = method(q)
 
@@ -144,12 +155,61 @@ def generative_story(method: Method, model: DiscreteVAE, data: torch.Tensor) -> 
 
 @dataclass(frozen=True)
 class MethodSpec:
+    """One estimator of the comparison: a key (``--methods``), a label, and how to build it.
+
+    ``requires`` names the module and class the method comes from; :meth:`missing` says why it
+    cannot be built (a method whose module is not importable is reported as not run, never dropped
+    silently). ``not_applicable`` says why a method of the catalog does not fit this model (it is
+    listed, not run).
+    """
+
     key: str
     label: str
     make: Callable[[], Method]
     deterministic: bool = False  # exact methods need no repeated gradient samples
+    requires: tuple[str, str] | None = None
+    not_applicable: str | None = None
+
+    def missing(self) -> str | None:
+        """``None`` if the method can be run on this model, else why not."""
+        if self.requires is not None:
+            module, attr = self.requires
+            try:
+                mod = importlib.import_module(module)
+            except Exception as e:  # noqa: BLE001 -- any import failure means "not available"
+                return f"not importable ({type(e).__name__}: {e})"
+            if not hasattr(mod, attr):
+                return f"not importable ({module} has no attribute {attr!r})"
+        if self.not_applicable is not None:
+            return f"not applicable: {self.not_applicable}"
+        return None
 
 
+def _catalog(key: str, label: str, module: str, attr: str, not_applicable: str | None = None,
+             **kwargs) -> MethodSpec:
+    """A method of the estimator catalog, imported when it is built: ``attr("z", **kwargs)``."""
+
+    def make() -> Method:
+        return getattr(importlib.import_module(module), attr)("z", **kwargs)
+
+    return MethodSpec(key, label, make, requires=(module, attr), not_applicable=not_applicable)
+
+
+def _tempered(p):
+    return OneHotCategorical(logits=p.logits / 2)
+
+
+def _importance_rloo() -> Method:
+    from storch.sampling.importance import ImportanceSampling
+
+    return ScoreFunction("z", sampling_method=ImportanceSampling("z", 10, _tempered), baseline_factory="batch_average")
+
+
+_ONE_VARIABLE = "it handles one discrete variable per node; this model's node holds 2 categoricals per image"
+
+# The manual's four estimators, then the catalog's, with about ten cost evaluations per datum and
+# step where the method allows it (the "evals" column of the summary gives the real number: the
+# size of the node's plate).
 METHODS: dict[str, MethodSpec] = {
     spec.key: spec
     for spec in (
@@ -159,6 +219,32 @@ METHODS: dict[str, MethodSpec] = {
                    lambda: ScoreFunction("z", n_samples=10, baseline_factory="batch_average")),
         MethodSpec("gumbel", "GumbelSoftmax n=1 (tau=1)", lambda: GumbelSoftmax("z", n_samples=1)),
         MethodSpec("expect", "Expect (exact, 100 configs)", lambda: Expect("z"), deterministic=True),
+        MethodSpec("importance", "ImportanceSampling n=10 r~p^1/2, RLOO", _importance_rloo,
+                   requires=("storch.sampling.importance", "ImportanceSampling")),
+        _catalog("wor", "ScoreFunctionWOR k=10", "storch.method.wor", "ScoreFunctionWOR", k=10),
+        _catalog("wor-normalised", "ScoreFunctionWOR k=10, normalised", "storch.method.wor", "ScoreFunctionWOR",
+                 k=10, biased=True),
+        _catalog("unordered-set", "UnorderedSetEstimator k=10", "storch.method.unordered_set",
+                 "UnorderedSetEstimator", k=10),
+        _catalog("local-expectation", "LocalExpectation n=1", "storch.method.local_expectation", "LocalExpectation",
+                 n_samples=1),
+        _catalog("mvd", "MVD n=1", "storch.method.mvd", "MVD", n_samples=1),
+        _catalog("spsa", "SPSA n=3 (c=0.1)", "storch.method.spsa", "SPSA", n_samples=3),
+        _catalog("straight-through", "StraightThrough n=1", "storch.method.straight_through", "StraightThrough",
+                 n_samples=1),
+        _catalog("gumbel-rao", "GumbelRao n=1 (tau=1)", "storch.method.straight_through", "GumbelRao", n_samples=1),
+        _catalog("reinmax", "ReinMax n=1 (tau=1)", "storch.method.straight_through", "ReinMax", n_samples=1),
+        _catalog("rebar", "REBAR n=3", "storch.method.relax", "REBAR", n_samples=3),
+        _catalog("arm", "ARM", "storch.method.arm", "ARM", not_applicable="Bernoulli nodes only"),
+        _catalog("disarm", "DisARM", "storch.method.arm", "DisARM", not_applicable="Bernoulli nodes only"),
+        _catalog("rao-blackwell", "RaoBlackwellSF", "storch.method.rao_blackwell", "RaoBlackwellSF",
+                 not_applicable=_ONE_VARIABLE, k=10),
+        _catalog("unordered-set-gumbel", "UnorderedSetGumbelSoftmax", "storch.method.unordered_set",
+                 "UnorderedSetGumbelSoftmax", not_applicable=_ONE_VARIABLE, k=10),
+        _catalog("vimco", "VIMCO", "storch.method.vimco", "VIMCO", n_samples=10,
+                 not_applicable="it estimates gradients of multi-sample bounds (iwae_bound); this model's "
+                 "objective is the ELBO, on which VIMCO is the score function with a leave-one-out "
+                 "baseline (score-rloo)"),
     )
 }
 
@@ -185,24 +271,30 @@ class VAEConfig:
     seed: int = 0
 
 
-def digits_config(epochs: int = 12, seed: int = 0, **kw) -> VAEConfig:
-    """The default: binarized 8×8 digits (1797 images), 64-256-128-(2×10)-128-256-64, batch 32."""
+def digits_config(epochs: int = 3, seed: int = 0, **kw) -> VAEConfig:
+    """The default: binarized 8×8 digits (1797 images), 64-256-128-(2×10)-128-256-64, batch 32.
+
+    Three epochs per method, evaluated before training and every three epochs with 50 gradient
+    samples, so that the ~15 estimators run in about two minutes on two CPU cores.
+    """
     from storch.datasets import load_digits_binarized
 
     x, _ = load_digits_binarized()
     steps_per_epoch = math.ceil(x.shape[0] / 32)
     kw.setdefault("eval_every", 3 * steps_per_epoch)
+    kw.setdefault("grad_samples", 50)
     return VAEConfig("binarized digits (sklearn, 1797 x 64)", x, epochs=epochs, seed=seed, **kw)
 
 
 def quick_config(seed: int = 0, **kw) -> VAEConfig:
-    """A smoke run: 256 digits, one epoch, 8 gradient samples per evaluation."""
+    """A smoke run of every method: 128 digits, one epoch (4 steps), 4 gradient samples per evaluation."""
     from storch.datasets import load_digits_binarized
 
     x, _ = load_digits_binarized()
     kw.setdefault("epochs", 1)
-    return VAEConfig("binarized digits, first 256 (quick)", x[:256], hidden=(64, 32), batch_size=32,
-                     eval_every=8, grad_samples=8, eval_batch=16, nelbo_subset=256, seed=seed, **kw)
+    kw.setdefault("grad_samples", 4)
+    return VAEConfig("binarized digits, first 128 (quick)", x[:128], hidden=(64, 32), batch_size=32,
+                     eval_every=4, eval_batch=8, nelbo_subset=64, seed=seed, **kw)
 
 
 def load_mnist_data(directory: str) -> tuple[str, torch.Tensor]:
@@ -251,9 +343,15 @@ class Evaluation:
         return self.bias_raw - self.grad_variance / self.grad_samples
 
 
-def _centred_probs_grad(z: storch.StochasticTensor) -> torch.Tensor:
-    g = z.param_grads["probs"]
-    return g - g.mean(-1, keepdim=True)
+def _centred_grad(z: storch.StochasticTensor) -> torch.Tensor:
+    """The gradient w.r.t. the encoder's logits ``E_φ(x)``, from the one w.r.t. the normalised logits.
+
+    ``OneHotCategorical(logits=u)`` stores ``u − logsumexp(u)``; through that normalisation the
+    gradient w.r.t. ``u`` is ``g − p·Σ_k g_k`` (``g`` w.r.t. the normalised logits, ``p`` the
+    probabilities), which sums to zero over the K values.
+    """
+    g = z.param_grads["logits"]
+    return g - z.distribution.probs.detach() * g.sum(-1, keepdim=True)
 
 
 def evaluate(method: Method, model: DiscreteVAE, data: torch.Tensor, grad_samples: int) -> tuple[float, float, float]:
@@ -274,7 +372,7 @@ def evaluate(method: Method, model: DiscreteVAE, data: torch.Tensor, grad_sample
     model.zero_grad()
     z = generative_story(Expect("z"), model, data)
     storch.backward()
-    expected_gradient = _centred_probs_grad(z)
+    expected_gradient = _centred_grad(z)
 
     # Collect gradient samples
     gradients = []
@@ -283,7 +381,7 @@ def evaluate(method: Method, model: DiscreteVAE, data: torch.Tensor, grad_sample
         model.zero_grad()
         z = generative_story(method, model, data)
         elbo = storch.backward()
-        gradients.append(_centred_probs_grad(z))
+        gradients.append(_centred_grad(z))
     model.zero_grad()
 
     gradients = storch.gather_samples(gradients, "gradients")
@@ -323,6 +421,7 @@ class RunResult:
     evaluations: list[Evaluation] = field(default_factory=list)
     last_epoch_train_nelbo: float = float("nan")
     seconds: float = 0.0
+    evals: int = 0  # cost evaluations per datum and step: the size of the node's plate
 
     @property
     def final(self) -> Evaluation:
@@ -404,7 +503,8 @@ def train(spec: MethodSpec, config: VAEConfig, out: TextIO, progress_bar: bool =
             epoch_values = []
             for batch in minibatches(data, config.batch_size, generator=shuffle):
                 optimizer.zero_grad()
-                generative_story(method, model, batch)
+                z = generative_story(method, model, batch)
+                result.evals = z.n
                 value = float(storch.backward())
                 optimizer.step()
                 step += 1
@@ -425,14 +525,35 @@ def train(spec: MethodSpec, config: VAEConfig, out: TextIO, progress_bar: bool =
     return result
 
 
-def format_summary(results: Sequence[RunResult]) -> str:
-    head = (f"{'method':<34} {'exact NELBO':>11} {'train NELBO':>11} {'mean grad var':>13} "
-            f"{'mean bias²':>11} {'mean bias² raw':>14} {'time s':>7}")
+def format_summary(results: Sequence[RunResult], missing: dict[str, str] | None = None) -> str:
+    """The summary table; ``missing`` (key: reason) lists methods that could not be built."""
+    head = (f"{'method':<40} {'exact NELBO':>11} {'train NELBO':>11} {'mean grad var':>13} "
+            f"{'mean bias²':>11} {'mean bias² raw':>14} {'time s':>7} {'evals':>5}")
     lines = [head, "-" * len(head)]
     for r in results:
-        lines.append(f"{r.spec.label:<34} {r.final.exact_nelbo:11.3f} {r.last_epoch_train_nelbo:11.3f} "
-                     f"{r.mean_variance:13.3e} {r.mean_bias:11.3e} {r.mean_bias_raw:14.3e} {r.seconds:7.1f}")
+        lines.append(f"{r.spec.label:<40} {r.final.exact_nelbo:11.3f} {r.last_epoch_train_nelbo:11.3f} "
+                     f"{r.mean_variance:13.3e} {r.mean_bias:11.3e} {r.mean_bias_raw:14.3e} {r.seconds:7.1f} "
+                     f"{r.evals:5d}")
+    for key, reason in (missing or {}).items():
+        lines.append(f"{METHODS[key].label:<40} {reason}")
     return "\n".join(lines)
+
+
+def available(keys: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """Split method keys into those that can be built and those that cannot (with the reason).
+
+    Example:
+        >>> available(["score", "expect"])
+        (['score', 'expect'], {})
+    """
+    ok, missing = [], {}
+    for key in keys:
+        reason = METHODS[key].missing()
+        if reason is None:
+            ok.append(key)
+        else:
+            missing[key] = reason
+    return ok, missing
 
 
 def run_vae(config: VAEConfig, out: TextIO | None = None, progress_bar: bool = True) -> list[RunResult]:
@@ -454,15 +575,17 @@ def run_vae(config: VAEConfig, out: TextIO | None = None, progress_bar: bool = T
     print(f"model {d}-{config.hidden[0]}-{config.hidden[1]}-({config.latents}x{config.categories} one-hot)-"
           f"{config.hidden[1]}-{config.hidden[0]}-{d}; Adam lr={config.lr:g}, batch {config.batch_size}, "
           f"{config.epochs} epoch(s), seed {config.seed}", file=out)
-    print(f"every {config.eval_every} steps: {config.grad_samples} gradient samples of z.param_grads['probs'] "
+    print(f"every {config.eval_every} steps: {config.grad_samples} gradient samples w.r.t. the encoder logits (from z.param_grads['logits']) "
           f"on a fixed batch of {config.eval_batch} images vs Expect; exact NELBO on "
           f"{min(n, config.nelbo_subset)} training images.", file=out)
     print("grad var = total variance (sum over elements, mean over data); bias² raw = |mean - exact|² "
-          "as in the manual; bias² = raw - var/S (≈0 when unbiased). Gradients are centred over the "
-          "10 values (see storch/demo/vae.py).", file=out)
-    results = [train(METHODS[key], config, out, progress_bar) for key in config.methods]
+          "as in the manual; bias² = raw - var/S (≈0 when unbiased). See storch/demo/vae.py.", file=out)
+    keys, missing = available(config.methods)
+    for key, reason in missing.items():
+        print(f"{METHODS[key].label} ({key}): {reason}", file=out)
+    results = [train(METHODS[key], config, out, progress_bar) for key in keys]
     print("\nSummary (exact NELBO at the end; train NELBO = mean over the last epoch; means over all "
-          "evaluations)", file=out)
-    print(format_summary(results), file=out)
+          "evaluations; evals = cost evaluations per datum and step)", file=out)
+    print(format_summary(results, missing), file=out)
     out.flush()
     return results
