@@ -11,7 +11,9 @@ Every torch function, method or operator that receives a storch tensor comes thr
    become size-1 dimensions, and plated arguments with fewer event dimensions get size-1 event
    dimensions right after their plates, so that event dimensions broadcast as they would for a single
    sample. Plain ``torch.Tensor`` arguments and storch tensors without plates are left as they are:
-   they broadcast against the event dimensions, right-aligned, as in PyTorch;
+   they broadcast against the event dimensions, right-aligned, as in PyTorch. Tensors carrying an
+   older step of a sequence than another argument (:class:`storch.plate.AncestralPlate`) are
+   re-indexed along the beams' ancestry (:func:`reindex_ancestral`; only on this slow path);
 4. wraps tensor outputs as :class:`storch.Tensor` with the union layout, after checking that the
    plate dimensions survived (a reduction or reshape over a plate dimension is an error that names the
    plate; see :func:`storch.reduce_plates` for reducing plates on purpose).
@@ -25,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from storch.plate import EMPTY_LAYOUT, PlateLayout, merge_layouts
+from storch.plate import EMPTY_LAYOUT, AncestralPlate, Plate, PlateLayout, layout_of_plates, merge_layouts
 
 _Disable = torch._C.DisableTorchFunctionSubclass
 _T = torch.Tensor
@@ -287,8 +289,16 @@ def _plan(src: PlateLayout, union: PlateLayout) -> tuple[tuple | None, tuple]:
         positions.append(next((i for i, p in enumerate(src.plates) if p is u or p == u), None))
     present = [p for p in positions if p is not None]
     if len(present) != len(src.plates):
-        missing = [p.name for p in src.plates if not any(p == u for u in union.plates)]
-        raise RuntimeError(f"internal error: plates {missing} are missing from the union {union}")
+        missing = [p for p in src.plates if not any(p == u for u in union.plates)]
+        if all(_has_descendant(p, union) for p in missing):  # older steps of a sequence
+            perm, index = ANCESTRAL, None
+        else:
+            names = [p.name for p in missing]
+            raise RuntimeError(f"internal error: plates {names} are missing from the union {union}")
+        if len(_plan_cache) > _CACHE_LIMIT:
+            _plan_cache.clear()
+        _plan_cache[key] = (weakref.ref(src), weakref.ref(union), perm, index)
+        return perm, index
     perm = tuple(present) if present != sorted(present) else None
     index = tuple(slice(None) if p is not None else None for p in positions)
     if len(_plan_cache) > _CACHE_LIMIT:
@@ -314,12 +324,86 @@ def align_tensor(
             t = t[(slice(None),) * n_src + (None,) * pad]
     else:
         perm, index = _plan(src, union)
+        if perm is ANCESTRAL:  # t carries older steps of a sequence than union: re-index it first
+            t, src = reindex_ancestral(t, src, union)
+            n_src = len(src.sizes)
+            perm, index = _plan(src, union)
         if perm is not None:
             t = t.permute(*perm, *range(n_src, t.dim()))
         t = t[index + (None,) * pad] if pad else t[index]
     if expand:
         t = t.expand(*union.sizes, *t.shape[len(union.sizes):])
     return t
+
+
+# ------------------------------------------------------------------ ancestral plates (sequences)
+# ``_plan`` answers ANCESTRAL when a tensor carries an older step of a sequence than the union it is
+# aligned to (see storch.plate.AncestralPlate); only then does ``align_tensor`` re-index it.
+ANCESTRAL = ("ancestral",)
+
+
+def _has_descendant(plate: Plate, union: PlateLayout) -> bool:
+    return isinstance(plate, AncestralPlate) and any(
+        isinstance(u, AncestralPlate) and u.name == plate.name and u.descends_from(plate) for u in union.plates
+    )
+
+
+def _as_layout(t: torch.Tensor, layout: PlateLayout) -> torch.Tensor:
+    """A storch view of plain ``t`` with ``layout`` (for aligning it; torch functions disabled)."""
+    v = t.view_as(t)
+    v.__class__ = Tensor
+    v._layout = layout
+    return v
+
+
+def reindex_ancestral(t: torch.Tensor, src: PlateLayout, union: PlateLayout) -> tuple[torch.Tensor, PlateLayout]:
+    """Re-index ``t`` (plates ``src``) from older steps of its ancestral chains to the steps in ``union``.
+
+    Sample ``b`` of the newer step gets the values of its ancestor along the chain: one
+    ``take_along_dim`` per step, along the older plate's dimension with the newer plate's parent
+    indices. Returns a plain tensor and its new layout (a subset of ``union``'s plates). Must run with
+    torch functions disabled.
+
+    Example:
+        >>> import torch, storch
+        >>> from storch.plate import AncestralPlate, layout_of_plates
+        >>> first = AncestralPlate("seq", 2)
+        >>> second = AncestralPlate("seq", 3, ancestor=first, parent_index=torch.tensor([1, 1, 0]))
+        >>> old = storch.Tensor(torch.tensor([10.0, 20.0]), [first])
+        >>> new = storch.Tensor(torch.zeros(3), [second])
+        >>> (old + new)._tensor.tolist()
+        [20.0, 20.0, 10.0]
+    """
+    newest = {p.name: p for p in union.plates}
+    for plate in src.plates:
+        target = newest.get(plate.name)
+        if target is None or target is plate:
+            continue
+        steps = []
+        step = target
+        while step is not plate:
+            steps.append(step)
+            step = step.ancestor
+        for step in reversed(steps):
+            t, src = _reindex_step(t, src, step)
+    return t, src
+
+
+def _reindex_step(t: torch.Tensor, src: PlateLayout, step: AncestralPlate) -> tuple[torch.Tensor, PlateLayout]:
+    """Gather ``t`` along ``step.ancestor``'s dimension with ``step.parent_index``."""
+    old = step.ancestor
+    i = next(j for j, p in enumerate(src.plates) if p is old)
+    rest = layout_of_plates([p for p in src.plates if p is not old])
+    index_rest = layout_of_plates(step.index_plates)
+    rest_union = merge_layouts([rest, index_rest])
+    x = align_tensor(_as_layout(t.movedim(i, -1), rest), rest_union)  # (*rest_union, *event, old)
+    idx = align_tensor(_as_layout(step.parent_index.movedim(0, -1), index_rest), rest_union)
+    n_event = x.dim() - len(rest_union.sizes) - 1
+    idx = idx.reshape(tuple(idx.shape[:-1]) + (1,) * n_event + (idx.shape[-1],))
+    y = torch.take_along_dim(x, idx, -1)  # (*rest_union, *event, step)
+    new = merge_layouts([rest_union, layout_of_plates((step,))])
+    j = next(k for k, p in enumerate(new.plates) if p is step)
+    return y.movedim(-1, j), new
 
 
 def expand_plain(t: torch.Tensor, union: PlateLayout) -> torch.Tensor:

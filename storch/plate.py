@@ -13,7 +13,9 @@ remaining dimensions are *event* dimensions and broadcast as in plain PyTorch.
 Identity rule: the plate of a stochastic node is unique to that node. Two different nodes that use
 the same plate name clash with an error instead of merging. Plates made by
 :func:`storch.denote_independent` or :func:`storch.gather_samples` are compared by name and size, so a
-minibatch plate re-created in every training step is the same plate.
+minibatch plate re-created in every training step is the same plate. The steps of a sequence decoded
+step by step share a name by design (:class:`AncestralPlate`): where two steps of one chain meet,
+the newer step is kept and the older tensor is re-indexed along the ancestry.
 """
 
 from __future__ import annotations
@@ -183,6 +185,11 @@ class AncestralPlate(Plate):
         self.parent_index = parent_index
         self.info = info
 
+    def __eq__(self, other: object) -> bool:
+        return self is other  # a step of a sequence is one node's plate: equal only to itself
+
+    __hash__ = Plate.__hash__
+
     @property
     def index_layout(self) -> "PlateLayout":
         """The layout of ``parent_index``: this plate, then ``index_plates``."""
@@ -280,11 +287,34 @@ def _describe(plate: Plate) -> str:
 def merge_layouts(layouts: Iterable[PlateLayout]) -> PlateLayout:
     """The union of several layouts, newest plate first.
 
+    Two steps of one ancestral chain (:class:`AncestralPlate`, a sequence decoded step by step) merge
+    into the newer one, plus the plates its parent indices depend on.
+
     Raises:
         PlateClashError: if two different plates share a name.
     """
+    merged, pairs = _merge_once(layouts)
+    if not pairs:
+        return merged
+    done: set[tuple[int, int]] = set()
+    while pairs:
+        # a re-indexed older tensor also depends on the plates of the parent indices on the way
+        extra = []
+        for newer, older in pairs:
+            if (id(newer), id(older)) not in done:
+                done.add((id(newer), id(older)))
+                extra += [layout_of_plates(s.index_plates) for s in _chain(newer, older) if s.index_plates]
+        if not extra:
+            break
+        merged, pairs = _merge_once([merged] + extra)
+    return merged
+
+
+def _merge_once(layouts: Iterable[PlateLayout]) -> tuple[PlateLayout, list[tuple["AncestralPlate", Plate]]]:
+    """The union, and the (newer, older) pairs of ancestral plates that merged into the newer."""
     merged: list[Plate] = []
     by_name: dict[str, Plate] = {}
+    pairs: list[tuple[AncestralPlate, Plate]] = []
     for layout in layouts:
         for plate in layout.plates:
             seen = by_name.get(plate.name)
@@ -292,6 +322,13 @@ def merge_layouts(layouts: Iterable[PlateLayout]) -> PlateLayout:
                 by_name[plate.name] = plate
                 merged.append(plate)
             elif not (seen is plate or seen == plate):
+                newer = _newer_of_one_chain(seen, plate)
+                if newer is not None:  # two steps of one sequence: the newest step is kept
+                    if newer is plate:
+                        merged[next(i for i, p in enumerate(merged) if p is seen)] = plate
+                        by_name[plate.name] = plate
+                    pairs.append((newer, seen if newer is plate else plate))
+                    continue
                 raise PlateClashError(
                     f"Two different plates are named {plate.name!r}: {_describe(seen)} and "
                     f"{_describe(plate)}. Samples of different stochastic nodes never merge. Give "
@@ -299,7 +336,27 @@ def merge_layouts(layouts: Iterable[PlateLayout]) -> PlateLayout:
                     "tensor is left over from an earlier step, recompute it in this step."
                 )
     merged.sort(key=lambda p: p.order, reverse=True)
-    return layout_of_plates(merged)
+    return layout_of_plates(merged), pairs
+
+
+def _newer_of_one_chain(a: Plate, b: Plate) -> "AncestralPlate | None":
+    """The newer of two plates of one ancestral chain (see :class:`AncestralPlate`), else ``None``."""
+    if isinstance(a, AncestralPlate) and isinstance(b, AncestralPlate):
+        if b.descends_from(a):
+            return b
+        if a.descends_from(b):
+            return a
+    return None
+
+
+def _chain(newer: AncestralPlate, older: Plate) -> list[AncestralPlate]:
+    """The steps from ``newer`` back to (not including) its ancestor ``older``, newest first."""
+    out = []
+    a: AncestralPlate | None = newer
+    while a is not None and a is not older:
+        out.append(a)
+        a = a.ancestor
+    return out
 
 
 def order_plates(plates: Sequence[Plate], reverse: bool = False) -> list[Plate]:

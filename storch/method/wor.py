@@ -13,6 +13,18 @@ gradient function ``log p(s)``; control variate ``B`` (the built-in baseline, bi
 The unbiased variant is unbiased for derivatives of every order (the weights are importance weights
 that do not depend on the parameters being differentiated); the normalised one is consistent (its
 bias vanishes as ``k`` grows, and it is exact once ``k`` covers the support) and has lower variance.
+
+Sequences. Call the same method object once per decoding step. At step ``t`` the distribution is
+built from tensors that carry the plate of step ``t − 1`` (same name); the method extends the ``k``
+prefixes by stochastic beam search (the ``k`` best of the ``k·V`` extensions) and returns the tokens
+of step ``t`` with a new plate of the same name (an :class:`storch.plate.AncestralPlate`). Tensors
+of earlier steps (tokens, recurrent states) are re-indexed along the beams' ancestry whenever they
+meet tensors of later steps. A finished prefix (last token ``eos``) continues with ``eos`` with
+probability 1. Step ``t``'s weights and gradient function use the log-probability of the whole
+prefix ``log p(x_{≤t}) = Σ_{s≤t} log p(x_s | x_{<s})`` and step ``t``'s ``κ``; a cost registered at
+step ``t`` (carrying step ``t``'s plate) is estimated with those prefixes, which are a sample
+without replacement of prefixes of length ``t``. With :class:`storch.sampling.decoding.MCDecoder`
+as the proposal the same method is the plain score function over i.i.d. sequences.
 """
 
 from __future__ import annotations
@@ -23,13 +35,26 @@ import torch
 from torch.distributions import Distribution
 
 from storch.method.method import Method
-from storch.plate import AncestralPlate, layout_of_plates
+from storch._dispatch import align_tensor
+from storch.plate import AncestralPlate, PlateLayout, layout_of_plates
 from storch.reduce import reduce_plate
-from storch.sampling.swor import SampleWithoutReplacement, WORState, wor_support
-from storch.tensor import CostTensor, StochasticNode, StochasticTensor, Tensor, _alias, _Disable, wrap_new
+from storch.sampling.swor import SampleWithoutReplacement, SequenceSampler, WORState, wor_support
+from storch.tensor import CostTensor, StochasticNode, StochasticTensor, Tensor, _alias, _Disable, wrap, wrap_new
 from storch.util import distribution_layout
 
 __all__ = ["ScoreFunctionWOR"]
+
+
+def _to_layout(t: torch.Tensor, plates, layout: PlateLayout) -> torch.Tensor:
+    """Plain ``t`` with leading ``plates`` laid out (expanded) as ``layout``."""
+    if not layout.plates:
+        return t
+    return align_tensor(wrap(t, layout_of_plates(tuple(plates))), layout, expand=True)
+
+
+def _to_beams(t: torch.Tensor, src: PlateLayout, parents: PlateLayout, beam_dim: int) -> torch.Tensor:
+    """A tensor of the previous step (layout ``src``) laid out as ``parents``, beam dimension first."""
+    return align_tensor(wrap(t, src), parents, expand=True).movedim(beam_dim, 0)
 
 
 class ScoreFunctionWOR(Method):
@@ -41,8 +66,12 @@ class ScoreFunctionWOR(Method):
         biased: normalise the weights by their sum and subtract the built-in baseline (consistent,
             lower variance); ``False`` (default) keeps the unbiased, unnormalised weights.
         eos: the end-of-sequence value index, for sequences decoded step by step.
-        sampling_method: a :class:`SampleWithoutReplacement` (or subclass) to use instead of the
-            default one.
+        sampling_method: a :class:`storch.sampling.swor.SequenceSampler` to use instead of the
+            default :class:`SampleWithoutReplacement` (a subclass, or
+            :class:`storch.sampling.decoding.MCDecoder` for i.i.d. sequences).
+
+    The ``distribution`` of a sequence step's node has the previous step's beams as batch
+    dimension; the step's own log-probabilities are in ``sampling_method.state_of(tensor)``.
 
     Example:
         >>> import torch, storch
@@ -55,6 +84,21 @@ class ScoreFunctionWOR(Method):
         >>> _ = storch.backward()
         >>> theta.grad.shape
         torch.Size([5])
+
+        A sequence of three tokens from {0, 1, 2} and EOS = 3, decoded with a beam of 4:
+
+        >>> emb = torch.randn(4, 4, requires_grad=True)
+        >>> method = ScoreFunctionWOR("seq", k=4, eos=3)
+        >>> x = method(OneHotCategorical(logits=emb[0]))
+        >>> tokens = [x]
+        >>> for t in range(2):
+        ...     x = method(OneHotCategorical(logits=x @ emb))   # logits from the previous token
+        ...     tokens.append(x)
+        >>> seq = torch.stack(tokens, -2)          # earlier steps re-indexed to the last beams
+        >>> seq.plates[0] is x.plates[0], tuple(seq.shape)
+        (True, (4, 3, 4))
+        >>> storch.add_cost((seq.argmax(-1) == 1).float().sum(-1), "ones")
+        >>> _ = storch.backward()
     """
 
     def __init__(
@@ -63,13 +107,14 @@ class ScoreFunctionWOR(Method):
         k: int,
         biased: bool = False,
         eos: Optional[int] = None,
-        sampling_method: Optional[SampleWithoutReplacement] = None,
+        sampling_method: Optional[SequenceSampler] = None,
     ) -> None:
         if sampling_method is None:
             sampling_method = SampleWithoutReplacement(plate_name, k, normalize=biased, eos=eos)
-        elif not isinstance(sampling_method, SampleWithoutReplacement):
+        elif not isinstance(sampling_method, SequenceSampler):
             raise TypeError(
-                f"ScoreFunctionWOR({plate_name!r}): sampling_method must be a SampleWithoutReplacement, "
+                f"ScoreFunctionWOR({plate_name!r}): sampling_method must be a SequenceSampler (e.g. "
+                f"SampleWithoutReplacement or MCDecoder), "
                 f"got {type(sampling_method).__name__}."
             )
         super().__init__(plate_name, sampling_method)
@@ -85,21 +130,68 @@ class ScoreFunctionWOR(Method):
             return super().forward(distr)  # raises the common error
         self.check_distribution(distr)
         parents = distribution_layout(distr)
-        sampler: SampleWithoutReplacement = self.sampling_method  # type: ignore[assignment]
+        sampler: SequenceSampler = self.sampling_method  # type: ignore[assignment]
         if self.plate_name in parents.names:
-            raise NotImplementedError("sequences: not yet")
+            return self._next_step(distr, parents)
         with _Disable():
             samples, state = sampler.draw(distr, len(parents.plates))
         self._check_samples(distr, samples, parents.sizes)
         plate = AncestralPlate(self.plate_name, samples.shape[0], parents=parents.plates, info=state)
         return self._make_node(distr, samples, plate, parents.plates)
 
+    def _next_step(self, distr: Distribution, parents: PlateLayout) -> StochasticTensor:
+        """Extend the sequences of the previous step (the plate named like this node in ``distr``)."""
+        beam_dim = parents.names.index(self.plate_name)
+        ancestor = parents.plates[beam_dim]
+        if not (isinstance(ancestor, AncestralPlate) and isinstance(ancestor.info, WORState)):
+            raise ValueError(
+                f"{type(self).__name__}({self.plate_name!r}): the distribution's parameters already carry "
+                f"a plate named {self.plate_name!r} that is not an earlier step of a sequence sampled "
+                "without replacement. Give this node another name."
+            )
+        others = tuple(p for p in parents.plates if p is not ancestor)
+        support = wor_support(distr)
+        if tuple(support.log_probs.shape[:-1]) != parents.sizes:
+            raise ValueError(
+                f"{type(self).__name__}({self.plate_name!r}): a sequence step needs one categorical "
+                f"variable per beam and plate combination, but the distribution has batch shape "
+                f"{tuple(distr.batch_shape)} with plates {list(parents.names)}. Declare extra batch "
+                "dimensions independent (storch.denote_independent) or decode one variable per step."
+            )
+        parent = ancestor.info
+        parent_layout = ancestor.node.layout if ancestor.node is not None else layout_of_plates((ancestor,))
+        missing = [p.name for p in parent_layout.plates[1:] if p.name not in parents.names]
+        if missing:
+            raise ValueError(
+                f"{type(self).__name__}({self.plate_name!r}): the previous step depends on plates "
+                f"{missing}, which the distribution of this step has lost (were they reduced?). Keep "
+                "them on the tensors the decoder uses."
+            )
+        others_layout = layout_of_plates(others)
+        with _Disable():
+            aligned = WORState(
+                log_prob=_to_beams(parent.log_prob, parent_layout, parents, beam_dim),
+                perturbed=_to_beams(parent.perturbed, parent_layout, parents, beam_dim),
+                kappa=_to_layout(parent.kappa, parent_layout.plates[1:], others_layout),
+                tokens=parent.tokens,
+                finished=None if parent.finished is None else _to_beams(parent.finished, parent_layout, parents, beam_dim),
+                alive=None if parent.alive is None else _to_beams(parent.alive, parent_layout, parents, beam_dim),
+            )
+            samples, state = self.sampling_method.step(distr, aligned, beam_dim)  # type: ignore[attr-defined]
+        plate = AncestralPlate(
+            self.plate_name, samples.shape[0], parents=parents.plates, ancestor=ancestor,
+            parent_index=state.parent_index, index_plates=others, info=state,
+        )
+        return self._make_node(distr, samples, plate, others)
+
     def _make_node(self, distr: Distribution, samples: torch.Tensor, plate: AncestralPlate, others: tuple) -> StochasticTensor:
         layout = layout_of_plates((plate,) + tuple(others))
         node = StochasticNode(self.plate_name, self, distr, samples, layout, plate)
         plate.node = node
         tensor = StochasticTensor._from_node(_alias(samples), node)
-        plate.weight = self.sampling_method.weighting_function(tensor, plate)
+        weight = self.sampling_method.weighting_function(tensor, plate)
+        if weight is not None:
+            plate.weight = weight
         return tensor
 
     # ------------------------------------------------------------------ estimator

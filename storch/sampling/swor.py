@@ -21,6 +21,11 @@ the pruned prefix's value.
 
 Extension points (for estimators built on this proposal, e.g. the unordered set estimator):
 
+* :class:`SequenceSampler` — the base class: :meth:`~SequenceSampler.draw` (a set in one call),
+  :meth:`~SequenceSampler.step` (extend the previous step of a sequence), and
+  :meth:`~SequenceSampler.weights`; :func:`gumbel_top_k_step` is one step of stochastic beam search
+  on plain tensors (returns parent indices, tokens, log-probabilities, perturbed values and ``κ``).
+
 * :class:`WORState` — the sampled set of one step: ``log_prob`` (log-probability of each sampled
   element or prefix, summed over variables/steps, differentiable), ``perturbed`` (its perturbed
   log-probability), ``kappa`` (the ``(k+1)``-th largest perturbed value, ``−∞`` when the support is
@@ -51,7 +56,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from storch.tensor import StochasticTensor
 
 __all__ = [
-    "SampleWithoutReplacement", "WORState", "WORSupport", "register_wor_support", "wor_support",
+    "SequenceSampler", "SampleWithoutReplacement", "WORState", "WORSupport", "register_wor_support", "wor_support",
     "log_inclusion_probability", "gumbel_top_k_step",
 ]
 
@@ -225,20 +230,143 @@ class WORState:
     alive: Optional[torch.Tensor] = None
 
 
-class SampleWithoutReplacement(SamplingMethod):
+class SequenceSampler(SamplingMethod):
+    """Base class of proposals that draw sets of values and extend them step by step (sequences).
+
+    Subclasses implement :meth:`draw` (the set of one call), :meth:`step` (extend the set of the
+    previous step of a sequence) and :meth:`weights`. :class:`storch.method.wor.ScoreFunctionWOR`
+    calls them; each step's :class:`WORState` lives on its plate (``plate.info``).
+
+    Args:
+        plate_name: the plate of the sampled set.
+        k: the number of samples (beams).
+        eos: the end-of-sequence value index: a finished sequence continues with ``eos`` with
+            probability 1. ``None``: sequences have a fixed length.
+    """
+
+    def __init__(self, plate_name: str, k: int, eos: Optional[int] = None) -> None:
+        super().__init__(plate_name)
+        if int(k) < 1:
+            raise ValueError(f"{type(self).__name__}({plate_name!r}): k must be at least 1, got {k}.")
+        self.k = int(k)
+        self.eos = eos
+        self._pending: Optional[WORState] = None
+
+    @property
+    def n_samples(self) -> int:
+        return self.k
+
+    def draw(self, distr: Distribution, n_plates: int) -> tuple[torch.Tensor, WORState]:
+        """The set of one call: samples ``(n, *batch_shape, *event_shape)`` and their state.
+
+        ``distr``'s first ``n_plates`` batch dimensions are plates, the others independent
+        variables sampled jointly.
+        """
+        raise NotImplementedError
+
+    def step(self, distr: Distribution, parent: WORState, beam_dim: int) -> tuple[torch.Tensor, WORState]:
+        """Extend the previous step's set by one token.
+
+        Args:
+            distr: the distribution of the next token given each prefix; its batch dimensions are
+                exactly the plates of its parameters, the previous step's plate at ``beam_dim``.
+            parent: the previous step's :class:`WORState`, laid out as ``distr``'s other plates
+                (beam dimension first).
+            beam_dim: the position of the previous step's plate among ``distr``'s batch dimensions.
+
+        Returns:
+            the samples ``(n', *other plates, *event_shape)`` and the step's :class:`WORState`
+            (``log_prob`` is that of the whole prefix, differentiable).
+        """
+        raise NotImplementedError
+
+    def weights(self, state: WORState) -> Optional[torch.Tensor]:
+        """The plate weight of each element ``(n, *B)`` (detached), or ``None`` for ``1/n``."""
+        raise NotImplementedError
+
+    def sample(self, distr: Distribution, plates: Sequence[Plate], requires_grad: bool) -> torch.Tensor:
+        if requires_grad:
+            raise ValueError(
+                f"{type(self).__name__}({self.plate_name!r}) draws discrete samples without a "
+                "pathwise gradient; use it with a score-function estimator (ScoreFunctionWOR)."
+            )
+        samples, self._pending = self.draw(distr, len(plates))
+        return samples
+
+    def state_of(self, tensor: "StochasticTensor") -> WORState:
+        """The :class:`WORState` behind ``tensor``'s plate."""
+        info = getattr(tensor.plate, "info", None)
+        if not isinstance(info, WORState):
+            raise ValueError(
+                f"{type(self).__name__}({self.plate_name!r}): no sampled set is recorded on plate "
+                f"{tensor.plate.name!r}; sample it with storch.method.wor.ScoreFunctionWOR."
+            )
+        return info
+
+    def weighting_function(self, tensor: "StochasticTensor", plate: Plate) -> Optional[torch.Tensor]:
+        state = getattr(plate, "info", None)
+        if not isinstance(state, WORState):  # drawn through the generic Method.forward
+            state, self._pending = self._pending, None
+        if state is None:
+            raise ValueError(
+                f"{type(self).__name__}({self.plate_name!r}): weighting_function called without a "
+                "preceding sample."
+            )
+        with _Disable():
+            w = self.weights(state)
+        return None if w is None else wrap_new(w, tensor._layout)
+
+    def reset(self) -> None:
+        self._pending = None
+
+    def _extension_log_probs(self, distr: Distribution, parent: WORState, beam_dim: int) -> tuple[WORSupport, torch.Tensor, torch.Tensor]:
+        """The support, the differentiable next-token log-probabilities ``(n, *B, V)`` and their
+        detached version with finished prefixes forced onto ``eos`` (probability 1)."""
+        support = wor_support(distr)
+        lp = support.log_probs.movedim(beam_dim, 0)
+        ext = lp.detach()
+        if parent.finished is not None and self.eos is not None:
+            on_eos = torch.full((lp.shape[-1],), -math.inf, dtype=ext.dtype, device=ext.device)
+            on_eos[self.eos] = 0.0
+            ext = torch.where(parent.finished.unsqueeze(-1), on_eos, ext)
+        return support, lp, ext
+
+    def _extend(
+        self, lp: torch.Tensor, parent: WORState, parent_index: torch.Tensor, token: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The differentiable prefix log-probability and the finished flags of the extensions."""
+        token_lp = _take_beams(lp, parent_index).gather(-1, token.unsqueeze(-1)).squeeze(-1)
+        done = token == self.eos if self.eos is not None else torch.zeros_like(token, dtype=torch.bool)
+        if parent.finished is not None:
+            was_done = _take_beams(parent.finished, parent_index)
+            token_lp = torch.where(was_done, torch.zeros_like(token_lp), token_lp)  # EOS after EOS: log 1
+            done = done | was_done
+        return _take_beams(parent.log_prob, parent_index) + token_lp, done
+
+    def _finished(self, tokens: torch.Tensor, var_shape: tuple) -> Optional[torch.Tensor]:
+        if self.eos is None or var_shape:
+            return None
+        return tokens == self.eos
+
+    def extra_repr(self) -> str:
+        return f"plate_name={self.plate_name!r}, k={self.k}, eos={self.eos}"
+
+
+class SampleWithoutReplacement(SequenceSampler):
     """Gumbel-top-k sampling without replacement (stochastic beam search over several variables).
 
     Draws ``min(k, |support|)`` distinct joint values of a discrete distribution per combination of
     the parameters' plates and weights each by ``p(s)/q_κ(s)`` (Kool, van Hoof & Welling 2019,
     ICML). Several independent variables (non-plate batch dimensions) are sampled jointly: the set
     holds distinct *joint* configurations, drawn by stochastic beam search over the variables.
+    Called step by step on a sequence (:class:`storch.method.wor.ScoreFunctionWOR`) it runs
+    stochastic beam search over prefixes.
 
     Args:
         plate_name: the plate of the sampled set.
-        k: the number of distinct samples.
+        k: the number of distinct samples (the beam size).
         normalize: divide the weights by their sum ``W = Σ_S p(s)/q_κ(s)`` (consistent, biased).
-        eos: the end-of-sequence value index, for sequences decoded step by step (see
-            :class:`storch.method.wor.ScoreFunctionWOR`).
+        eos: the end-of-sequence value index, for sequences decoded step by step.
 
     Example:
         >>> import torch
@@ -250,19 +378,9 @@ class SampleWithoutReplacement(SamplingMethod):
     """
 
     def __init__(self, plate_name: str, k: int, normalize: bool = False, eos: Optional[int] = None) -> None:
-        super().__init__(plate_name)
-        if int(k) < 1:
-            raise ValueError(f"SampleWithoutReplacement({plate_name!r}): k must be at least 1, got {k}.")
-        self.k = int(k)
+        super().__init__(plate_name, k, eos)
         self.normalize = bool(normalize)
-        self.eos = eos
-        self._pending: Optional[WORState] = None
 
-    @property
-    def n_samples(self) -> int:
-        return self.k
-
-    # -------------------------------------------------------------- one call
     def draw(self, distr: Distribution, n_plates: int) -> tuple[torch.Tensor, WORState]:
         """A set of ``min(k, V^D)`` distinct joint values of ``distr`` per plate combination.
 
@@ -296,19 +414,24 @@ class SampleWithoutReplacement(SamplingMethod):
         log_prob = lp_exp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).sum(-1)
         log_prob = torch.where(alive, log_prob, torch.zeros_like(log_prob))
         tokens = tokens.reshape(tokens.shape[: 1 + n_plates] + var_shape)
-        state = WORState(log_prob, perturbed, kappa, tokens, alive=alive)  # type: ignore[arg-type]
+        finished = self._finished(tokens, var_shape)
+        state = WORState(log_prob, perturbed, kappa, tokens, finished=finished, alive=alive)  # type: ignore[arg-type]
         return support.values(tokens), state
 
-    def sample(self, distr: Distribution, plates: Sequence[Plate], requires_grad: bool) -> torch.Tensor:
-        if requires_grad:
-            raise ValueError(
-                f"SampleWithoutReplacement({self.plate_name!r}) draws discrete samples without a "
-                "pathwise gradient; use it with a score-function estimator (ScoreFunctionWOR)."
-            )
-        samples, self._pending = self.draw(distr, len(plates))
-        return samples
+    def step(self, distr: Distribution, parent: WORState, beam_dim: int) -> tuple[torch.Tensor, WORState]:
+        """One step of stochastic beam search: the ``min(k, n·V)`` best of the ``n·V`` extensions."""
+        support, lp, ext = self._extension_log_probs(distr, parent, beam_dim)
+        alive = parent.alive if parent.alive is not None else parent.perturbed > -math.inf
+        parent_lp = torch.where(alive, parent.log_prob.detach(), torch.full_like(parent.perturbed, -math.inf))
+        parent_index, token, log_p, perturbed, kappa = gumbel_top_k_step(
+            parent_lp, parent.perturbed, ext, self.k, parent.kappa
+        )
+        log_prob, done = self._extend(lp, parent, parent_index, token)
+        alive = log_p > -math.inf
+        log_prob = torch.where(alive, log_prob, torch.zeros_like(log_prob))
+        state = WORState(log_prob, perturbed, kappa, token, parent_index, done, alive)
+        return support.values(token), state
 
-    # -------------------------------------------------------------- weights
     def weights(self, state: WORState) -> torch.Tensor:
         """The plate weight of each element: ``p(s)/q_κ(s)`` (divided by its sum if ``normalize``).
 
@@ -322,36 +445,8 @@ class SampleWithoutReplacement(SamplingMethod):
             w = w / w.sum(0, keepdim=True)
         return w
 
-    def state_of(self, tensor: "StochasticTensor") -> WORState:
-        """The :class:`WORState` behind ``tensor``'s plate (sampled by this method)."""
-        info = getattr(tensor.plate, "info", None)
-        if isinstance(info, WORState):
-            return info
-        if self._pending is not None:
-            return self._pending
-        raise ValueError(
-            f"SampleWithoutReplacement({self.plate_name!r}): no sampled set is recorded for plate "
-            f"{tensor.plate.name!r}."
-        )
-
-    def weighting_function(self, tensor: "StochasticTensor", plate: Plate) -> Optional[torch.Tensor]:
-        state = getattr(plate, "info", None)
-        if not isinstance(state, WORState):
-            state, self._pending = self._pending, None
-        if state is None:
-            raise ValueError(
-                f"SampleWithoutReplacement({self.plate_name!r}): weighting_function called without a "
-                "preceding sample."
-            )
-        with _Disable():
-            w = self.weights(state)
-        return wrap_new(w, tensor._layout)
-
-    def reset(self) -> None:
-        self._pending = None
-
     def extra_repr(self) -> str:
-        return f"plate_name={self.plate_name!r}, k={self.k}, normalize={self.normalize}, eos={self.eos}"
+        return f"{super().extra_repr()}, normalize={self.normalize}"
 
 
 def _take_beams(t: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
