@@ -8,16 +8,20 @@ Gumbel noise ``G``, ``z = log p + G`` has ``argmax z ~ Cat(p)``; the relaxed sam
 ``softmax(z / τ)``. For a Bernoulli with logit ``φ`` and ``u ~ U(0, 1)``,
 ``z = φ + log u − log(1 − u)`` has ``1[z > 0] ~ Bernoulli(σ(φ))``; the relaxed sample is ``σ(z / τ)``.
 
-Conditional samples ``z̃ ~ p(z | b)`` given the discrete outcome ``b`` (REBAR, RELAX) are in
-:func:`conditional_gumbel_rsample`; the formulas are in the SPEC appendix and its docstring.
+REBAR and RELAX (Tucker et al. 2017; Grathwohl et al. 2018) couple the discrete sample ``b = H(z)``
+with its relaxation: they need the noise ``z`` itself and a second draw ``z̃ ~ p(z | b)`` conditioned
+on the outcome. A :class:`GumbelCoupling` holds these pieces for one distribution type (in
+:attr:`Relaxation.coupling`); :func:`conditional_gumbel_rsample` is the relaxed conditional sample
+``σ_τ(z̃)``. The conditional formulas are in the SPEC appendix and in :func:`conditional_gumbel_rsample`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch.distributions import (
     Bernoulli,
     Distribution,
@@ -26,7 +30,33 @@ from torch.distributions import (
     RelaxedOneHotCategorical,
 )
 
-__all__ = ["Relaxation", "register_relaxation", "relaxation_for", "conditional_gumbel_rsample"]
+__all__ = [
+    "Relaxation", "GumbelCoupling", "register_relaxation", "relaxation_for", "conditional_gumbel_rsample",
+]
+
+
+@dataclass(frozen=True)
+class GumbelCoupling:
+    """The noise behind a relaxation: ``z`` with ``b = H(z)``, and ``z̃ ~ p(z | b)`` (REBAR, RELAX).
+
+    Every function works on the distribution's logits and is reparameterised in them (gradients
+    flow from ``z``, ``z̃`` and ``σ_τ(z)`` back to the logits and to ``τ``).
+
+    Attributes:
+        logits: ``distribution -> logits`` that the noise perturbs (for categoricals normalised
+            log-probabilities, as ``OneHotCategorical.logits`` are).
+        perturb: ``(logits, n) -> z``, ``n`` draws of shape ``(n, *logits.shape)``.
+        threshold: ``z -> b = H(z)``, the discrete sample (same shape and dtype as ``z``).
+        conditional: ``(logits, b) -> z̃ ~ p(z | b)``, one draw per element of ``b`` (``b`` may have
+            leading sample dimensions that ``logits`` lacks; every draw gets its own noise).
+        soft: ``(z, τ) -> σ_τ(z)``, the relaxed sample.
+    """
+
+    logits: Callable[[Distribution], torch.Tensor]
+    perturb: Callable[[torch.Tensor, int], torch.Tensor]
+    threshold: Callable[[torch.Tensor], torch.Tensor]
+    conditional: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    soft: Callable[[torch.Tensor, "torch.Tensor | float"], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -36,10 +66,13 @@ class Relaxation:
     Attributes:
         relaxed: ``(distribution, temperature) -> distribution`` with ``rsample``.
         hard: maps a relaxed sample to the discrete sample it rounds to (for straight-through).
+        coupling: the noise model and its conditional samples, for REBAR and RELAX (``None``: the
+            type has a relaxation but no coupling).
     """
 
     relaxed: Callable[[Distribution, torch.Tensor], Distribution]
     hard: Callable[[torch.Tensor], torch.Tensor]
+    coupling: Optional[GumbelCoupling] = None
 
 
 _RELAXATIONS: dict[type, Relaxation] = {}
@@ -62,11 +95,71 @@ def _one_hot_argmax(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).to(x.dtype)
 
 
+def _uniform(shape: torch.Size | tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """``U(0, 1)`` draws kept strictly inside ``(0, 1)``."""
+    finfo = torch.finfo(like.dtype)
+    u = torch.rand(shape, dtype=like.dtype, device=like.device)
+    return u.clamp(finfo.tiny, 1.0 - finfo.eps)
+
+
+def _draw_shape(logits: torch.Tensor, hard: torch.Tensor) -> torch.Size:
+    return torch.broadcast_shapes(tuple(logits.shape), tuple(hard.shape))
+
+
+# ------------------------------------------------------------------ categorical: Gumbel noise
+def _categorical_perturb(logits: torch.Tensor, n: int) -> torch.Tensor:
+    u = _uniform((n,) + tuple(logits.shape), logits)
+    return logits - torch.log(-torch.log(u))
+
+
+def _categorical_conditional(logits: torch.Tensor, hard: torch.Tensor) -> torch.Tensor:
+    # z̃_b = −log(−log v_b);  z̃_k = −log(−log v_k / p_k − log v_b), written with logaddexp in log p_k
+    v = _uniform(_draw_shape(logits, hard), logits)
+    log_neg_log_v = torch.log(-torch.log(v))
+    log_neg_log_vb = (log_neg_log_v * hard).sum(-1, keepdim=True)
+    z_top = -log_neg_log_vb
+    z_other = -torch.logaddexp(log_neg_log_v - logits, log_neg_log_vb)
+    return torch.where(hard > 0.5, z_top, z_other)
+
+
+# ------------------------------------------------------------------ Bernoulli: logistic noise
+def _bernoulli_perturb(logits: torch.Tensor, n: int) -> torch.Tensor:
+    u = _uniform((n,) + tuple(logits.shape), logits)
+    return logits + torch.log(u) - torch.log1p(-u)
+
+
+def _bernoulli_conditional(logits: torch.Tensor, hard: torch.Tensor) -> torch.Tensor:
+    # z̃ = φ + log u' − log(1 − u'),  u' = (1 − p) + v p if b = 1 and u' = v (1 − p) if b = 0,
+    # written in log σ(±φ) so that large |φ| keeps its gradient
+    v = _uniform(_draw_shape(logits, hard), logits)
+    log_v, log1m_v = torch.log(v), torch.log1p(-v)
+    log_p, log1m_p = F.logsigmoid(logits), F.logsigmoid(-logits)
+    one = logits - log_p - log1m_v + torch.logaddexp(log1m_p, log_v + log_p)  # log u' − log(1 − u') + φ
+    zero = log_v + log_p - torch.logaddexp(log1m_v, log_v + log_p)
+    return torch.where(hard > 0.5, one, zero)
+
+
+_CATEGORICAL_COUPLING = GumbelCoupling(
+    logits=lambda d: d.logits,
+    perturb=_categorical_perturb,
+    threshold=_one_hot_argmax,
+    conditional=_categorical_conditional,
+    soft=lambda z, tau: torch.softmax(z / tau, dim=-1),
+)
+_BERNOULLI_COUPLING = GumbelCoupling(
+    logits=lambda d: d.logits,
+    perturb=_bernoulli_perturb,
+    threshold=lambda z: (z > 0).to(z.dtype),
+    conditional=_bernoulli_conditional,
+    soft=lambda z, tau: torch.sigmoid(z / tau),
+)
+
 register_relaxation(
     OneHotCategorical,
     Relaxation(
         relaxed=lambda d, tau: RelaxedOneHotCategorical(tau, logits=d.logits),
         hard=_one_hot_argmax,
+        coupling=_CATEGORICAL_COUPLING,
     ),
 )
 register_relaxation(
@@ -74,6 +167,7 @@ register_relaxation(
     Relaxation(
         relaxed=lambda d, tau: RelaxedBernoulli(tau, logits=d.logits),
         hard=lambda x: (x > 0.5).to(x.dtype),
+        coupling=_BERNOULLI_COUPLING,
     ),
 )
 
@@ -88,6 +182,9 @@ def conditional_gumbel_rsample(
     ``k ≠ b``; return ``softmax(z̃ / τ)``. Bernoulli (``hard_sample`` in {0, 1}, ``probs = σ(φ)``):
     draw ``v ~ U(0, 1)``, set ``u' = (1 − p) + v p`` if ``b = 1`` else ``u' = v (1 − p)``,
     ``z̃ = φ + log(u' / (1 − u'))``; return ``σ(z̃ / τ)``. Both are reparameterised in ``probs``.
+    ``hard_sample`` may have leading sample dimensions that ``probs`` lacks; every element gets its
+    own noise. Estimators that own the distribution use its :class:`GumbelCoupling` instead, which
+    works on the logits.
 
     Example:
         >>> import torch
@@ -96,18 +193,11 @@ def conditional_gumbel_rsample(
         >>> bool(z.argmax(-1) == 1)
         True
     """
-    eps = torch.finfo(probs.dtype).tiny
+    tiny = torch.finfo(probs.dtype).tiny
+    coupling = _BERNOULLI_COUPLING if bernoulli else _CATEGORICAL_COUPLING
     if bernoulli:
-        v = torch.rand_like(probs)
-        u = torch.where(hard_sample > 0.5, (1 - probs) + v * probs, v * (1 - probs))
-        u = u.clamp(eps, 1 - torch.finfo(probs.dtype).eps)
-        logit = torch.log(probs.clamp_min(eps)) - torch.log1p(-probs.clamp(max=1 - 1e-7))
-        z = logit + torch.log(u) - torch.log1p(-u)
-        return torch.sigmoid(z / temperature)
-    v = torch.rand_like(probs).clamp_min(eps)
-    log_v = torch.log(v)
-    log_vb = (log_v * hard_sample).sum(-1, keepdim=True)
-    z_other = -torch.log(-log_v / probs.clamp_min(eps) - log_vb)
-    z_top = -torch.log(-log_vb)
-    z = torch.where(hard_sample > 0.5, z_top, z_other)
-    return torch.softmax(z / temperature, dim=-1)
+        p = probs.clamp(tiny, 1 - torch.finfo(probs.dtype).eps)
+        logits = torch.log(p) - torch.log1p(-p)
+    else:
+        logits = torch.log(probs.clamp_min(tiny))
+    return coupling.soft(coupling.conditional(logits, hard_sample), temperature)
