@@ -114,7 +114,7 @@ class BernoulliToy(Problem):
 
     def __init__(self) -> None:
         d = self.P.numel()
-        self.shape = ProblemShape("bernoulli", d, 2, 2**d)
+        self.shape = ProblemShape("bernoulli", d, 2, 2**d, (d,))
         self.param = torch.zeros(d)
         self.configs = torch.tensor(list(itertools.product((0.0, 1.0), repeat=d)))  # (2^d, d)
         ps = ", ".join(f"{v:g}" for v in self.P.tolist())
@@ -184,7 +184,7 @@ class VAEMinibatch(Problem):
         self.scale = float(batch)  # the cost is the mean over the minibatch: report per-datum gradients
         self.rows_per_eval = batch
         self.rounding = 1e-5  # costs of ~25 nats per datum in float32
-        self.shape = ProblemShape("vae", latents, categories, categories**latents)
+        self.shape = ProblemShape("vae", latents, categories, categories**latents, (latents, categories))
         self.title = (f"(b) categorical VAE, one minibatch: {data.shape[1]}-{hidden[0]}-{hidden[1]}-"
                       f"({latents}x{categories} one-hot)-{hidden[1]}-{hidden[0]}-{data.shape[1]} on "
                       f"{data.shape[0]} binarized digits, trained {epochs} epoch(s) ({steps} steps, "
@@ -446,9 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
         "categorical VAE on binarized digits (exact gradient by Expect).",
     )
     p.add_argument("--budget", type=int, nargs="+", default=None, metavar="B",
-                   help="cost evaluations per estimate on the Bernoulli toy (default: 4 16; --quick: 4)")
+                   help="cost evaluations per estimate on the Bernoulli toy (default: 6 18; --quick: 6)")
     p.add_argument("--vae-budget", type=int, nargs="+", default=None, metavar="B",
-                   help="cost evaluations per datum per estimate on the VAE (default: 20 100; --quick: 20)")
+                   help="cost evaluations per datum per estimate on the VAE (default: 21 105; --quick: 21)")
     p.add_argument("--repeats", "-R", type=int, default=None,
                    help="independent estimates per row on the toy (default: 10000; --quick: 400)")
     p.add_argument("--vae-repeats", type=int, default=None,
@@ -491,8 +491,10 @@ class _Tee:
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     q = args.quick
-    budgets = args.budget or ([4] if q else [4, 16])
-    vae_budgets = args.vae_budget or ([20] if q else [20, 100])
+    # multiples of the common group sizes: 2 (ARM), 3 (REBAR, SPSA), 9 (LocalExpectation on the toy),
+    # 21 (LocalExpectation on the VAE); 18 and 105 also cover Expect's 16 and 100 evaluations
+    budgets = args.budget or ([6] if q else [6, 18])
+    vae_budgets = args.vae_budget or ([21] if q else [21, 105])
     repeats = args.repeats or (400 if q else 10000)
     vae_repeats = args.vae_repeats or (20 if q else 200)
     timing_reps = args.timing_reps or (3 if q else 20)
