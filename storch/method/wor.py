@@ -177,7 +177,7 @@ class ScoreFunctionWOR(Method):
                 finished=None if parent.finished is None else _to_beams(parent.finished, parent_layout, parents, beam_dim),
                 alive=None if parent.alive is None else _to_beams(parent.alive, parent_layout, parents, beam_dim),
             )
-            samples, state = self.sampling_method.step(distr, aligned, beam_dim)  # type: ignore[attr-defined]
+            samples, state = self.sampling_method.extend(distr, aligned, beam_dim)  # type: ignore[attr-defined]
         plate = AncestralPlate(
             self.plate_name, samples.shape[0], parents=parents.plates, ancestor=ancestor,
             parent_index=state.parent_index, index_plates=others, info=state,

@@ -59,12 +59,12 @@ class MCDecoder(SequenceSampler):
         state = WORState(log_prob, zeros, kappa, tokens, finished=self._finished(tokens, var_shape))
         return support.values(tokens), state
 
-    def step(self, distr: Distribution, parent: WORState, beam_dim: int) -> tuple[torch.Tensor, WORState]:
+    def extend(self, distr: Distribution, parent: WORState, beam_dim: int) -> tuple[torch.Tensor, WORState]:
         support, lp, ext = self._extension_log_probs(distr, parent, beam_dim)
         token = Categorical(logits=ext).sample()  # one token per prefix: (n, *B)
         n = token.shape[0]
         parent_index = torch.arange(n, device=token.device).reshape((n,) + (1,) * (token.dim() - 1)).expand(token.shape)
-        log_prob, done = self._extend(lp, parent, parent_index, token)
+        log_prob, done = self._extend_prefixes(lp, parent, parent_index, token)
         state = WORState(log_prob, parent.perturbed, parent.kappa, token, parent_index, done)
         return support.values(token), state
 

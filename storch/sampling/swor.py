@@ -22,7 +22,7 @@ the pruned prefix's value.
 Extension points (for estimators built on this proposal, e.g. the unordered set estimator):
 
 * :class:`SequenceSampler` — the base class: :meth:`~SequenceSampler.draw` (a set in one call),
-  :meth:`~SequenceSampler.step` (extend the previous step of a sequence), and
+  :meth:`~SequenceSampler.extend` (extend the previous step of a sequence), and
   :meth:`~SequenceSampler.weights`; :func:`gumbel_top_k_step` is one step of stochastic beam search
   on plain tensors (returns parent indices, tokens, log-probabilities, perturbed values and ``κ``).
 
@@ -233,7 +233,7 @@ class WORState:
 class SequenceSampler(SamplingMethod):
     """Base class of proposals that draw sets of values and extend them step by step (sequences).
 
-    Subclasses implement :meth:`draw` (the set of one call), :meth:`step` (extend the set of the
+    Subclasses implement :meth:`draw` (the set of one call), :meth:`extend` (extend the set of the
     previous step of a sequence) and :meth:`weights`. :class:`storch.method.wor.ScoreFunctionWOR`
     calls them; each step's :class:`WORState` lives on its plate (``plate.info``).
 
@@ -264,7 +264,7 @@ class SequenceSampler(SamplingMethod):
         """
         raise NotImplementedError
 
-    def step(self, distr: Distribution, parent: WORState, beam_dim: int) -> tuple[torch.Tensor, WORState]:
+    def extend(self, distr: Distribution, parent: WORState, beam_dim: int) -> tuple[torch.Tensor, WORState]:
         """Extend the previous step's set by one token.
 
         Args:
@@ -331,7 +331,7 @@ class SequenceSampler(SamplingMethod):
             ext = torch.where(parent.finished.unsqueeze(-1), on_eos, ext)
         return support, lp, ext
 
-    def _extend(
+    def _extend_prefixes(
         self, lp: torch.Tensor, parent: WORState, parent_index: torch.Tensor, token: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The differentiable prefix log-probability and the finished flags of the extensions."""
@@ -418,7 +418,7 @@ class SampleWithoutReplacement(SequenceSampler):
         state = WORState(log_prob, perturbed, kappa, tokens, finished=finished, alive=alive)  # type: ignore[arg-type]
         return support.values(tokens), state
 
-    def step(self, distr: Distribution, parent: WORState, beam_dim: int) -> tuple[torch.Tensor, WORState]:
+    def extend(self, distr: Distribution, parent: WORState, beam_dim: int) -> tuple[torch.Tensor, WORState]:
         """One step of stochastic beam search: the ``min(k, n·V)`` best of the ``n·V`` extensions."""
         support, lp, ext = self._extension_log_probs(distr, parent, beam_dim)
         alive = parent.alive if parent.alive is not None else parent.perturbed > -math.inf
@@ -426,7 +426,7 @@ class SampleWithoutReplacement(SequenceSampler):
         parent_index, token, log_p, perturbed, kappa = gumbel_top_k_step(
             parent_lp, parent.perturbed, ext, self.k, parent.kappa
         )
-        log_prob, done = self._extend(lp, parent, parent_index, token)
+        log_prob, done = self._extend_prefixes(lp, parent, parent_index, token)
         alive = log_p > -math.inf
         log_prob = torch.where(alive, log_prob, torch.zeros_like(log_prob))
         state = WORState(log_prob, perturbed, kappa, token, parent_index, done, alive)
