@@ -1,0 +1,359 @@
+"""LAX, RELAX and REBAR: score functions with learned, reparameterised control variates.
+
+Tucker et al. 2017, "REBAR: Low-variance, unbiased gradient estimates for discrete latent variable
+models"; Grathwohl et al. 2018, "Backpropagation through the Void" (LAX, RELAX).
+
+For a discrete node ``b = H(z)`` with reparameterised noise ``z`` (Gumbel / logistic perturbed
+logits, :mod:`storch.method.relaxation`), ``z̃ ~ p(z | b)`` and any control variate ``c``:
+
+    ĝ = [f(b) − c(z̃)] ∇log p(b) + ∇c(z) − ∇c(z̃)                                    (RELAX)
+
+is unbiased for ``∇E[f(b)]``. REBAR takes ``c(z) = η f(σ_λ(z))``, the cost at the relaxed sample
+``σ_λ(z)`` (softmax / sigmoid at temperature ``λ``); RELAX a network ``c_φ(σ_λ(z))``, optionally plus
+the REBAR term. For a continuous reparameterisable node ``z`` (LAX),
+
+    ĝ = [f(z) − c(z)] ∇log p(z) + ∇c(z).
+
+``η``, ``λ`` and ``φ`` minimise the variance ``‖ĝ‖²``, a step per ``storch.backward()``
+(:mod:`storch.method.learned_control_variate`).
+
+Surrogate components: ``l = log p(b)`` and the control-variate term
+``(1 − □(l)) c(z̃) + c(z) − stopgrad c(z)`` (LAX: ``(1 − □(l)) c(stopgrad z) + c(z) − stopgrad c(z)``),
+whose forward value is 0, so that the surrogate's value stays the Monte Carlo estimate of ``E f``.
+REBAR lays out ``n`` groups of evaluation points ``[b, σ_λ(z), σ_λ(z̃)]`` along its plate with
+weights ``[1/n, 0, 0]`` (:mod:`storch.method.groups`).
+
+Derivatives of every order are unbiased. With ``□(l) = p_θ'(b)/p_θ(b)`` read as a function of the
+parameter ``θ'`` at which the surrogate is differentiated (samples drawn at ``θ``), the expected
+surrogate is ``E_θ'[f − c(z̃)] + E_θ'[c(z)] = E_θ'[f]`` for every ``θ'``, because ``z̃`` is
+reparameterised *given b* (so ``z̃_θ' ~ p_θ'(z | b)``) and ``z`` unconditionally. This needs ``c``
+(for REBAR: the cost as a function of the relaxed input) to be smooth enough for the order asked:
+a ReLU network has no useful pathwise second derivative. LAX keeps ``c`` at the fixed sample in the
+score term for the same reason (``c`` at the reparameterised point there would bias second
+derivatives by ``−E[∇log p ∇cᵀ + ∇c ∇log pᵀ]``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributions import Distribution
+
+from storch.method.groups import flatten_groups, group_plate, group_weights, spread_groups, split_groups
+from storch.method.learned_control_variate import Draw, LearnedControlVariate, OptimizerFactory
+from storch.method.method import log_prob
+from storch.method.relaxation import GumbelCoupling, relaxation_for
+from storch.plate import layout_of_plates
+from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, wrap, wrap_new
+from storch.util import get_distr_parameters, log_prob_of_own_samples, magic_box
+
+__all__ = ["LAX", "RELAX", "REBAR"]
+
+
+def _coupling_for(method: str, plate_name: str, distr: Distribution) -> GumbelCoupling:
+    relaxation = relaxation_for(distr)
+    coupling = relaxation.coupling if relaxation is not None else None
+    if coupling is None:
+        hint = " Use OneHotCategorical instead of Categorical." if type(distr).__name__ == "Categorical" else ""
+        cont = " For a continuous distribution with rsample use LAX." if distr.has_rsample else ""
+        raise ValueError(
+            f"{method}({plate_name!r}) needs the Gumbel coupling of {type(distr).__name__} (its noise z, "
+            "b = H(z) and z̃ ~ p(z | b)); one is registered for OneHotCategorical and Bernoulli "
+            f"(storch.method.relaxation.register_relaxation).{hint}{cont}"
+        )
+    return coupling
+
+
+def _control_variate_term(l: torch.Tensor, c_z: torch.Tensor, c_zt: torch.Tensor) -> torch.Tensor:  # noqa: E741
+    """``(1 − □(l)) c(z̃) + [c(z) − c(z̃)] − stopgrad[c(z) − c(z̃)]``: forward value 0, gradient
+    ``−c(z̃) ∇l + ∇c(z) − ∇c(z̃)``."""
+    difference = c_z - c_zt
+    return (1.0 - magic_box(l)) * c_zt + (difference - difference.detach())
+
+
+class RELAX(LearnedControlVariate):
+    """RELAX for ``Bernoulli`` and ``OneHotCategorical`` nodes, with a learned control variate.
+
+    ``ĝ = [f(b) − c(z̃)] ∇log p(b) + ∇c(z) − ∇c(z̃)`` with ``c(z) = c_φ(σ_λ(z)) [+ η f(σ_λ(z))]``.
+    Unbiased whatever ``c``, for derivatives of every order when ``c`` is smooth enough (see the
+    module docstring).
+
+    The parameters ``φ`` (the network's), the temperature ``λ = exp(log_temperature)`` and, with
+    ``rebar``, ``η`` are trained to minimise ``‖ĝ‖²``, where ``ĝ`` is the gradient estimate with
+    respect to the distribution's ``logits`` tensor (for ``OneHotCategorical``, the normalised logits
+    torch stores), one optimizer step per ``storch.backward()``. These parameters belong to the
+    method: after each backward their ``.grad`` is ``None``, so an optimizer over
+    ``model.parameters()`` does not step them even when the method lives in the model. Freeze one
+    with ``requires_grad_(False)`` (e.g. ``method.log_temperature``).
+
+    Args:
+        plate_name: node / plate name.
+        control_variate: ``c_φ``, an ``nn.Module`` applied to the relaxed sample ``σ_λ(z)`` (a storch
+            tensor ``(n, *batch_shape, *event_shape)`` with the node's plates) that returns one value
+            per sample (extra dimensions are summed); ``None`` for REBAR alone.
+        n_samples: number of samples ``n``.
+        rebar: add the REBAR term ``η f(σ_λ(z))``: the cost is also evaluated at ``σ_λ(z)`` and
+            ``σ_λ(z̃)`` (the plate holds ``3n`` points, in groups ``[b, σ_λ(z), σ_λ(z̃)]`` with weights
+            ``[1/n, 0, 0]``; the model must accept relaxed values in place of discrete ones).
+        initial_temperature: ``λ`` at the start.
+        initial_eta: ``η`` at the start (with ``rebar``).
+        optimizer_factory: ``params -> optimizer`` for the control-variate parameters, e.g.
+            ``lambda params: torch.optim.Adam(params, lr=1e-3)``; default Adam with ``lr``.
+        lr: learning rate of the default optimizer.
+        train_control_variate: ``False`` keeps the control variate fixed.
+
+    Notes:
+        * With ``rebar``, parameters that the cost reaches at the relaxed points other than through
+          the distribution (e.g. a decoder) receive the zero-mean extra term
+          ``η (∇f(σ_λ(z)) − ∇f(σ_λ(z̃)))``: unbiased, but more variance for them.
+        * The estimator runs once per registered cost downstream of the node, so with ``k`` such
+          costs the network's term enters ``k`` times (it learns a ``1/k`` share); the REBAR term
+          uses each cost's own values.
+        * The method is an ``nn.Module``: move it with ``.to(device)`` together with the model.
+
+    Example:
+        >>> import torch, storch
+        >>> from torch.distributions import Bernoulli
+        >>> logits = torch.zeros(3, requires_grad=True)
+        >>> method = RELAX("b", control_variate=torch.nn.Linear(3, 1), n_samples=4,
+        ...                optimizer_factory=lambda params: torch.optim.Adam(params, lr=1e-2))
+        >>> b = method(Bernoulli(logits=logits))
+        >>> storch.add_cost(((b - 0.4) ** 2).sum(-1), "f")
+        >>> _ = storch.backward()
+        >>> logits.grad.shape, method.network.weight.grad is None   # φ stepped by its own optimizer
+        (torch.Size([3]), True)
+    """
+
+    def __init__(
+        self,
+        plate_name: str,
+        control_variate: Optional[nn.Module] = None,
+        n_samples: int = 1,
+        rebar: bool = False,
+        initial_temperature: float = 0.5,
+        initial_eta: float = 1.0,
+        optimizer_factory: Optional[OptimizerFactory] = None,
+        lr: float = 1e-3,
+        train_control_variate: bool = True,
+    ) -> None:
+        super().__init__(plate_name, n_samples, optimizer_factory, lr, train_control_variate)
+        if control_variate is None and not rebar:
+            raise ValueError(
+                f"{type(self).__name__}({plate_name!r}) needs a control variate: give an nn.Module "
+                "control_variate=c_phi (applied to the relaxed sample), or rebar=True, or both."
+            )
+        if control_variate is not None and not isinstance(control_variate, nn.Module):
+            raise TypeError(
+                f"{type(self).__name__}({plate_name!r}): control_variate must be an nn.Module (its "
+                f"parameters are trained), got {type(control_variate).__name__}."
+            )
+        if initial_temperature <= 0:
+            raise ValueError(f"{type(self).__name__}({plate_name!r}): initial_temperature must be positive.")
+        self.network = control_variate
+        self.rebar = bool(rebar)
+        self.log_temperature = nn.Parameter(torch.tensor(math.log(initial_temperature)))
+        self.eta = nn.Parameter(torch.tensor(float(initial_eta))) if self.rebar else None
+
+    @property
+    def temperature(self) -> torch.Tensor:
+        """``λ = exp(log_temperature)``."""
+        return self.log_temperature.exp()
+
+    @property
+    def group_size(self) -> int:
+        """Evaluation points per sample: 3 with the REBAR term, else 1."""
+        return 3 if self.rebar else 1
+
+    # -------------------------------------------------------------- proposal
+    def check_distribution(self, distr: Distribution) -> None:
+        _coupling_for(type(self).__name__, self.plate_name, distr)
+
+    def proposal_dist(self, distr: Distribution, amt_samples: int) -> torch.Tensor:
+        coupling = _coupling_for(type(self).__name__, self.plate_name, distr)
+        logits = coupling.logits(distr)
+        z = coupling.perturb(logits, amt_samples)
+        hard = coupling.threshold(z.detach())
+        z_cond = coupling.conditional(logits, hard)
+        lam = self.snapshot(self.log_temperature).exp()
+        relaxed, relaxed_cond = coupling.soft(z, lam), coupling.soft(z_cond, lam)
+        if self.rebar:
+            samples = flatten_groups(torch.stack([hard, relaxed, relaxed_cond], 1))
+        else:
+            samples = hard
+        draw = Draw((logits,), {"hard": hard, "relaxed": relaxed, "conditional": relaxed_cond})
+        self.keep_draw(samples, draw)
+        return samples
+
+    def weighting_function(self, distr: Distribution, amt_samples: int) -> Optional[torch.Tensor]:
+        if not self.rebar:
+            return None
+        return group_weights(amt_samples // 3, [1.0, 0.0, 0.0])
+
+    # ------------------------------------------------------------- estimator
+    def estimator(self, tensor: StochasticTensor, cost: CostTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        draw = self.draw_of(tensor)
+        plate, m = tensor.plate, self.group_size
+        if m == 1:
+            layout = tensor._layout
+            l = log_prob(tensor)  # noqa: E741
+        else:
+            others = [p for p in tensor._layout.plates if p is not plate]
+            layout = layout_of_plates([group_plate(plate, m)] + others)
+            with _Disable():
+                lp = log_prob_of_own_samples(tensor.distribution, draw.values["hard"])
+                if lp.dim() > len(layout.sizes):
+                    lp = lp.sum(tuple(range(len(layout.sizes), lp.dim())))
+            l = wrap_new(lp, layout)  # noqa: E741
+        c_z: torch.Tensor = 0.0  # type: ignore[assignment]
+        c_zt: torch.Tensor = 0.0  # type: ignore[assignment]
+        if self.network is not None:
+            c_z = self.evaluate(self.network, wrap(draw.values["relaxed"], layout))
+            c_zt = self.evaluate(self.network, wrap(draw.values["conditional"], layout))
+        if self.rebar:
+            per_group = split_groups(cost, plate, m)
+            eta = self.snapshot(self.eta)
+            c_z = c_z + eta * _point(per_group, 1)
+            c_zt = c_zt + eta * _point(per_group, 2)
+        cv = _control_variate_term(l, c_z, c_zt)
+        if m == 1:
+            return l, cv
+        return spread_groups(l, cost, plate, m), spread_groups(cv, cost, plate, m)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rebar={self.rebar}"
+
+
+def _point(per_group: Tensor, index: int) -> Tensor:
+    """Point ``index`` of every group of a :func:`split_groups` view (its first event dimension)."""
+    layout = per_group._layout
+    with _Disable():
+        x = per_group.select(len(layout.sizes), index)
+    return wrap(x, layout)
+
+
+class REBAR(RELAX):
+    """REBAR: RELAX with ``c(z) = η f(σ_λ(z))``, for ``Bernoulli`` and ``OneHotCategorical`` nodes.
+
+    The cost is evaluated at ``3n`` points: ``n`` groups ``[b, σ_λ(z), σ_λ(z̃)]`` along the node's
+    plate, weighted ``[1/n, 0, 0]`` (so the model must accept relaxed values in place of discrete
+    ones). ``η`` and the temperature ``λ`` are trained to minimise ``‖ĝ‖²`` (the gradient estimate
+    with respect to the distribution's logits), one step per ``storch.backward()``; see
+    :class:`RELAX` for the optimizer and for what happens to their ``.grad``. Unbiased, for
+    derivatives of every order when the cost is smooth in the relaxed input.
+
+    Args:
+        plate_name: node / plate name.
+        n_samples: number of discrete samples ``n``.
+        initial_temperature: ``λ`` at the start.
+        initial_eta: ``η`` at the start.
+        optimizer_factory: ``params -> optimizer`` for ``η`` and ``log λ``; default Adam with ``lr``.
+        lr: learning rate of the default optimizer.
+        train_control_variate: ``False`` keeps ``η`` and ``λ`` fixed.
+
+    Example:
+        >>> import torch, storch
+        >>> from torch.distributions import OneHotCategorical
+        >>> logits = torch.zeros(4, requires_grad=True)
+        >>> z = REBAR("z", n_samples=2)(OneHotCategorical(logits=logits))
+        >>> z.shape, z.plates[0].weight._tensor.tolist()  # groups [b, σ(z), σ(z̃)]
+        (torch.Size([6, 4]), [0.5, 0.0, 0.0, 0.5, 0.0, 0.0])
+        >>> storch.add_cost((z * torch.tensor([1.0, 2.0, 3.0, 4.0])).sum(-1), "f")
+        >>> estimate = storch.backward()                   # the mean of f over the two discrete samples
+    """
+
+    def __init__(
+        self,
+        plate_name: str,
+        n_samples: int = 1,
+        initial_temperature: float = 0.5,
+        initial_eta: float = 1.0,
+        optimizer_factory: Optional[OptimizerFactory] = None,
+        lr: float = 1e-3,
+        train_control_variate: bool = True,
+    ) -> None:
+        super().__init__(
+            plate_name, None, n_samples, True, initial_temperature, initial_eta, optimizer_factory, lr,
+            train_control_variate,
+        )
+
+    def extra_repr(self) -> str:
+        return LearnedControlVariate.extra_repr(self)
+
+
+class LAX(LearnedControlVariate):
+    """LAX for continuous distributions with ``rsample``: ``ĝ = [f(z) − c_φ(z)] ∇log p(z) + ∇c_φ(z)``.
+
+    ``f`` is treated as a black box (the samples carry no pathwise gradient, so ``f`` may be
+    non-differentiable); ``c_φ`` is evaluated at the reparameterised sample for ``∇c`` and at the
+    fixed sample in the score term. Unbiased, for derivatives of every order when ``c_φ`` is smooth
+    enough. ``φ`` is trained to minimise ``‖ĝ‖²``, with ``ĝ`` the gradient
+    estimate with respect to the distribution's parameter tensors (e.g. ``loc`` and ``scale``), one
+    step per ``storch.backward()``; see :class:`RELAX` for the optimizer and ``.grad`` handling.
+
+    Args:
+        plate_name: node / plate name.
+        control_variate: ``c_φ``, an ``nn.Module`` applied to the sample (a storch tensor
+            ``(n, *batch_shape, *event_shape)``) returning one value per sample (extra dimensions
+            are summed).
+        n_samples: number of samples.
+        optimizer_factory: ``params -> optimizer`` for ``φ``; default Adam with ``lr``.
+        lr: learning rate of the default optimizer.
+        train_control_variate: ``False`` keeps ``φ`` fixed.
+
+    Example:
+        >>> import torch, storch
+        >>> from torch.distributions import Normal
+        >>> mu = torch.tensor([0.5, -1.0], requires_grad=True)
+        >>> z = LAX("z", control_variate=torch.nn.Linear(2, 1), n_samples=8)(Normal(mu, 1.0))
+        >>> storch.add_cost((z > 0).float().sum(-1), "steps")   # not differentiable in z
+        >>> _ = storch.backward()
+        >>> mu.grad.shape
+        torch.Size([2])
+    """
+
+    def __init__(
+        self,
+        plate_name: str,
+        control_variate: nn.Module,
+        n_samples: int = 1,
+        optimizer_factory: Optional[OptimizerFactory] = None,
+        lr: float = 1e-3,
+        train_control_variate: bool = True,
+    ) -> None:
+        super().__init__(plate_name, n_samples, optimizer_factory, lr, train_control_variate)
+        if not isinstance(control_variate, nn.Module):
+            raise TypeError(
+                f"LAX({plate_name!r}): control_variate must be an nn.Module (its parameters are trained), "
+                f"got {type(control_variate).__name__}."
+            )
+        self.network = control_variate
+
+    def check_distribution(self, distr: Distribution) -> None:
+        if not distr.has_rsample:
+            hint = (
+                " Use RELAX or REBAR for Bernoulli and OneHotCategorical."
+                if relaxation_for(distr) is not None or type(distr).__name__ == "Categorical"
+                else ""
+            )
+            raise ValueError(
+                f"LAX({self.plate_name!r}) needs a reparameterisable distribution (rsample); "
+                f"{type(distr).__name__} has none.{hint}"
+            )
+
+    def proposal_dist(self, distr: Distribution, amt_samples: int) -> torch.Tensor:
+        theta = tuple(get_distr_parameters(distr).values())
+        z = distr.rsample((amt_samples,))
+        samples = z.detach()
+        self.keep_draw(samples, Draw(theta, {"z": z}))
+        return samples
+
+    def estimator(self, tensor: StochasticTensor, cost: CostTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = wrap(self.draw_of(tensor).values["z"], tensor._layout)
+        l = log_prob(tensor)  # noqa: E741
+        c_fixed = self.evaluate(self.network, tensor)  # c at the sample, no pathwise gradient
+        c_path = self.evaluate(self.network, z)  # c at the reparameterised sample
+        # (1 − □(l)) c(z) + c(z) − stopgrad c(z): forward 0, gradient −c(z) ∇l + ∇c(z)
+        return l, (1.0 - magic_box(l)) * c_fixed + (c_path - c_path.detach())
