@@ -58,7 +58,7 @@ def test_one_categorical_node(make):
 
 def test_cost_estimate_is_unbiased_and_weights_are_detached():
     theta = THETA.clone().requires_grad_()
-    leaf, view = replicate(THETA, 4000)
+    _, view = replicate(THETA, 4000)
     z = ScoreFunction("z", sampling_method=ImportanceSampling("z", 2, UNIFORM5))(OneHotCategorical(logits=view))
     assert not z.plate.weight.requires_grad
     storch.add_cost(((z * VALUES).sum(-1)) ** 2, "f")

@@ -1,0 +1,159 @@
+"""The unordered set estimator (Kool, van Hoof & Welling 2020, ICLR, "Estimating gradients for
+discrete random variables by sampling without replacement") and its Gumbel-softmax relaxation.
+
+For a set ``S`` of ``k`` distinct values drawn without replacement (Gumbel-top-k) and the
+leave-one-out ratio ``R(S, s) = P^{D∖{s}}(S∖{s}) / P^D(S)`` (:mod:`storch.sampling.unordered`),
+
+    ∇ E_p[f] = E_S[ Σ_{s∈S} p(s) R(S, s) ∇log p(s) · (f(s) − B(S, s)) ],
+    B(S, s) = p(s) f(s) + Σ_{s'∈S, s'≠s} p(s') R^{D∖{s}}(S, s') f(s'),
+
+with the second-order ratio ``R^{D∖{s}}(S, s') = P^{D∖{s,s'}}(S∖{s,s'}) / P^{D∖{s}}(S∖{s})``.
+``B(S, s)`` is the unordered set estimate of ``E_p[f]`` that treats ``s`` as a fixed first element
+and ``S∖{s}`` as a set from ``D∖{s}``; its expectation given ``s ∈ S`` is ``E_p[f]`` for every
+``s``, so it is a valid baseline.
+
+Components: proposal Gumbel-top-k (:class:`storch.sampling.unordered.UnorderedSet`); weight
+``p(s) R(S, s)`` (detached); gradient function ``log p(s)``; control variate ``B(S, s)`` (detached).
+Since ``E_S[Σ_{s∈S} p(s) R(S, s) h(s, S∖{s})] = Σ_s p(s) E_{S'~P^{D∖{s}}}[h(s, S')]``, both conditions
+of the Storchastic theorem hold for every order, so derivatives of every order are unbiased, with
+and without the baseline.
+
+:class:`UnorderedSetGumbelSoftmax` instead relaxes the elements of the set
+(:class:`storch.sampling.unordered.GumbelSoftmaxWOR`) and differentiates pathwise: biased.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from storch.method.method import Method
+from storch.method.wor import ScoreFunctionWOR
+from storch.plate import layout_of_plates
+from storch.sampling.unordered import DEFAULT_STEP, GumbelSoftmaxWOR, UnorderedSet
+from storch.tensor import CostTensor, StochasticTensor, _Disable, wrap_new
+
+__all__ = ["UnorderedSetEstimator", "UnorderedSetGumbelSoftmax"]
+
+
+class UnorderedSetEstimator(ScoreFunctionWOR):
+    """Score function over an unordered set sampled without replacement, with the built-in baseline.
+
+    Unbiased for derivatives of every order; ``k`` cost evaluations per node and plate element
+    (fewer when the support is smaller: then the estimate is exact). Several variables in one node
+    are sampled jointly (distinct joint values).
+
+    Args:
+        plate_name: node / plate name.
+        k: the number of distinct samples.
+        use_baseline: subtract the leave-one-out baseline ``B(S, s)`` (needs ``k ≥ 2`` to matter).
+        step: the trapezoid step of the numerical integration of ``P^D(S)``.
+        eos: the end-of-sequence value index, for sequences decoded step by step (as far as
+            :class:`storch.method.wor.ScoreFunctionWOR` supports them).
+
+    Example:
+        >>> import torch, storch
+        >>> from torch.distributions import OneHotCategorical
+        >>> theta = torch.tensor([1.0, 0.0, -1.0, 0.5, 0.2], requires_grad=True)
+        >>> z = UnorderedSetEstimator("z", k=3)(OneHotCategorical(logits=theta))
+        >>> z.shape, int(z._tensor.sum(0).max())     # 3 distinct values
+        (torch.Size([3, 5]), 1)
+        >>> storch.add_cost((z * torch.arange(5.0)).sum(-1), "f")
+        >>> _ = storch.backward(); theta.grad.shape
+        torch.Size([5])
+    """
+
+    def __init__(
+        self,
+        plate_name: str,
+        k: int,
+        use_baseline: bool = True,
+        step: float = DEFAULT_STEP,
+        eos: Optional[int] = None,
+    ) -> None:
+        super().__init__(plate_name, k, biased=False, eos=eos, sampling_method=UnorderedSet(plate_name, k, step, eos))
+        self.use_baseline = bool(use_baseline)
+
+    def control_variate(self, tensor: StochasticTensor, cost: CostTensor) -> Optional[torch.Tensor]:
+        """``B(S, s) = Σ_{s'∈S} M[s, s'] f(s')`` (detached), see :meth:`UnorderedSet.log_baseline_matrix`."""
+        if not self.use_baseline:
+            return None
+        sampler: UnorderedSet = self.sampling_method  # type: ignore[assignment]
+        state = sampler.state_of(tensor)
+        plate = tensor.plate
+        node_layout = tensor._layout
+        cost_layout = cost._layout
+        with _Disable():
+            m = sampler.log_baseline_matrix(state).exp()  # (n, n', *B), node layout for (s, *B)
+            m = m.movedim(1, -1).to(cost.dtype)  # (n, *B, n')
+            if tuple(m.shape[:-1]) != tuple(node_layout.sizes):
+                raise RuntimeError(
+                    f"UnorderedSetEstimator({self.plate_name!r}): the sampled set's shape "
+                    f"{tuple(m.shape[:-1])} does not match the node's plates {node_layout.sizes}."
+                )
+            f = cost.detach().view_as(cost)
+            i = cost_layout.index(plate)
+            f = f.movedim(i, -1)  # (*other plates of the cost, n')
+        rest = layout_of_plates([p for p in cost_layout.plates if p is not plate])
+        matrix = wrap_new(m, node_layout)  # plates (s, *B), event n'
+        values = wrap_new(f, rest) if rest.plates else f  # plates of the cost but s, event n'
+        return (matrix * values).sum(-1)
+
+    def extra_repr(self) -> str:
+        return f"plate_name={self.plate_name!r}, k={self.k}, use_baseline={self.use_baseline}"
+
+
+class UnorderedSetGumbelSoftmax(Method):
+    """Gumbel-softmax relaxation of the elements of an unordered set (biased).
+
+    Samples :class:`storch.sampling.unordered.GumbelSoftmaxWOR`: ``k`` relaxed samples whose
+    ``τ → 0`` limits are the Gumbel-top-k set ``S``, weighted by ``p(s) R(S, s)`` (detached). The
+    gradient ``Σ_{s∈S} p(s) R(S, s) ∇f(y_s)`` is pathwise through the relaxed samples ``y_s``; it is
+    biased (relaxation bias as for :class:`storch.method.GumbelSoftmax`, plus the ignored
+    dependence of the weights on the parameters), first order only. The forward value
+    ``Σ_s p(s) R(S, s) f(y_s)`` is unbiased for ``E_p[f]`` with ``straight_through`` (discrete
+    forward values) and tends to it as ``τ → 0`` otherwise.
+
+    Args:
+        plate_name: node / plate name.
+        k: the number of distinct values.
+        initial_temperature, min_temperature, annealing_rate: the temperature schedule
+            ``τ_t = max(τ_min, τ_0 exp(−r t))`` after ``t`` backward passes.
+        straight_through: discrete forward value, relaxed gradient.
+
+    One OneHotCategorical or Bernoulli variable per plate element.
+
+    Example:
+        >>> import torch, storch
+        >>> from torch.distributions import OneHotCategorical
+        >>> theta = torch.tensor([1.0, 0.0, -1.0, 0.5], requires_grad=True)
+        >>> z = UnorderedSetGumbelSoftmax("z", k=2, initial_temperature=0.5)(OneHotCategorical(logits=theta))
+        >>> storch.add_cost((z * torch.tensor([1.0, 2.0, 3.0, 4.0])).sum(-1), "f")
+        >>> _ = storch.backward(); theta.grad.shape
+        torch.Size([4])
+    """
+
+    reparameterized = True
+
+    def __init__(
+        self,
+        plate_name: str,
+        k: int,
+        initial_temperature: float = 1.0,
+        min_temperature: float = 1e-4,
+        annealing_rate: float = 1e-5,
+        straight_through: bool = False,
+    ) -> None:
+        sampler = GumbelSoftmaxWOR(
+            plate_name, k, initial_temperature, min_temperature, annealing_rate, straight_through
+        )
+        super().__init__(plate_name, sampler)
+        self.k = int(k)
+
+    @property
+    def temperature(self) -> torch.Tensor:
+        return self.sampling_method.temperature  # type: ignore[return-value]
+
+    def extra_repr(self) -> str:
+        return f"plate_name={self.plate_name!r}, k={self.k}"
