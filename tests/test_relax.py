@@ -224,8 +224,8 @@ def test_frozen_control_variate_does_not_move():
 
 def test_rebar_evaluates_the_cost_in_groups_and_the_surrogate_value_is_the_mean_over_b():
     logits = torch.tensor([[0.2, -0.4, 0.9], [1.0, 0.0, -1.0]], requires_grad=True)
-    z = REBAR("z", n_samples=5)(OneHotCategorical(logits=logits))
-    assert z.shape == (15, 2, 3) and z.plates[0].size == 15
+    z = REBAR("z", n_samples=50)(OneHotCategorical(logits=logits))
+    assert z.shape == (150, 2, 3) and z.plates[0].size == 150
     raw = z._tensor.detach()
     hard, relaxed, conditional = raw[0::3], raw[1::3], raw[2::3]
     assert torch.equal(hard, torch.nn.functional.one_hot(hard.argmax(-1), 3).float())
