@@ -5,8 +5,8 @@ baselines (:mod:`~storch.method.score_function`, :mod:`~storch.method.baseline`)
 (:mod:`~storch.method.expect`), relaxations (:mod:`~storch.method.gumbel`,
 :mod:`~storch.method.straight_through`), antithetic pairs (:mod:`~storch.method.arm`),
 measure-valued derivatives (:mod:`~storch.method.mvd`), finite differences
-(:mod:`~storch.method.spsa`), local expectations (:mod:`~storch.method.local_expectation`),
-sampling without replacement (:mod:`~storch.method.wor`), Rao-Blackwellisation
+(:mod:`~storch.method.spsa`), learned control variates (:mod:`~storch.method.relax`), local expectations (:mod:`~storch.method.local_expectation`),
+sampling without replacement (:mod:`~storch.method.wor`, :mod:`~storch.method.unordered_set`), Rao-Blackwellisation
 (:mod:`~storch.method.rao_blackwell`) and multi-sample bounds (:mod:`~storch.method.vimco`).
 """
 
@@ -19,10 +19,12 @@ from storch.method.local_expectation import IndeCateR, LocalExpectation
 from storch.method.method import Method, log_prob
 from storch.method.mvd import MVD
 from storch.method.rao_blackwell import RaoBlackwellSF
+from storch.method.relax import LAX, REBAR, RELAX
 from storch.method.reparameterization import Reparameterization
 from storch.method.score_function import ScoreFunction
 from storch.method.spsa import SPSA
 from storch.method.straight_through import GumbelRao, ReinMax, StraightThrough
+from storch.method.unordered_set import UnorderedSetEstimator, UnorderedSetGumbelSoftmax
 from storch.method.vimco import VIMCO, iwae_bound
 from storch.method.wor import ScoreFunctionWOR
 
@@ -30,4 +32,5 @@ __all__ = [
     "Method", "Reparameterization", "ScoreFunction", "Expect", "Infer", "GumbelSoftmax", "baseline",
     "log_prob", "ARM", "DisARM", "MVD", "SPSA", "LocalExpectation", "IndeCateR", "StraightThrough",
     "GumbelRao", "ReinMax", "VIMCO", "iwae_bound", "ScoreFunctionWOR", "RaoBlackwellSF",
+    "LAX", "RELAX", "REBAR", "UnorderedSetEstimator", "UnorderedSetGumbelSoftmax",
 ]
