@@ -107,7 +107,7 @@ class LearnedControlVariate(Method):
         self.needs_graph_after_backward = self.train_control_variate
         self._optimizer: Optional[torch.optim.Optimizer] = None
         self._draws: dict[int, tuple[weakref.ref, Draw]] = {}
-        self._snapshots: list[tuple[nn.Parameter, weakref.ref]] = []
+        self._snapshots: list[tuple[torch.Tensor, weakref.ref]] = []
         #: ``Σ_nodes ‖ĝ‖²`` of the last training step (a detached scalar), for monitoring
         self.last_squared_gradient_norm: Optional[torch.Tensor] = None
 
@@ -216,9 +216,9 @@ class LearnedControlVariate(Method):
         grads = torch.autograd.grad(loss, [copy for _, copy in live], allow_unused=True, retain_graph=True)
         for p in params:
             p.grad = None
-        for (p, _), g in zip(live, grads):
+        for (param, _), g in zip(live, grads):
             if g is not None:
-                p.grad = g.detach() if p.grad is None else p.grad + g.detach()
+                param.grad = g.detach() if param.grad is None else param.grad + g.detach()
         if all(p.grad is None for p in params):
             return
         self.optimizer.step()

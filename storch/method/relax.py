@@ -214,7 +214,7 @@ class RELAX(LearnedControlVariate):
             c_zt = self.evaluate(self.network, wrap(draw.values["conditional"], layout))
         if self.rebar:
             per_group = split_groups(cost, plate, m)
-            eta = self.snapshot(self.eta)
+            eta = self.snapshot(self.eta)  # type: ignore[arg-type]  # a Parameter whenever rebar
             c_z = c_z + eta * _point(per_group, 1)
             c_zt = c_zt + eta * _point(per_group, 2)
         cv = _control_variate_term(l, c_z, c_zt)
