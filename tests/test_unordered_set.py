@@ -303,6 +303,62 @@ def test_two_independent_nodes_feeding_one_cost():
     assert_unbiased(gb, eb, label="b")
 
 
+# ---------------------------------------------------------------- sequences (stochastic beam search)
+SEQ_V, SEQ_EOS, SEQ_LEN = 3, 2, 3
+SEQ_THETA = torch.tensor([0.3, -0.2, -0.6])
+SEQ_M = torch.tensor([[0.5, -0.4, 0.2], [-0.3, 0.8, 0.1], [0.0, 0.0, 0.0]])
+SEQ_VALUES = torch.tensor([1.0, -2.0, 0.5])
+
+
+def _vecmat(x, m):
+    return (x.unsqueeze(-1) * m).sum(-2)
+
+
+def sequence_costs(xs):
+    """A cost at step 2 (of the first two tokens) and one at step 3 (of all three)."""
+    v = [(x * SEQ_VALUES).sum(-1) for x in xs]
+    return (v[0] - v[1]) ** 2, v[0] * v[2] + v[1] ** 2
+
+
+def sequence_exact():
+    theta, m = SEQ_THETA.clone().requires_grad_(), SEQ_M.clone().requires_grad_()
+    total = 0.0
+    for seq in itertools.product(range(SEQ_V), repeat=SEQ_LEN):
+        log_p, done, valid = 0.0, False, True
+        for t, token in enumerate(seq):
+            if done:  # after EOS only EOS, with probability 1
+                valid &= token == SEQ_EOS
+                continue
+            logits = theta if t == 0 else theta + m[seq[t - 1]]
+            log_p = log_p + logits.log_softmax(-1)[token]
+            done = token == SEQ_EOS
+        if valid:
+            xs = [torch.nn.functional.one_hot(torch.tensor(x), SEQ_V).float() for x in seq]
+            total = total + torch.exp(log_p) * sum(sequence_costs(xs))
+    return torch.autograd.grad(total, [theta, m])
+
+
+@pytest.mark.parametrize("k,use_baseline", [(3, False), (3, True), (5, True)])
+def test_sequences_unbiased(k, use_baseline):
+    method = UnorderedSetEstimator("seq", k=k, use_baseline=use_baseline, eos=SEQ_EOS)
+
+    def model(theta, m):
+        x = method(OneHotCategorical(logits=theta))
+        xs = [x]
+        for _ in range(SEQ_LEN - 1):
+            x = method(OneHotCategorical(logits=theta + _vecmat(x, m)))  # the previous token's row
+            xs.append(x)
+        assert xs[-1].plates[0] is not xs[0].plates[0] and xs[-1].plate_names[0] == "seq"
+        c2, c3 = sequence_costs(xs)
+        storch.add_cost(c2, "step2")
+        storch.add_cost(c3, "step3")
+
+    g_theta, g_m = replicated_gradients([SEQ_THETA, SEQ_M], R, model)
+    e_theta, e_m = sequence_exact()
+    assert_unbiased(g_theta, e_theta, label="theta")
+    assert_unbiased(g_m, e_m, label="M")
+
+
 # ---------------------------------------------------------------- second order
 @pytest.mark.parametrize("use_baseline", [False, True], ids=["plain", "baseline"])
 def test_hessian_unbiased(use_baseline):

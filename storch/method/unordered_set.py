@@ -49,8 +49,13 @@ class UnorderedSetEstimator(ScoreFunctionWOR):
         k: the number of distinct samples.
         use_baseline: subtract the leave-one-out baseline ``B(S, s)`` (needs ``k ≥ 2`` to matter).
         step: the trapezoid step of the numerical integration of ``P^D(S)``.
-        eos: the end-of-sequence value index, for sequences decoded step by step (as far as
-            :class:`storch.method.wor.ScoreFunctionWOR` supports them).
+        eos: the end-of-sequence value index, for sequences decoded step by step.
+
+    Sequences: call the same method once per decoding step, as for
+    :class:`storch.method.wor.ScoreFunctionWOR` (stochastic beam search). The set of step ``t`` is a
+    sample without replacement of prefixes of length ``t``, so a cost registered at step ``t`` is
+    estimated with the unordered set weights and baseline of those prefixes (``p`` = the prefix
+    probability, ``p(D∖S) = 1 − Σ_S p``).
 
     Example:
         >>> import torch, storch

@@ -210,7 +210,9 @@ class UnorderedSet(SampleWithoutReplacement):
     With these weights ``Σ_{s∈S} p(s) R(S, s) f(s)`` is unbiased for ``E_p[f]``; with the gradient
     function ``log p(s)`` (:class:`storch.method.UnorderedSetEstimator`) derivatives of every
     order are unbiased. Several variables in one node are sampled jointly (distinct joint values,
-    by stochastic beam search), and ``p`` is then their joint probability.
+    by stochastic beam search), and ``p`` is then their joint probability; decoded step by step
+    (sequences, through :class:`storch.method.UnorderedSetEstimator`), the set of each step is a
+    sample of prefixes and ``p`` the prefix probability.
 
     Args:
         plate_name: the plate of the set.
