@@ -310,6 +310,34 @@ def test_one_categorical_node_several_samples(name):
     assert_unbiased(grads, exact, label=name)
 
 
+def test_probability_parametrised_distributions():
+    """With probs= the logits are derived lazily; ĝ for training is taken w.r.t. those logits."""
+    probs0 = torch.tensor([0.3, 0.6, 0.85])
+    method = RELAX("x", mlp(3), n_samples=2, rebar=True, optimizer_factory=adam(0.03))
+
+    def model(probs):
+        x = method(Bernoulli(probs=probs))
+        storch.add_cost(((x - TARGET) ** 2).sum(-1), "f")
+
+    train(model, [probs0], steps=10)
+    assert method.last_squared_gradient_norm > 0
+    (grads,) = replicated_gradients([probs0], R, model)
+    assert_unbiased(grads, (1 - TARGET) ** 2 - TARGET**2, label="d/dp")
+
+    cat_probs = torch.softmax(THETA, -1)
+    cat = REBAR("z", n_samples=2, optimizer_factory=adam(0.03))
+
+    def cat_model(probs):
+        z = cat(OneHotCategorical(probs=probs))
+        storch.add_cost(((z * VALUES).sum(-1)) ** 2, "f")
+
+    train(cat_model, [cat_probs], steps=10)
+    (grads,) = replicated_gradients([cat_probs], R, cat_model)
+    p = cat_probs.clone().requires_grad_()
+    exact = torch.autograd.grad(((p / p.sum()) * VALUES**2).sum(), p)[0]  # torch normalises probs
+    assert_unbiased(grads, exact, label="categorical d/dp")
+
+
 # ---------------------------------------------------------------- two nested categorical nodes
 THETA1 = torch.tensor([0.5, -0.3, 0.1])
 THETA2 = torch.tensor([[0.2, 1.0, -0.5], [0.0, -1.0, 0.7], [1.2, 0.3, 0.0]])
