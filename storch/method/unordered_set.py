@@ -112,13 +112,30 @@ class UnorderedSetEstimator(ScoreFunctionWOR):
 class UnorderedSetGumbelSoftmax(Method):
     """Gumbel-softmax relaxation of the elements of an unordered set (biased).
 
-    Samples :class:`storch.sampling.unordered.GumbelSoftmaxWOR`: ``k`` relaxed samples whose
-    ``τ → 0`` limits are the Gumbel-top-k set ``S``, weighted by ``p(s) R(S, s)`` (detached). The
-    gradient ``Σ_{s∈S} p(s) R(S, s) ∇f(y_s)`` is pathwise through the relaxed samples ``y_s``; it is
-    biased (relaxation bias as for :class:`storch.method.GumbelSoftmax`, plus the ignored
-    dependence of the weights on the parameters), first order only. The forward value
-    ``Σ_s p(s) R(S, s) f(y_s)`` is unbiased for ``E_p[f]`` with ``straight_through`` (discrete
-    forward values) and tends to it as ``τ → 0`` otherwise.
+    Samples :class:`storch.sampling.unordered.GumbelSoftmaxWOR`: ``k`` relaxed samples ``y_s`` whose
+    ``τ → 0`` limits are the Gumbel-top-k set ``S``, weighted by ``w(s) = p(s) R(S, s)``,
+    differentiable with ``S`` held fixed. The gradient ``Σ_{s∈S} ∇(w(s) f(y_s))`` is pathwise; it is
+    **biased** (the relaxation, as for :class:`storch.method.GumbelSoftmax`, and the jumps of the
+    weights where the set changes), first order only. The forward value ``Σ_s w(s) f(y_s)`` is
+    unbiased for ``E_p[f]`` with ``straight_through`` (discrete forward values) and tends to it as
+    ``τ → 0`` otherwise. With ``k = 1`` it is the Gumbel-softmax estimator.
+
+    Measured bias (norm of mean − exact gradient, ``|exact| = 1.56``; 5-value categorical,
+    ``f = (vᵀz)²``, 2·10⁴ replicates; see ``tests/test_unordered_set.py``):
+
+    ========================  ========  ==========  ==========
+    estimator                 τ = 1     τ = 0.5     τ = 0.1
+    ========================  ========  ==========  ==========
+    GumbelSoftmax (k = 1)     1.03      0.62        0.12 ± 0.05
+    k = 2                     1.16      0.90        0.32 ± 0.06
+    k = 3                     1.21      1.01        0.41 ± 0.09
+    k = 5 (whole support)     1.26      1.07        0.48 ± 0.19
+    k = 2, straight-through   0.74      0.64        0.57 ± 0.12
+    k = 3, straight-through   0.48      0.45        1.03 ± 0.15
+    ========================  ========  ==========  ==========
+
+    The bias grows with ``k`` at a fixed temperature and shrinks as ``τ → 0`` (with the variance
+    growing); the straight-through variant's bias does not shrink.
 
     Args:
         plate_name: node / plate name.
