@@ -158,7 +158,7 @@ ESTIMATORS: list[Entry] = [
           lambda cls, name, n, s: cls(name, k=n), max_samples=_support),
     Entry("ScoreFunctionWOR (normalised, biased)", "storch.method.wor", "ScoreFunctionWOR",
           lambda cls, name, n, s: cls(name, k=n, biased=True), max_samples=_support, min_samples=2),
-    Entry("LocalExpectation", "storch.method.local_expectation", "LocalExpectation",
+    Entry("LocalExpectation (= IndeCateR)", "storch.method.local_expectation", "LocalExpectation",
           lambda cls, name, n, s: cls(name, n_samples=n), evals_per_sample=lambda s: 1 + s.variables * s.categories),
     Entry("ARM", "storch.method.arm", "ARM", lambda cls, name, n, s: cls(name, n_samples=n), evals_per_sample=2,
           problems=("bernoulli",), scope="Bernoulli nodes only"),
@@ -174,8 +174,6 @@ ESTIMATORS: list[Entry] = [
           lambda cls, name, n, s: cls(name, n_samples=n), min_samples=2,
           note="VIMCO is for multi-sample bounds (iwae_bound); on the plain costs of these problems it "
                "is, by its docstring, the per-sample score function with a leave-one-out baseline"),
-    # Entries below were written before their modules were committed (constructor guessed from the
-    # issue); each is checked against the module's docstring once it is committed.
     Entry("MVD", "storch.method.mvd", "MVD", lambda cls, name, n, s: cls(name, n_samples=n),
           evals_per_sample=lambda s: 1 + s.variables * (s.categories - 1)),
     Entry("SPSA", "storch.method.spsa", "SPSA", lambda cls, name, n, s: cls(name, n_samples=n), evals_per_sample=3),

@@ -205,6 +205,29 @@ def _importance_rloo() -> Method:
     return ScoreFunction("z", sampling_method=ImportanceSampling("z", 10, _tempered), baseline_factory="batch_average")
 
 
+class LatentMLP(nn.Module):
+    """A control variate ``c_φ`` for RELAX: the (relaxed) ``L × K`` sample flattened, 32 tanh units, one output.
+
+    Example:
+        >>> import torch
+        >>> LatentMLP(2, 10)(torch.zeros(3, 5, 2, 10)).shape
+        torch.Size([3, 5, 1])
+    """
+
+    def __init__(self, latents: int, categories: int, hidden: int = 32) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(latents * categories, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.net(z.reshape(z.shape[:-2] + (-1,)))
+
+
+def _relax() -> Method:
+    from storch.method.relax import RELAX
+
+    return RELAX("z", control_variate=LatentMLP(2, 10), n_samples=3, rebar=True)
+
+
 _ONE_VARIABLE = "it handles one discrete variable per node; this model's node holds 2 categoricals per image"
 
 # The manual's four estimators, then the catalog's, with about ten cost evaluations per datum and
@@ -235,6 +258,9 @@ METHODS: dict[str, MethodSpec] = {
         _catalog("gumbel-rao", "GumbelRao n=1 (tau=1)", "storch.method.straight_through", "GumbelRao", n_samples=1),
         _catalog("reinmax", "ReinMax n=1 (tau=1)", "storch.method.straight_through", "ReinMax", n_samples=1),
         _catalog("rebar", "REBAR n=3", "storch.method.relax", "REBAR", n_samples=3),
+        MethodSpec("relax", "RELAX n=3 (c_phi MLP + REBAR term)", _relax, requires=("storch.method.relax", "RELAX")),
+        _catalog("lax", "LAX", "storch.method.relax", "LAX",
+                 not_applicable="continuous distributions with rsample only; this model's latents are discrete"),
         _catalog("arm", "ARM", "storch.method.arm", "ARM", not_applicable="Bernoulli nodes only"),
         _catalog("disarm", "DisARM", "storch.method.arm", "DisARM", not_applicable="Bernoulli nodes only"),
         _catalog("rao-blackwell", "RaoBlackwellSF", "storch.method.rao_blackwell", "RaoBlackwellSF",
