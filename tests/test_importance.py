@@ -201,3 +201,7 @@ def test_errors_name_the_problem():
         )
     with pytest.raises(ValueError, match="at least 1"):
         ImportanceSampling("z", 0, UNIFORM5)
+    with pytest.raises(ValueError, match="score-function estimator"):
+        storch.method.Reparameterization("e", sampling_method=ImportanceSampling("e", 2, Normal(0.0, 2.0)))(
+            Normal(torch.zeros((), requires_grad=True), 1.0)
+        )

@@ -108,6 +108,12 @@ class ImportanceSampling(SamplingMethod):
         return r
 
     def sample(self, distr: Distribution, plates: Sequence[Plate], requires_grad: bool) -> torch.Tensor:
+        if requires_grad:
+            raise ValueError(
+                f"ImportanceSampling({self.plate_name!r}) draws samples of the proposal, which carry no "
+                "pathwise gradient of the target; use it with a score-function estimator, e.g. "
+                f"ScoreFunction({self.plate_name!r}, sampling_method=ImportanceSampling(...))."
+            )
         r = self._proposal_for(distr)
         with torch.no_grad():
             samples = r.sample((self.n_samples,))
