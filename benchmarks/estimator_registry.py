@@ -53,6 +53,8 @@ class Entry:
         warmup: backward passes before measuring (stateful baselines, learned control variates).
         joint: sample the node as one categorical over its joint support (for methods that handle
             one discrete variable per node); the same distribution, so the same exact gradient.
+        memory_per_sample: ``size -> units`` of memory per datum and replicate, in cost evaluations
+            (default: the plate size); bounds how many replicates go into one backward pass.
         problems: the problems the estimator applies to; on the others its row says ``n/a`` and
             ``scope``.
         note: shown with the tables.
@@ -68,6 +70,7 @@ class Entry:
     exact: bool = False
     warmup: int = 0
     joint: bool = False
+    memory_per_sample: Optional[Callable[[int], int]] = None
     problems: tuple[str, ...] = ("bernoulli", "vae")
     scope: str = ""
     note: str = ""
@@ -100,6 +103,11 @@ def load(entry: Entry) -> tuple[Optional[Any], Optional[str]]:
 
 def _support(shape: ProblemShape) -> int:
     return shape.support
+
+
+def _quadratic(size: int) -> int:
+    """The leave-one-out ratios of the unordered set estimator take memory ~ k² per datum (or more)."""
+    return 4 * size * size
 
 
 def _score_function() -> Any:
@@ -170,10 +178,12 @@ ESTIMATORS: list[Entry] = [
           lambda cls, name, n, s: cls(name, n_samples=n)),
     Entry("ReinMax (tau=1)", "storch.method.straight_through", "ReinMax",
           lambda cls, name, n, s: cls(name, n_samples=n)),
-    Entry("VIMCO (on a plain cost)", "storch.method.vimco", "VIMCO",
-          lambda cls, name, n, s: cls(name, n_samples=n), min_samples=2,
-          note="VIMCO is for multi-sample bounds (iwae_bound); on the plain costs of these problems it "
-               "is, by its docstring, the per-sample score function with a leave-one-out baseline"),
+    Entry("VIMCO", "storch.method.vimco", "VIMCO",
+          lambda cls, name, n, s: cls(name, n_samples=n), min_samples=2, problems=("bernoulli", "vae", "iwae"),
+          note="VIMCO is for multi-sample bounds (iwae_bound, problem (c)); on the plain costs of (a) and (b) "
+               "it is, by its docstring, the per-sample score function with a leave-one-out baseline"),
+    Entry("VIMCO (baseline=False: joint score function)", "storch.method.vimco", "VIMCO",
+          lambda cls, name, n, s: cls(name, n_samples=n, baseline=False), problems=("iwae",)),
     Entry("MVD", "storch.method.mvd", "MVD", lambda cls, name, n, s: cls(name, n_samples=n),
           evals_per_sample=lambda s: 1 + s.variables * (s.categories - 1)),
     Entry("SPSA", "storch.method.spsa", "SPSA", lambda cls, name, n, s: cls(name, n_samples=n), evals_per_sample=3),
@@ -191,9 +201,9 @@ ESTIMATORS: list[Entry] = [
     Entry("LAX", "storch.method.relax", "LAX", lambda cls, name, n, s: cls(name, _ControlVariateNet(s), n_samples=n),
           problems=(), scope="continuous distributions with rsample only (both problems are discrete)"),
     Entry("UnorderedSetEstimator", "storch.method.unordered_set", "UnorderedSetEstimator",
-          lambda cls, name, n, s: cls(name, k=n), max_samples=_support),
+          lambda cls, name, n, s: cls(name, k=n), max_samples=_support, memory_per_sample=_quadratic),
     Entry("UnorderedSetGumbelSoftmax", "storch.method.unordered_set", "UnorderedSetGumbelSoftmax",
-          lambda cls, name, n, s: cls(name, k=n), max_samples=_support, joint=True,
+          lambda cls, name, n, s: cls(name, k=n), max_samples=_support, joint=True, memory_per_sample=_quadratic,
           note="relaxes one variable per node: run on the node seen as one categorical over its joint "
                "support"),
 ]

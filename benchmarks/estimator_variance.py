@@ -6,7 +6,7 @@ Run from the repository root::
     .venv/bin/python benchmarks/estimator_variance.py --quick    # smoke run (seconds)
     .venv/bin/python benchmarks/estimator_variance.py --help
 
-Two problems:
+Three problems:
 
 (a) **Bernoulli toy** ``f(x) = Σ_i (x_i − p_i)²`` with ``p = (0.49, 0.499, 0.501, 0.51)``,
     ``x_i ~ Bernoulli(σ(θ_i))``, ``θ = 0``. The exact gradient comes from enumerating the 2⁴
@@ -19,6 +19,10 @@ Two problems:
     encoder's logits of a fixed minibatch (``B × 2 × 10`` coordinates). The latent space has
     ``10² = 100`` configurations per datum, so the reference is **exact**: ``Expect`` (enumeration),
     not a sampled estimate.
+(c) **Multi-sample bound** (VIMCO's objective): ``−log (1/K) Σ_k w(x_k)`` over the ``K`` samples of
+    four Bernoulli latents (:class:`IWAEToy`), budget ``K``; exact gradient by enumerating the
+    ``16^K`` tuples. Only VIMCO (with and without its leave-one-out baselines) applies; the other
+    estimators are listed as not run.
 
 Equal budget: a method's cost evaluations are the size of its node's plate (evaluation-group
 methods such as ARM, MVD, LocalExpectation or REBAR put their extra points on the plate, see
@@ -218,6 +222,57 @@ class VAEMinibatch(Problem):
         return leaf.grad.double() * self.scale
 
 
+class IWAEToy(Problem):
+    """A multi-sample (IWAE) bound on four Bernoulli latents, VIMCO's objective.
+
+    ``q_θ(x) = Π_i Bernoulli(x_i; σ(θ_i))``, ``θ = 0``; prior ``Bernoulli(½)⁴``; likelihood
+    ``y = 1.5 ~ N(w·x, 1)``, ``w = (1, 0.5, −0.5, 1)``; ``log w(x) = log p(x) + log p(y|x) − log q_θ(x)``
+    and the cost ``−L = −log (1/K) Σ_k w(x_k)`` over the node's ``K`` samples (``iwae_bound``). The
+    exact gradient of ``E[−L]`` comes from enumerating the ``16^K`` tuples. The budget is ``K``.
+    """
+
+    name = "iwae"
+    W = torch.tensor([1.0, 0.5, -0.5, 1.0])
+    Y = 1.5
+
+    def __init__(self) -> None:
+        d = self.W.numel()
+        self.shape = ProblemShape("iwae", d, 2, 2**d, (d,))
+        self.param = torch.zeros(d)
+        self.configs = torch.tensor(list(itertools.product((0.0, 1.0), repeat=d)))
+        self.title = ("(c) multi-sample bound (VIMCO's objective) on 4 Bernoulli latents: q = Bernoulli(sigmoid(theta)), "
+                      "theta = 0, prior Bernoulli(1/2), y = 1.5 ~ N(w.x, 1), w = (1, 0.5, -0.5, 1); cost "
+                      "-log mean_k w(x_k) over the K samples (budget K); exact gradient by enumerating the 16^K tuples")
+
+    def _log_w(self, x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+        prior = Bernoulli(probs=torch.full_like(self.W, 0.5))
+        likelihood = torch.distributions.Normal((x * self.W).sum(-1), 1.0).log_prob(torch.tensor(self.Y))
+        return prior.log_prob(x).sum(-1) + likelihood - Bernoulli(logits=theta).log_prob(x).sum(-1)
+
+    def model(self, method: Any, theta: torch.Tensor, joint: bool = False) -> storch.StochasticTensor:
+        from storch.method.vimco import iwae_bound
+
+        x = method(Bernoulli(logits=theta))
+        iwae_bound(self._log_w(x, theta), x)
+        return x
+
+    def exact_for(self, k: int) -> torch.Tensor:
+        theta = self.param.double().clone().requires_grad_()
+        c = self.configs.double()
+        log_q = Bernoulli(logits=theta).log_prob(c).sum(-1)  # (16,)
+        prior = Bernoulli(probs=torch.full((c.shape[1],), 0.5, dtype=torch.float64))
+        lik = torch.distributions.Normal((c * self.W.double()).sum(-1), 1.0).log_prob(torch.tensor(self.Y, dtype=torch.float64))
+        log_w = prior.log_prob(c).sum(-1) + lik - log_q  # (16,)
+        idx = torch.cartesian_prod(*[torch.arange(c.shape[0])] * k) if k > 1 else torch.arange(c.shape[0])[:, None]
+        bound = torch.logsumexp(log_w[idx], -1) - math.log(k)
+        expectation = (log_q[idx].sum(-1).exp() * -bound).sum()
+        (grad,) = torch.autograd.grad(expectation, theta)
+        return grad
+
+    def exact(self) -> torch.Tensor:
+        raise ValueError("IWAEToy: the exact gradient depends on K; use exact_for(K)")
+
+
 # ======================================================================== measurement
 
 
@@ -297,7 +352,8 @@ def estimates(problem: Problem, entry: Entry, method: Any, repeats: int, max_row
               size: int) -> tuple[torch.Tensor, str, list[str]]:
     """``repeats`` independent estimates ``(R, *param.shape)``: replicated in chunks, else one by one."""
     notes: list[str] = []
-    chunk = max(2, min(repeats, max_rows // max(1, size * problem.rows_per_eval)))
+    units = entry.memory_per_sample(size) if entry.memory_per_sample is not None else size
+    chunk = max(2, min(repeats, max_rows // max(1, units * problem.rows_per_eval)))
 
     def model(view: torch.Tensor) -> None:
         problem.model(method, view, entry.joint)
@@ -334,7 +390,7 @@ def _short(e: BaseException, limit: int = 160) -> str:
 
 
 def measure(problem: Problem, entry: Entry, cls: Any, budget: int, repeats: int, timing_reps: int,
-            exact: torch.Tensor, max_rows: int, seed: int) -> Row:
+            exact: torch.Tensor, max_rows: int, seed: int, max_warmup: Optional[int] = None) -> Row:
     row = Row(problem.name, budget, entry.label, entry.source, enumerates=entry.exact)
     torch.manual_seed(seed)
     try:
@@ -353,7 +409,10 @@ def measure(problem: Problem, entry: Entry, cls: Any, budget: int, repeats: int,
         row.notes.append(f"enumeration: {size} evaluations, over the budget of {budget}")
     try:
         method = entry.make(cls, PLATE, n, problem.shape)
-        for _ in range(entry.warmup):  # stateful baselines / learned control variates
+        warmup = entry.warmup if max_warmup is None else min(entry.warmup, max_warmup)
+        if warmup < entry.warmup:
+            row.notes.append(f"warm-up cut to {warmup} backward passes (--quick)")
+        for _ in range(warmup):  # stateful baselines / learned control variates
             _single_estimate(problem, method, entry.joint)
         r = min(repeats, 8) if entry.exact else repeats
         grads, row.mode, notes = estimates(problem, entry, method, r, max_rows, size)
@@ -401,7 +460,7 @@ def _fmt(x: float, spec: str = ".3e") -> str:
     return format(x, spec)
 
 
-HEAD = (f"{'estimator':<40} {'n':>4} {'evals':>5} {'bias²':>10} {'max|z|':>7} {'variance':>10} "
+HEAD = (f"{'estimator':<46} {'n':>4} {'evals':>5} {'bias²':>10} {'max|z|':>7} {'variance':>10} "
         f"{'MSE':>10} {'ms/est':>8} {'R':>6}")
 
 
@@ -410,12 +469,12 @@ def format_table(rows: list[Row]) -> str:
     notes: list[str] = []
     for row in rows:
         if row.status != "ok":
-            text = f"{row.label:<40} {_fmt(row.n, 'd') if row.n else '-':>4} {row.evals or '-':>5} {row.status}"
+            text = f"{row.label:<46} {_fmt(row.n, 'd') if row.n else '-':>4} {row.evals or '-':>5} {row.status}"
             lines.append(text)
         else:
             zs = ("exact" if row.max_z == 0 else "inf") if row.deterministic else _fmt(row.max_z, ".1f")
             n = "all" if row.enumerates else str(row.n)
-            lines.append(f"{row.label:<40} {n:>4} {row.evals:>5d} {_fmt(row.bias2, '10.3e')} {zs:>7} "
+            lines.append(f"{row.label:<46} {n:>4} {row.evals:>5d} {_fmt(row.bias2, '10.3e')} {zs:>7} "
                          f"{_fmt(row.variance, '10.3e')} {_fmt(row.mse, '10.3e')} "
                          f"{_fmt(row.ms_per_estimate, '8.2f')} {row.repeats:>6d}")
         extra = list(row.notes)
@@ -464,7 +523,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "epoch on 256 images)")
     p.add_argument("--timing-reps", type=int, default=None,
                    help="single estimates timed per row, median reported (default: 10; --quick: 3)")
-    p.add_argument("--problems", default="bernoulli,vae", help="comma-separated: bernoulli, vae (default: both)")
+    p.add_argument("--problems", default="bernoulli,vae,iwae",
+                   help="comma-separated: bernoulli, vae, iwae (default: all three)")
+    p.add_argument("--iwae-k", type=int, nargs="+", default=None, metavar="K",
+                   help="samples in the multi-sample bound of problem (c), its budget (default: 2 4; --quick: 2)")
     p.add_argument("--estimators", default=None,
                    help="comma-separated substrings: only rows whose label contains one of them")
     p.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
@@ -504,9 +566,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     vae_repeats = args.vae_repeats or (20 if q else 200)
     timing_reps = args.timing_reps or (3 if q else 10)
     problems = [s.strip() for s in args.problems.split(",") if s.strip()]
-    unknown = [s for s in problems if s not in ("bernoulli", "vae")]
+    unknown = [s for s in problems if s not in ("bernoulli", "vae", "iwae")]
     if unknown:
-        print(f"error: unknown problem(s) {unknown}; choose bernoulli, vae", file=sys.stderr)
+        print(f"error: unknown problem(s) {unknown}; choose bernoulli, vae, iwae", file=sys.stderr)
         return 2
     if min(budgets + vae_budgets) < 1 or repeats < 2 or vae_repeats < 2:
         print("error: budgets must be >= 1 and repeats >= 2", file=sys.stderr)
@@ -550,6 +612,9 @@ def _run(args: argparse.Namespace, out: Any, budgets: list[int], vae_budgets: li
         if name == "bernoulli":
             problem: Problem = BernoulliToy()
             plist, R = budgets, repeats
+        elif name == "iwae":
+            problem = IWAEToy()
+            plist, R = args.iwae_k or ([2] if args.quick else [2, 4]), repeats
         else:
             if args.quick:
                 problem = VAEMinibatch(batch=args.vae_batch or 4, epochs=args.vae_epochs or 1, seed=args.seed,
@@ -557,18 +622,26 @@ def _run(args: argparse.Namespace, out: Any, budgets: list[int], vae_budgets: li
             else:
                 problem = VAEMinibatch(batch=args.vae_batch or 16, epochs=args.vae_epochs or 5, seed=args.seed)
             plist, R = vae_budgets, vae_repeats
-        exact = problem.exact()
         print(f"\n{problem.title}", file=out)
-        print(f"exact gradient: {_describe(exact)}", file=out)
+        if name != "iwae":
+            exact = problem.exact()
+            print(f"exact gradient: {_describe(exact)}", file=out)
+        skipped = [e.label for e, _ in present if name not in e.problems]
         for budget in plist:
+            if name == "iwae":
+                exact = problem.exact_for(budget)
+                print(f"\nK = {budget}: exact gradient {_describe(exact)}", file=out)
             rows = []
             for entry, cls in present:
+                if name == "iwae" and name not in entry.problems:
+                    continue  # listed once below the tables
                 if name not in entry.problems:
                     rows.append(Row(problem.name, budget, entry.label, entry.source, status="n/a",
                                     notes=[entry.scope or f"applies to {', '.join(entry.problems)} only"]))
                     continue
                 try:
-                    rows.append(measure(problem, entry, cls, budget, R, timing_reps, exact, args.max_rows, args.seed))
+                    rows.append(measure(problem, entry, cls, budget, R, timing_reps, exact, args.max_rows, args.seed,
+                                        max_warmup=5 if args.quick else None))
                 except Exception:  # noqa: BLE001 -- a broken estimator must not hide the others
                     row = Row(problem.name, budget, entry.label, entry.source, status="error")
                     row.notes.append(traceback.format_exc().strip().splitlines()[-1])
@@ -578,12 +651,16 @@ def _run(args: argparse.Namespace, out: Any, budgets: list[int], vae_budgets: li
             print(format_table(rows), file=out)
             out.flush()
             all_rows += rows
+        if name == "iwae" and skipped:
+            print("not run on (c), VIMCO's objective: " + ", ".join(skipped) + ". iwae_bound is for a "
+                  "joint-sample estimator (VIMCO) or a reparameterized node, and rejects per-sample score "
+                  "functions (they would credit each sample with 1/K of the bound).", file=out)
         print(f"({problem.name}: {time.perf_counter() - t0:.1f} s)", file=out)
 
     if missing:
         print("\nNot measured -- estimators not importable yet (module or class missing):", file=out)
         for entry, reason in missing:
-            print(f"  {entry.label:<40} {entry.source}: {reason}", file=out)
+            print(f"  {entry.label:<46} {entry.source}: {reason}", file=out)
         if args.strict:
             status = 1
     else:
