@@ -8,45 +8,26 @@ discrete problem and differentiating Σ_x p(x) f(x) with autograd, or from close
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
 import torch
-from torch.distributions import Bernoulli, Normal, OneHotCategorical
+from torch.distributions import Bernoulli, Normal
 
 import storch
 from storch.method import Expect, Infer, Reparameterization, ScoreFunction
 from storch.testing import assert_unbiased, check_unbiased, replicated_gradients
 
+from problems import bernoulli, minibatch_bernoulli, nested_categorical, one_categorical, replicated_hessians, two_costs
 from score_function_loo import ScoreFunctionLOO  # examples/score_function_loo.py, the manual's estimator
+
+pytestmark = pytest.mark.seed(1234)
 
 R = 3000
 
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(1234)
-    storch.reset()
-    yield
-    storch.reset()
-
-
 # ---------------------------------------------------------------- one Bernoulli node
-PHI = torch.tensor([0.3, -0.5, 1.0])
-TARGET = torch.tensor([0.49, 0.499, 0.8])
-
-
-def bernoulli_cost(x):
-    return ((x - TARGET) ** 2).sum(-1)
-
-
-def exact_bernoulli_grad():
-    phi = PHI.clone().requires_grad_()
-    p = torch.sigmoid(phi)
-    expectation = (p * (1 - TARGET) ** 2 + (1 - p) * TARGET**2).sum()
-    return torch.autograd.grad(expectation, phi)[0]
-
+BERNOULLI = bernoulli(interaction=0.0)  # f = Σ (x − t)²
+PHI = BERNOULLI.phi
 
 ONE_NODE_METHODS = {
     "score_function": lambda: ScoreFunction("x", n_samples=1),
@@ -60,21 +41,15 @@ ONE_NODE_METHODS = {
 
 @pytest.mark.parametrize("name", list(ONE_NODE_METHODS))
 def test_one_bernoulli_node(name):
-    method = ONE_NODE_METHODS[name]()
-
-    def model(phi):
-        x = method(Bernoulli(logits=phi))
-        storch.add_cost(bernoulli_cost(x), "f")
-
+    model = BERNOULLI.model(ONE_NODE_METHODS[name]())
     for _ in range(3):  # let stateful baselines (moving average) move away from zero first
         replicated_gradients([PHI], 10, model)
     (grads,) = replicated_gradients([PHI], R, model)
-    assert_unbiased(grads, exact_bernoulli_grad(), label=name)
+    assert_unbiased(grads, BERNOULLI.exact(), label=name)
 
 
 # ---------------------------------------------------------------- one categorical node
-THETA = torch.tensor([0.2, -0.4, 0.9, 0.0])
-VALUES = torch.tensor([1.0, -2.0, 0.5, 3.0])
+CATEGORICAL = one_categorical(4)
 
 
 @pytest.mark.parametrize("name", ["score_function", "score_function_batch_average", "expect", "user_written_loo"])
@@ -85,31 +60,12 @@ def test_one_categorical_node(name):
         "expect": lambda: Expect("z"),
         "user_written_loo": lambda: ScoreFunctionLOO("z", n_samples=3),
     }[name]()
-
-    def model(theta):
-        z = method(OneHotCategorical(logits=theta))
-        storch.add_cost(((z * VALUES).sum(-1)) ** 2, "f")
-
-    (grads,) = replicated_gradients([THETA], R, model)
-    theta = THETA.clone().requires_grad_()
-    exact = torch.autograd.grad((theta.softmax(-1) * VALUES**2).sum(), theta)[0]
-    assert_unbiased(grads, exact, label=name)
+    (grads,) = replicated_gradients([CATEGORICAL.theta], R, CATEGORICAL.model(method))
+    assert_unbiased(grads, CATEGORICAL.exact(), label=name)
 
 
 # ---------------------------------------------------------------- two nested categorical nodes
-THETA1 = torch.tensor([0.5, -0.3, 0.1])
-THETA2 = torch.tensor([[0.2, 1.0, -0.5], [0.0, -1.0, 0.7], [1.2, 0.3, 0.0]])
-TABLE = torch.tensor([[1.0, 4.0, -2.0], [0.5, 3.0, 2.5], [-1.0, 0.0, 6.0]])
-
-
-def nested_exact():
-    t1 = THETA1.clone().requires_grad_()
-    t2 = THETA2.clone().requires_grad_()
-    p1 = t1.softmax(-1)
-    p2 = t2.softmax(-1)
-    expectation = (p1[:, None] * p2 * TABLE).sum()
-    return torch.autograd.grad(expectation, [t1, t2])
-
+NESTED_PROBLEM = nested_categorical(3, 3)
 
 NESTED = {
     "sf_sf": (lambda: ScoreFunction("z1"), lambda: ScoreFunction("z2")),
@@ -126,41 +82,14 @@ NESTED = {
 @pytest.mark.parametrize("name", list(NESTED))
 def test_two_nested_categorical_nodes(name):
     m1, m2 = (f() for f in NESTED[name])
-
-    def model(theta1, theta2):
-        z1 = m1(OneHotCategorical(logits=theta1))
-        logits2 = (z1.unsqueeze(-1) * theta2).sum(-2)  # the row of theta2 that z1 selects
-        z2 = m2(OneHotCategorical(logits=logits2))
-        assert [p.name for p in z2.plates] == ["z2", "z1", "replicate"]
-        cost = ((z1.unsqueeze(-1) * TABLE) * z2.unsqueeze(-2)).sum((-1, -2))
-        storch.add_cost(cost, "f")
-
-    g1, g2 = replicated_gradients([THETA1, THETA2], R, model)
-    e1, e2 = nested_exact()
+    g1, g2 = replicated_gradients(NESTED_PROBLEM.params, R, NESTED_PROBLEM.model(m1, m2))
+    e1, e2 = NESTED_PROBLEM.exact()
     assert_unbiased(g1, e1, label=f"{name} theta1")
     assert_unbiased(g2, e2, label=f"{name} theta2")
 
 
 # ---------------------------------------------------------------- two costs, different ancestors
-PHI1 = torch.tensor([0.4, -0.2])
-PHI2 = torch.tensor([-0.3, 0.6])
-A = torch.tensor([0.3, 0.9])
-
-
-def two_cost_exact():
-    phi1 = PHI1.clone().requires_grad_()
-    phi2 = PHI2.clone().requires_grad_()
-    total = 0.0
-    for x1 in itertools.product([0.0, 1.0], repeat=2):
-        x1 = torch.tensor(x1)
-        p1 = Bernoulli(logits=phi1).log_prob(x1).sum().exp()
-        total = total + p1 * ((x1 - A) ** 2).sum()
-        for x2 in itertools.product([0.0, 1.0], repeat=2):
-            x2 = torch.tensor(x2)
-            p2 = Bernoulli(logits=phi2 + x1).log_prob(x2).sum().exp()
-            total = total + p1 * p2 * ((x2 - 0.5 * x1) ** 2).sum() * 3.0
-    return torch.autograd.grad(total, [phi1, phi2])
-
+TWO_COSTS_PROBLEM = two_costs()
 
 TWO_COSTS = {
     "sf_sf": (lambda: ScoreFunction("z1", n_samples=2), lambda: ScoreFunction("z2", n_samples=2)),
@@ -175,31 +104,14 @@ TWO_COSTS = {
 @pytest.mark.parametrize("name", list(TWO_COSTS))
 def test_two_costs_with_different_ancestors(name):
     m1, m2 = (f() for f in TWO_COSTS[name])
-
-    def model(phi1, phi2):
-        z1 = m1(Bernoulli(logits=phi1))
-        storch.add_cost(((z1 - A) ** 2).sum(-1), "first")
-        z2 = m2(Bernoulli(logits=phi2 + z1))
-        storch.add_cost(((z2 - 0.5 * z1) ** 2).sum(-1) * 3.0, "second")
-
-    g1, g2 = replicated_gradients([PHI1, PHI2], R, model)
-    e1, e2 = two_cost_exact()
+    g1, g2 = replicated_gradients(TWO_COSTS_PROBLEM.params, R, TWO_COSTS_PROBLEM.model(m1, m2))
+    e1, e2 = TWO_COSTS_PROBLEM.exact()
     assert_unbiased(g1, e1, label=f"{name} phi1")
     assert_unbiased(g2, e2, label=f"{name} phi2")
 
 
 # ---------------------------------------------------------------- Bernoulli under a minibatch plate
-X = torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.0, -1.0], [0.3, 0.3, 0.3], [-1.0, 0.5, 0.0]])
-W = torch.tensor([[0.5, -0.2], [0.1, 0.4], [-0.3, 0.8]])
-T = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.2, 0.7]])
-
-
-def minibatch_exact():
-    w = W.clone().requires_grad_()
-    p = torch.sigmoid(X @ w)
-    per_point = (p * (1 - T) ** 2 + (1 - p) * T**2).sum(-1)
-    return torch.autograd.grad(per_point.mean(), w)[0]
-
+MINIBATCH = minibatch_bernoulli()  # f = Σ (z − t)² per data point
 
 @pytest.mark.parametrize(
     "make",
@@ -211,18 +123,8 @@ def minibatch_exact():
     ids=["sf_batch_average", "sf", "expect"],
 )
 def test_bernoulli_under_minibatch_plate(make):
-    method = make()
-
-    def model(w):
-        x = storch.denote_independent(X, 0, "data")
-        t = storch.denote_independent(T, 0, "data")
-        logits = (x.unsqueeze(-1) * w).sum(-2)
-        z = method(Bernoulli(logits=logits))
-        assert [p.name for p in z.plates] == ["z", "data", "replicate"]  # newest plate first
-        storch.add_cost(((z - t) ** 2).sum(-1), "f")
-
-    (grads,) = replicated_gradients([W], R, model)
-    assert_unbiased(grads, minibatch_exact(), label="minibatch")
+    (grads,) = replicated_gradients([MINIBATCH.w], R, MINIBATCH.model(make()))
+    assert_unbiased(grads, MINIBATCH.exact(), label="minibatch")
 
 
 # ---------------------------------------------------------------- the introduction example (continuous)
@@ -285,17 +187,7 @@ def test_true_score_function_variance_matches_spec():
 
 
 # ---------------------------------------------------------------- second order
-def bernoulli_interaction_exact_hessian():
-    def expectation(phi):
-        p = torch.sigmoid(phi)
-        total = 0.0
-        for x in itertools.product([0.0, 1.0], repeat=3):
-            x = torch.tensor(x)
-            prob = (p * x + (1 - p) * (1 - x)).prod()
-            total = total + prob * (((x - TARGET) ** 2).sum() + 2.0 * x[0] * x[1])
-        return total
-
-    return torch.autograd.functional.hessian(expectation, PHI.clone())
+INTERACTING = bernoulli(interaction=2.0)  # f = Σ (x − t)² + 2 x₁x₂
 
 
 @pytest.mark.parametrize(
@@ -304,19 +196,8 @@ def bernoulli_interaction_exact_hessian():
     ids=["score_function", "batch_average"],
 )
 def test_score_function_hessian_unbiased(make):
-    method = make()
-
-    def model(phi):
-        x = method(Bernoulli(logits=phi))
-        storch.add_cost(bernoulli_cost(x) + 2.0 * x[..., 0] * x[..., 1], "f")
-
-    repeats = 4000
-    leaf, view = storch.testing.replicate(PHI, repeats)
-    model(view)
-    storch.backward(create_graph=True)
-    rows = [torch.autograd.grad(leaf.grad[:, i].sum(), leaf, retain_graph=True)[0] * repeats for i in range(3)]
-    hessians = torch.stack(rows, 1)  # (repeats, 3, 3)
-    assert_unbiased(hessians.reshape(repeats, -1), bernoulli_interaction_exact_hessian().reshape(-1))
+    hessians = replicated_hessians(INTERACTING.phi, 4000, INTERACTING.model(make()))
+    assert_unbiased(hessians, INTERACTING.exact_hessian().reshape(-1))
 
 
 @pytest.mark.parametrize(
@@ -338,9 +219,9 @@ def test_intro_second_derivative_unbiased(make):
 def gumbel_bias(temperature: float, n: int = 200_000) -> float:
     phi = PHI.clone().requires_grad_()
     x = storch.method.GumbelSoftmax("x", n_samples=n, initial_temperature=temperature)(Bernoulli(logits=phi))
-    storch.add_cost(bernoulli_cost(x), "f")
+    storch.add_cost(BERNOULLI.cost(x), "f")
     storch.backward()
-    return (phi.grad - exact_bernoulli_grad()).norm().item()
+    return (phi.grad - BERNOULLI.exact()).norm().item()
 
 
 def test_gumbel_softmax_bias_shrinks_with_temperature():
@@ -360,36 +241,27 @@ def test_batch_average_reduces_variance():
 
         def model(phi):
             x = method(Bernoulli(logits=phi))
-            storch.add_cost(bernoulli_cost(x) + 10.0, "f")
+            storch.add_cost(BERNOULLI.cost(x) + 10.0, "f")
 
         (grads,) = replicated_gradients([PHI], R, model)
         return grads
 
     plain, rloo = run(None), run("batch_average")
-    assert check_unbiased(plain, exact_bernoulli_grad()).passed
-    assert check_unbiased(rloo, exact_bernoulli_grad()).passed
+    assert check_unbiased(plain, BERNOULLI.exact()).passed
+    assert check_unbiased(rloo, BERNOULLI.exact()).passed
     assert (rloo.var(0) < plain.var(0) / 10).all(), (rloo.var(0), plain.var(0))
 
 
 def test_harness_detects_a_biased_estimator():
     """The harness must be able to fail: a deliberately biased estimator (GumbelSoftmax, τ=2)."""
     method = storch.method.GumbelSoftmax("x", n_samples=1, initial_temperature=2.0)
-
-    def model(phi):
-        x = method(Bernoulli(logits=phi))
-        storch.add_cost(bernoulli_cost(x), "f")
-
-    (grads,) = replicated_gradients([PHI], R, model)
-    assert not check_unbiased(grads, exact_bernoulli_grad()).passed
+    (grads,) = replicated_gradients([PHI], R, BERNOULLI.model(method))
+    assert not check_unbiased(grads, BERNOULLI.exact()).passed
     with pytest.raises(AssertionError, match="biased"):
-        assert_unbiased(grads, exact_bernoulli_grad())
+        assert_unbiased(grads, BERNOULLI.exact())
 
 
 def test_expect_is_exact():
-    def model(phi):
-        x = Expect("x")(Bernoulli(logits=phi))
-        storch.add_cost(bernoulli_cost(x), "f")
-
-    (grads,) = replicated_gradients([PHI], 5, model)
-    assert torch.allclose(grads, exact_bernoulli_grad().expand(5, 3), atol=1e-6)
+    (grads,) = replicated_gradients([PHI], 5, BERNOULLI.model(Expect("x")))
+    assert torch.allclose(grads, BERNOULLI.exact().expand(5, 3), atol=1e-6)
     assert math.isfinite(grads.sum().item())
