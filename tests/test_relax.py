@@ -23,18 +23,14 @@ import storch
 from storch.method import ScoreFunction
 from storch.method.relax import LAX, REBAR, RELAX
 from storch.method.relaxation import conditional_gumbel_rsample, relaxation_for
-from storch.testing import assert_unbiased, check_unbiased, replicate, replicated_gradients
+from storch.testing import assert_unbiased, check_unbiased, replicated_gradients
+
+from problems import bernoulli, minibatch_bernoulli, nested_categorical, one_categorical, replicated_hessians, two_costs
+
+pytestmark = pytest.mark.seed(2024)
 
 R = 3000
 Z = 4.5
-
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(2024)
-    storch.reset()
-    yield
-    storch.reset()
 
 
 def adam(lr: float):
@@ -266,48 +262,30 @@ def make_variants(dim: int, n: int = 1):
     }
 
 
-PHI = torch.tensor([0.3, -0.5, 1.0])
-TARGET = torch.tensor([0.49, 0.499, 0.8])
-
-
-def bernoulli_exact():
-    phi = PHI.clone().requires_grad_()
-    p = torch.sigmoid(phi)
-    return torch.autograd.grad((p * (1 - TARGET) ** 2 + (1 - p) * TARGET**2).sum(), phi)[0]
+BERNOULLI = bernoulli(interaction=0.0)  # f = Σ (x − t)²
+PHI, TARGET = BERNOULLI.phi, BERNOULLI.target
 
 
 @pytest.mark.parametrize("name", list(make_variants(3)))
 def test_one_bernoulli_node(name):
-    method = make_variants(3)[name]()
-
-    def model(phi):
-        x = method(Bernoulli(logits=phi))
-        storch.add_cost(((x - TARGET) ** 2).sum(-1), "f")
-
+    model = BERNOULLI.model(make_variants(3)[name]())
     if name.endswith("trained"):
         train(model, [PHI])
     (grads,) = replicated_gradients([PHI], R, model)
-    assert_unbiased(grads, bernoulli_exact(), label=name)
+    assert_unbiased(grads, BERNOULLI.exact(), label=name)
 
 
-THETA = torch.tensor([0.2, -0.4, 0.9, 0.0])
-VALUES = torch.tensor([1.0, -2.0, 0.5, 3.0])
+CATEGORICAL = one_categorical(4)
+THETA, VALUES = CATEGORICAL.theta, CATEGORICAL.values
 
 
 @pytest.mark.parametrize("name", list(make_variants(4)))
 def test_one_categorical_node_several_samples(name):
-    method = make_variants(4, n=3)[name]()
-
-    def model(theta):
-        z = method(OneHotCategorical(logits=theta))
-        storch.add_cost(((z * VALUES).sum(-1)) ** 2, "f")
-
+    model = CATEGORICAL.model(make_variants(4, n=3)[name]())
     if name.endswith("trained"):
         train(model, [THETA])
     (grads,) = replicated_gradients([THETA], R, model)
-    theta = THETA.clone().requires_grad_()
-    exact = torch.autograd.grad((theta.softmax(-1) * VALUES**2).sum(), theta)[0]
-    assert_unbiased(grads, exact, label=name)
+    assert_unbiased(grads, CATEGORICAL.exact(), label=name)
 
 
 def test_probability_parametrised_distributions():
@@ -339,16 +317,7 @@ def test_probability_parametrised_distributions():
 
 
 # ---------------------------------------------------------------- two nested categorical nodes
-THETA1 = torch.tensor([0.5, -0.3, 0.1])
-THETA2 = torch.tensor([[0.2, 1.0, -0.5], [0.0, -1.0, 0.7], [1.2, 0.3, 0.0]])
-TABLE = torch.tensor([[1.0, 4.0, -2.0], [0.5, 3.0, 2.5], [-1.0, 0.0, 6.0]])
-
-
-def nested_exact():
-    t1, t2 = THETA1.clone().requires_grad_(), THETA2.clone().requires_grad_()
-    expectation = (t1.softmax(-1)[:, None] * t2.softmax(-1) * TABLE).sum()
-    return torch.autograd.grad(expectation, [t1, t2])
-
+NESTED_PROBLEM = nested_categorical(3, 3)
 
 NESTED = {
     "relax_then_score_function": (
@@ -368,70 +337,30 @@ NESTED = {
 
 @pytest.mark.parametrize("name", list(NESTED))
 def test_two_nested_categorical_nodes(name):
-    m1, m2 = (f() for f in NESTED[name])
-
-    def model(theta1, theta2):
-        z1 = m1(OneHotCategorical(logits=theta1))
-        logits2 = (z1.unsqueeze(-1) * theta2).sum(-2)  # the row of theta2 that z1 selects (or a mixture)
-        z2 = m2(OneHotCategorical(logits=logits2))
-        storch.add_cost(((z1.unsqueeze(-1) * TABLE) * z2.unsqueeze(-2)).sum((-1, -2)), "f")
-
+    model = NESTED_PROBLEM.model(*(f() for f in NESTED[name]))
     if name.endswith("trained"):
-        train(model, [THETA1, THETA2], steps=25)
-    g1, g2 = replicated_gradients([THETA1, THETA2], R, model)
-    e1, e2 = nested_exact()
+        train(model, NESTED_PROBLEM.params, steps=25)
+    g1, g2 = replicated_gradients(NESTED_PROBLEM.params, R, model)
+    e1, e2 = NESTED_PROBLEM.exact()
     assert_unbiased(g1, e1, label=f"{name} theta1")
     assert_unbiased(g2, e2, label=f"{name} theta2")
 
 
 # ---------------------------------------------------------------- two costs with different ancestors
-PHI1 = torch.tensor([0.4, -0.2])
-PHI2 = torch.tensor([-0.3, 0.6])
-A = torch.tensor([0.3, 0.9])
-
-
-def two_cost_exact():
-    phi1, phi2 = PHI1.clone().requires_grad_(), PHI2.clone().requires_grad_()
-    total = 0.0
-    for x1 in itertools.product([0.0, 1.0], repeat=2):
-        x1 = torch.tensor(x1)
-        p1 = Bernoulli(logits=phi1).log_prob(x1).sum().exp()
-        total = total + p1 * ((x1 - A) ** 2).sum()
-        for x2 in itertools.product([0.0, 1.0], repeat=2):
-            x2 = torch.tensor(x2)
-            p2 = Bernoulli(logits=phi2 + x1).log_prob(x2).sum().exp()
-            total = total + p1 * p2 * ((x2 - 0.5 * x1) ** 2).sum() * 3.0
-    return torch.autograd.grad(total, [phi1, phi2])
-
-
 def test_two_costs_with_different_ancestors():
+    problem = two_costs()
     m1 = REBAR("z1", n_samples=2, optimizer_factory=adam(0.03))  # both costs reach z1, only one z2
     m2 = RELAX("z2", mlp(2), n_samples=2, optimizer_factory=adam(0.03))
-
-    def model(phi1, phi2):
-        z1 = m1(Bernoulli(logits=phi1))
-        storch.add_cost(((z1 - A) ** 2).sum(-1), "first")
-        z2 = m2(Bernoulli(logits=phi2 + z1))
-        storch.add_cost(((z2 - 0.5 * z1) ** 2).sum(-1) * 3.0, "second")
-
-    train(model, [PHI1, PHI2], steps=20)
-    g1, g2 = replicated_gradients([PHI1, PHI2], R, model)
-    e1, e2 = two_cost_exact()
+    model = problem.model(m1, m2)
+    train(model, problem.params, steps=20)
+    g1, g2 = replicated_gradients(problem.params, R, model)
+    e1, e2 = problem.exact()
     assert_unbiased(g1, e1, label="phi1")
     assert_unbiased(g2, e2, label="phi2")
 
 
 # ---------------------------------------------------------------- Bernoulli under a minibatch plate
-X = torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.0, -1.0], [0.3, 0.3, 0.3], [-1.0, 0.5, 0.0]])
-W = torch.tensor([[0.5, -0.2], [0.1, 0.4], [-0.3, 0.8]])
-T = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.2, 0.7]])
-
-
-def minibatch_exact():
-    w = W.clone().requires_grad_()
-    p = torch.sigmoid(X @ w)
-    return torch.autograd.grad((p * (1 - T) ** 2 + (1 - p) * T**2).sum(-1).mean(), w)[0]
-
+MINIBATCH = minibatch_bernoulli()  # f = Σ (z − t)² per data point
 
 @pytest.mark.parametrize(
     "make",
@@ -444,18 +373,11 @@ def minibatch_exact():
 )
 def test_bernoulli_under_minibatch_plate(make):
     method = make()
-
-    def model(w):
-        x = storch.denote_independent(X, 0, "data")
-        t = storch.denote_independent(T, 0, "data")
-        z = method(Bernoulli(logits=(x.unsqueeze(-1) * w).sum(-2)))
-        assert [p.name for p in z.plates] == ["z", "data", "replicate"]
-        storch.add_cost(((z - t) ** 2).sum(-1), "f")
-
+    model = MINIBATCH.model(method)
     if method.train_control_variate:
-        train(model, [W], steps=20)
-    (grads,) = replicated_gradients([W], R, model)
-    assert_unbiased(grads, minibatch_exact(), label="minibatch")
+        train(model, [MINIBATCH.w], steps=20)
+    (grads,) = replicated_gradients([MINIBATCH.w], R, model)
+    assert_unbiased(grads, MINIBATCH.exact(), label="minibatch")
 
 
 # ---------------------------------------------------------------- LAX (continuous, black-box f)
@@ -519,25 +441,7 @@ def test_lax_under_a_score_function_node_and_a_minibatch_plate():
 
 
 # ---------------------------------------------------------------- second order
-def interaction_cost(x):
-    return ((x - TARGET) ** 2).sum(-1) + 2.0 * x[..., 0] * x[..., 1]
-
-
-def interaction_exact_hessian():
-    def expectation(phi):
-        p = torch.sigmoid(phi)
-        total = 0.0
-        for x in itertools.product([0.0, 1.0], repeat=3):
-            x = torch.tensor(x)
-            total = total + (p * x + (1 - p) * (1 - x)).prod() * interaction_cost(x)
-        return total
-
-    return torch.autograd.functional.hessian(expectation, PHI.clone())
-
-
-def hessians(leaf: torch.Tensor, repeats: int) -> torch.Tensor:
-    rows = [torch.autograd.grad(leaf.grad[:, i].sum(), leaf, retain_graph=True)[0] * repeats for i in range(leaf.shape[1])]
-    return torch.stack(rows, 1).reshape(repeats, -1)
+INTERACTING = bernoulli(interaction=2.0)  # f = Σ (x − t)² + 2 x₁x₂
 
 
 @pytest.mark.parametrize(
@@ -551,22 +455,20 @@ def hessians(leaf: torch.Tensor, repeats: int) -> torch.Tensor:
 def test_hessian_unbiased(make):
     """Every order is unbiased (relax.py docstring); with training on, the variance step after the
     backward pass must leave the graph of the gradient usable."""
-    method, repeats = make(), 4000
-    leaf, view = replicate(PHI, repeats)
-    storch.add_cost(interaction_cost(method(Bernoulli(logits=view))), "f")
-    storch.backward(create_graph=True)
-    assert_unbiased(hessians(leaf, repeats), interaction_exact_hessian().reshape(-1))
+    hessians = replicated_hessians(PHI, 4000, INTERACTING.model(make()))
+    assert_unbiased(hessians, INTERACTING.exact_hessian().reshape(-1))
 
 
 def test_lax_hessian_unbiased_while_training():
     # E[z³ + 2 z₀ z₁] under N(μ, 1): ∂²/∂μ² = diag(6μ) + 2 off the diagonal
-    method, repeats = LAX("z", mlp(2), n_samples=2, optimizer_factory=adam(0.03)), 4000
-    leaf, view = replicate(MU, repeats)
-    z = method(Normal(view, 1.0))
-    storch.add_cost((z**3).sum(-1) + 2.0 * z[..., 0] * z[..., 1], "f")
-    storch.backward(create_graph=True)
+    method = LAX("z", mlp(2), n_samples=2, optimizer_factory=adam(0.03))
+
+    def model(mu):
+        z = method(Normal(mu, 1.0))
+        storch.add_cost((z**3).sum(-1) + 2.0 * z[..., 0] * z[..., 1], "f")
+
     exact = torch.tensor([[6 * MU[0], 2.0], [2.0, 6 * MU[1]]])
-    assert_unbiased(hessians(leaf, repeats), exact.reshape(-1))
+    assert_unbiased(replicated_hessians(MU, 4000, model), exact.reshape(-1))
 
 
 # =============================================================== training reduces the variance
@@ -575,15 +477,14 @@ OFFSET = 5.0  # a constant in the cost is pure noise for the score function; c c
 
 def offset_model(method):
     def model(phi):
-        x = method(Bernoulli(logits=phi))
-        storch.add_cost(((x - TARGET) ** 2).sum(-1) + OFFSET, "f")
+        storch.add_cost(BERNOULLI.cost(method(Bernoulli(logits=phi))) + OFFSET, "f")
 
     return model
 
 
 def total_variance(method, repeats: int = 2000) -> float:
     (grads,) = replicated_gradients([PHI], repeats, offset_model(method))
-    assert check_unbiased(grads, bernoulli_exact()).passed
+    assert check_unbiased(grads, BERNOULLI.exact()).passed
     return grads.var(0).sum().item()
 
 
