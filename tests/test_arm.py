@@ -7,8 +7,6 @@ gradient enters through (φ − stopgrad φ)·stopgrad(ĝ)), so no second-order 
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from torch.distributions import Bernoulli, Normal, OneHotCategorical
@@ -18,30 +16,14 @@ from storch.method import Expect, ScoreFunction
 from storch.method.arm import ARM, DisARM, bernoulli_logits
 from storch.testing import assert_unbiased, replicated_gradients, variance_with_stderr
 
+from problems import bernoulli, enumerate_bernoulli, exact_grads, minibatch_bernoulli, nested_bernoulli
+
 R = 3000
 METHODS = {"arm": ARM, "disarm": DisARM}
 
-PHI = torch.tensor([0.3, -0.5, 1.0])
-TARGET = torch.tensor([0.49, 0.499, 0.8])
-
-
-def cost(x):
-    # not separable over coordinates, so the antithetic pair's cost difference mixes them
-    return ((x - TARGET) ** 2).sum(-1) + 2.0 * x[..., 0] * x[..., 1]
-
-
-def enumerate_bernoulli(probs, f):
-    total = 0.0
-    for values in itertools.product([0.0, 1.0], repeat=probs.shape[-1]):
-        x = torch.tensor(values)
-        total = total + (probs * x + (1 - probs) * (1 - x)).prod(-1) * f(x)
-    return total
-
-
-def exact_grad(param=PHI, to_probs=False):
-    leaf = param.clone().requires_grad_()
-    probs = leaf if to_probs else torch.sigmoid(leaf)
-    return torch.autograd.grad(enumerate_bernoulli(probs, cost), leaf)[0]
+# not separable over coordinates, so the antithetic pair's cost difference mixes them
+BERNOULLI = bernoulli(interaction=2.0)
+PHI, cost = BERNOULLI.phi, BERNOULLI.cost
 
 
 # ------------------------------------------------------------------------------ one node
@@ -56,7 +38,7 @@ def test_one_node_logits(name, n):
         storch.add_cost(cost(x), "f")
 
     (grads,) = replicated_gradients([PHI], R, model)
-    assert_unbiased(grads, exact_grad(), label=f"{name} n={n}")
+    assert_unbiased(grads, BERNOULLI.exact(), label=f"{name} n={n}")
 
 
 @pytest.mark.parametrize("name", list(METHODS))
@@ -69,59 +51,24 @@ def test_bernoulli_built_from_probs_gets_the_probs_gradient(name):
         storch.add_cost(cost(method(Bernoulli(probs=p))), "f")
 
     (grads,) = replicated_gradients([probs], R, model)
-    assert_unbiased(grads, exact_grad(probs, to_probs=True), label=f"{name} probs")
+    (exact,) = exact_grads(lambda p: enumerate_bernoulli(p, cost), [probs])
+    assert_unbiased(grads, exact, label=f"{name} probs")
 
 
 # ----------------------------------------------------------------------- minibatch plate
-X = torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.0, -1.0], [0.3, 0.3, 0.3], [-1.0, 0.5, 0.0]])
-W = torch.tensor([[0.5, -0.2], [0.1, 0.4], [-0.3, 0.8]])
-T = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.2, 0.7]])
-
-
-def minibatch_exact():
-    w = W.clone().requires_grad_()
-    p = torch.sigmoid(X @ w)
-    per_point = torch.stack([enumerate_bernoulli(p[i], lambda x, t=T[i]: ((x - t) ** 2).sum() + x[0] * x[1]) for i in range(4)])
-    return torch.autograd.grad(per_point.mean(), w)[0]
+MINIBATCH = minibatch_bernoulli(interaction=1.0)  # f = Σ (z − t)² + z₁z₂ per data point
 
 
 @pytest.mark.parametrize("name", list(METHODS))
 def test_minibatch_plate(name):
-    method = METHODS[name]("z", n_samples=2)
-
-    def model(w):
-        x = storch.denote_independent(X, 0, "data")
-        t = storch.denote_independent(T, 0, "data")
-        z = method(Bernoulli(logits=(x.unsqueeze(-1) * w).sum(-2)))
-        assert [p.name for p in z.plates] == ["z", "data", "replicate"]
-        storch.add_cost(((z - t) ** 2).sum(-1) + z[..., 0] * z[..., 1], "f")
-
-    (grads,) = replicated_gradients([W], R, model)
-    assert_unbiased(grads, minibatch_exact(), label=f"{name} minibatch")
+    model = MINIBATCH.model(METHODS[name]("z", n_samples=2))
+    (grads,) = replicated_gradients([MINIBATCH.w], R, model)
+    assert_unbiased(grads, MINIBATCH.exact(), label=f"{name} minibatch")
 
 
 # ---------------------------------------------------------------------- two nested nodes
-PHI1 = torch.tensor([0.4, -0.2])
-PHI2 = torch.tensor([-0.3, 0.6])
 COUPLING = torch.tensor([[1.0, -0.5], [0.3, 0.8]])
-A = torch.tensor([0.3, 0.9])
-
-
-def nested_cost(x1, x2):
-    return ((x1 - A) ** 2).sum(-1) + 3.0 * ((x2 - 0.5 * x1) ** 2).sum(-1) + x1[..., 0] * x2[..., 1]
-
-
-def nested_exact():
-    phi1 = PHI1.clone().requires_grad_()
-    phi2 = PHI2.clone().requires_grad_()
-    p1 = torch.sigmoid(phi1)
-    total = 0.0
-    for v1 in itertools.product([0.0, 1.0], repeat=2):
-        x1 = torch.tensor(v1)
-        q1 = (p1 * x1 + (1 - p1) * (1 - x1)).prod()
-        p2 = torch.sigmoid(phi2 + x1 @ COUPLING)
-        total = total + q1 * enumerate_bernoulli(p2, lambda x2, x1=x1: nested_cost(x1, x2))
-    return torch.autograd.grad(total, [phi1, phi2])
+NESTED_PROBLEM = nested_bernoulli(COUPLING)
 
 
 NESTED = {
@@ -141,10 +88,10 @@ def test_two_nested_nodes(name):
         x1 = m1(Bernoulli(logits=phi1))
         x2 = m2(Bernoulli(logits=phi2 + (x1.unsqueeze(-1) * COUPLING).sum(-2)))
         assert [p.name for p in x2.plates] == ["z2", "z1", "replicate"]
-        storch.add_cost(nested_cost(x1, x2), "f")
+        storch.add_cost(NESTED_PROBLEM.cost(x1, x2), "f")
 
-    g1, g2 = replicated_gradients([PHI1, PHI2], R, model)
-    e1, e2 = nested_exact()
+    g1, g2 = replicated_gradients(NESTED_PROBLEM.params, R, model)
+    e1, e2 = NESTED_PROBLEM.exact()
     assert_unbiased(g1, e1, label=f"{name} phi1")
     assert_unbiased(g2, e2, label=f"{name} phi2")
 

@@ -22,12 +22,9 @@ from storch.method.measure_valued import MeasureValuedDecomposition, MeasureValu
 from storch.method.mvd import MVD
 from storch.testing import assert_unbiased, replicated_gradients, variance_with_stderr
 
+from problems import bernoulli, exact_grads, minibatch_bernoulli, nested_categorical
+
 R = 3000
-
-
-def exact_grads(expectation, params):
-    leaves = [p.clone().requires_grad_() for p in params]
-    return torch.autograd.grad(expectation(*leaves), leaves)
 
 
 def check(make_distribution, cost, expectation, params, n=1, repeats=R, label=""):
@@ -94,26 +91,13 @@ def test_exponential():
 
 
 # ----------------------------------------------------------------------- one node, discrete
-PHI = torch.tensor([0.3, -0.5, 1.0])
-TARGET = torch.tensor([0.49, 0.499, 0.8])
-
-
-def bernoulli_cost(x):
-    return ((x - TARGET) ** 2).sum(-1) + 2.0 * x[..., 0] * x[..., 1]
-
-
-def enumerate_bernoulli(probs, f):
-    total = 0.0
-    for values in itertools.product([0.0, 1.0], repeat=probs.shape[-1]):
-        x = torch.tensor(values)
-        total = total + (probs * x + (1 - probs) * (1 - x)).prod(-1) * f(x)
-    return total
+BERNOULLI = bernoulli(interaction=2.0)
 
 
 @pytest.mark.parametrize("built_from", ["logits", "probs"])
 def test_bernoulli(built_from):
     make = (lambda phi: Bernoulli(logits=phi)) if built_from == "logits" else (lambda phi: Bernoulli(probs=torch.sigmoid(phi)))
-    check(make, bernoulli_cost, lambda phi: enumerate_bernoulli(torch.sigmoid(phi), bernoulli_cost), [PHI], n=2, label=built_from)
+    check(make, BERNOULLI.cost, BERNOULLI.expectation, [BERNOULLI.phi], n=2, label=built_from)
 
 
 THETA = torch.tensor([[0.2, -0.4, 0.9], [0.0, 0.5, -1.0]])  # two categorical coordinates, K = 3
@@ -142,30 +126,16 @@ def test_categorical(kind):
 
 
 # ----------------------------------------------------------------------- minibatch plate
-X = torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.0, -1.0], [0.3, 0.3, 0.3], [-1.0, 0.5, 0.0]])
-W = torch.tensor([[0.5, -0.2], [0.1, 0.4], [-0.3, 0.8]])
-T = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.2, 0.7]])
+MINIBATCH = minibatch_bernoulli(interaction=1.0)  # f = Σ (z − t)² + z₁z₂ per data point
+X, W, T = MINIBATCH.x, MINIBATCH.w, MINIBATCH.t
 
 
 def test_bernoulli_under_minibatch_plate():
-    method = MVD("z", n_samples=2)
-
-    def model(w):
-        x = storch.denote_independent(X, 0, "data")
-        t = storch.denote_independent(T, 0, "data")
-        z = method(Bernoulli(logits=(x.unsqueeze(-1) * w).sum(-2)))
-        assert [p.name for p in z.plates] == ["z", "data", "replicate"]
+    def two_points_per_sample(z):
         assert z.shape[0] == 2 * (1 + 2)  # per sample: x and one flipped point per coordinate
-        storch.add_cost(((z - t) ** 2).sum(-1) + z[..., 0] * z[..., 1], "f")
 
-    def expectation(w):
-        p = torch.sigmoid(X @ w)
-        return torch.stack([
-            enumerate_bernoulli(p[i], lambda z, t=T[i]: ((z - t) ** 2).sum() + z[0] * z[1]) for i in range(4)
-        ]).mean()
-
-    (grads,) = replicated_gradients([W], R, model)
-    assert_unbiased(grads, exact_grads(expectation, [W])[0], label="minibatch")
+    (grads,) = replicated_gradients([W], R, MINIBATCH.model(MVD("z", n_samples=2), check=two_points_per_sample))
+    assert_unbiased(grads, MINIBATCH.exact(), label="minibatch")
 
 
 def test_normal_under_minibatch_plate():
@@ -189,9 +159,7 @@ def test_normal_under_minibatch_plate():
 
 
 # ---------------------------------------------------------------------- two nested nodes
-THETA1 = torch.tensor([0.5, -0.3, 0.1])
-THETA2 = torch.tensor([[0.2, 1.0, -0.5], [0.0, -1.0, 0.7], [1.2, 0.3, 0.0]])
-TABLE = torch.tensor([[1.0, 4.0, -2.0], [0.5, 3.0, 2.5], [-1.0, 0.0, 6.0]])
+NESTED_PROBLEM = nested_categorical(3, 3)
 
 NESTED = {
     "mvd_mvd": (lambda: MVD("z1", n_samples=2), lambda: MVD("z2")),
@@ -204,18 +172,8 @@ NESTED = {
 @pytest.mark.parametrize("name", list(NESTED))
 def test_two_nested_categorical_nodes(name):
     m1, m2 = (f() for f in NESTED[name])
-
-    def model(theta1, theta2):
-        z1 = m1(OneHotCategorical(logits=theta1))
-        z2 = m2(OneHotCategorical(logits=(z1.unsqueeze(-1) * theta2).sum(-2)))
-        assert [p.name for p in z2.plates] == ["z2", "z1", "replicate"]
-        storch.add_cost(((z1.unsqueeze(-1) * TABLE) * z2.unsqueeze(-2)).sum((-1, -2)), "f")
-
-    def expectation(theta1, theta2):
-        return (theta1.softmax(-1)[:, None] * theta2.softmax(-1) * TABLE).sum()
-
-    g1, g2 = replicated_gradients([THETA1, THETA2], R, model)
-    e1, e2 = exact_grads(expectation, [THETA1, THETA2])
+    g1, g2 = replicated_gradients(NESTED_PROBLEM.params, R, NESTED_PROBLEM.model(m1, m2))
+    e1, e2 = NESTED_PROBLEM.exact()
     assert_unbiased(g1, e1, label=f"{name} theta1")
     assert_unbiased(g2, e2, label=f"{name} theta2")
 

@@ -25,6 +25,8 @@ from storch.method import Expect, ScoreFunction
 from storch.method.spsa import SPSA, perturbable_parameters
 from storch.testing import assert_unbiased, check_unbiased, replicated_gradients
 
+from problems import bernoulli, enumerate_bernoulli, minibatch_bernoulli, nested_bernoulli
+
 R = 4000
 
 
@@ -99,23 +101,11 @@ def test_normal_several_samples_average_the_groups():
 
 
 # ------------------------------------------------------------- Bernoulli: perturbed logits
-PHI = torch.tensor([0.3, -0.5, 1.0])
-TARGET = torch.tensor([0.49, 0.499, 0.8])
+BERNOULLI = bernoulli(interaction=2.0)
+PHI, bernoulli_cost = BERNOULLI.phi, BERNOULLI.cost
 
 
-def bernoulli_cost(x):
-    return ((x - TARGET) ** 2).sum(-1) + 2.0 * x[..., 0] * x[..., 1]
-
-
-def enumerate_bernoulli(probs, f):
-    total = 0.0
-    for values in itertools.product([0.0, 1.0], repeat=probs.shape[-1]):
-        x = torch.tensor(values, dtype=probs.dtype)
-        total = total + (probs * x + (1 - probs) * (1 - x)).prod(-1) * f(x)
-    return total
-
-
-def bernoulli_F(phi):
+def bernoulli_F(phi):  # in float64 (the costs of the 8 values in float32, as the model's)
     return enumerate_bernoulli(torch.sigmoid(phi), lambda x: bernoulli_cost(x.float()).double())
 
 
@@ -147,30 +137,18 @@ def test_bernoulli_bias_shrinks_with_c():
 
 
 # --------------------------------------------------------------------- minibatch plate
-X = torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.0, -1.0], [0.3, 0.3, 0.3], [-1.0, 0.5, 0.0]])
-W = torch.tensor([[0.5, -0.2], [0.1, 0.4], [-0.3, 0.8]])
-T = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.2, 0.7]])
-
-
 def test_bernoulli_under_minibatch_plate():
     c = 0.3
-    method = SPSA("z", n_samples=2, c=c)
-
-    def model(w):
-        x = storch.denote_independent(X, 0, "data")
-        t = storch.denote_independent(T, 0, "data")
-        z = method(Bernoulli(logits=(x.unsqueeze(-1) * w).sum(-2)))
-        assert [p.name for p in z.plates] == ["z", "data", "replicate"]
-        storch.add_cost(((z - t) ** 2).sum(-1) + z[..., 0] * z[..., 1], "f")
-
-    (estimates,) = replicated_gradients([W], R, model)
+    problem = minibatch_bernoulli(interaction=1.0)  # f = Σ (z − t)² + z₁z₂ per data point
+    (estimates,) = replicated_gradients([problem.w], R, problem.model(SPSA("z", n_samples=2, c=c)))
     # every data point is its own problem with its own signs: E ĝ_W = mean_i X_iᵀ S_c,i(X_i W)
-    logits = X.double() @ W.double()
+    x = problem.x.double()
+    logits = x @ problem.w.double()
     per_point = []
     for i in range(4):
-        F = lambda phi, t=T[i].double(): enumerate_bernoulli(torch.sigmoid(phi), lambda z: ((z - t) ** 2).sum() + z[0] * z[1])
+        F = lambda phi, t=problem.t[i].double(): enumerate_bernoulli(torch.sigmoid(phi), lambda z: problem.cost(z, t))
         per_point.append(smoothed_gradient(F, logits[i], c))
-    expected = X.double().T @ torch.stack(per_point) / 4
+    expected = x.T @ torch.stack(per_point) / 4
     assert_unbiased(estimates, expected, label="minibatch")
 
 
@@ -200,23 +178,8 @@ def test_score_function_parent_and_spsa_child_exact_for_a_quadratic_location_cos
     assert_unbiased(g2, e2, label="locs")
 
 
-PHI1 = torch.tensor([0.4, -0.2])
-PHI2 = torch.tensor([-0.3, 0.6])
-A = torch.tensor([0.3, 0.9])
-
-
-def nested_cost(x1, x2):
-    return ((x1 - A) ** 2).sum(-1) + 3.0 * ((x2 - 0.5 * x1) ** 2).sum(-1) + x1[..., 0] * x2[..., 1]
-
-
-def nested_F(phi1, phi2):
-    p1 = torch.sigmoid(phi1)
-    total = 0.0
-    for v1 in itertools.product([0.0, 1.0], repeat=2):
-        x1 = torch.tensor(v1, dtype=torch.float64)
-        q1 = (p1 * x1 + (1 - p1) * (1 - x1)).prod()
-        total = total + q1 * enumerate_bernoulli(torch.sigmoid(phi2 + x1), lambda x2, x1=x1: nested_cost(x1, x2))
-    return total
+NESTED_PROBLEM = nested_bernoulli()  # x₂'s logits φ₂ + x₁
+PHI1, PHI2, nested_F = NESTED_PROBLEM.phi1, NESTED_PROBLEM.phi2, NESTED_PROBLEM.expectation
 
 
 def test_spsa_parent_and_expect_child():
@@ -226,7 +189,7 @@ def test_spsa_parent_and_expect_child():
     def model(phi1, phi2):
         x1 = m1(Bernoulli(logits=phi1))
         x2 = m2(Bernoulli(logits=phi2 + x1))
-        storch.add_cost(nested_cost(x1, x2), "f")
+        storch.add_cost(NESTED_PROBLEM.cost(x1, x2), "f")
 
     g1, g2 = replicated_gradients([PHI1, PHI2], R, model)
     # the parent's expected estimate is the smoothed gradient; the child's gradient flows through
