@@ -21,31 +21,13 @@ from storch.method.local_expectation import (
     local_expectation_group_size,
     local_expectation_points,
 )
-from storch.testing import assert_unbiased, check_unbiased, replicate, replicated_gradients
+from storch.testing import assert_unbiased, check_unbiased, replicated_gradients
+
+from problems import minibatch_bernoulli, nested_categorical, one_categorical, replicated_hessians
+
+pytestmark = pytest.mark.seed(2024)
 
 R = 3000
-
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(2024)
-    storch.reset()
-    yield
-    storch.reset()
-
-
-def hessian_estimates(param: torch.Tensor, model, repeats: int) -> torch.Tensor:
-    """(repeats, d·d) Hessian estimates from one backward(create_graph=True)."""
-    leaf, view = replicate(param, repeats)
-    model(view)
-    storch.backward(create_graph=True)
-    grad = leaf.grad.reshape(repeats, -1)
-    leaf.grad = None
-    rows = [
-        torch.autograd.grad(grad[:, i].sum(), leaf, retain_graph=True)[0].reshape(repeats, -1) * repeats
-        for i in range(param.numel())
-    ]
-    return torch.stack(rows, 1).reshape(repeats, -1)
 
 
 # ---------------------------------------------------------------- factorised Bernoulli, interacting cost
@@ -92,7 +74,7 @@ def test_bernoulli_hessian_unbiased(direct):
         x = method(Bernoulli(logits=phi))
         storch.add_cost(bernoulli_cost(x, phi if direct else None), "f")
 
-    hessians = hessian_estimates(PHI, model, 4000)
+    hessians = replicated_hessians(PHI, 4000, model)
     exact = torch.autograd.functional.hessian(lambda p: bernoulli_expectation(p, direct), PHI)
     assert_unbiased(hessians, exact.reshape(-1), label="hessian")
 
@@ -141,37 +123,20 @@ def test_categorical_hessian_unbiased():
         i = indices(z, True)
         storch.add_cost(categorical_cost(i[..., 0], i[..., 1]), "f")
 
-    hessians = hessian_estimates(THETA, model, 4000)
+    hessians = replicated_hessians(THETA, 4000, model)
     exact = torch.autograd.functional.hessian(categorical_expectation, THETA)
     assert_unbiased(hessians, exact.reshape(-1), label="categorical hessian")
 
 
 def test_one_variable_is_exact():
     """With D = 1 the sum over the values is the whole expectation: every estimate is exact."""
-    theta0 = torch.tensor([0.2, -0.4, 0.9, 0.0])
-    values = torch.tensor([1.0, -2.0, 0.5, 3.0])
-
-    def model(theta):
-        z = LocalExpectation("z")(OneHotCategorical(logits=theta))
-        storch.add_cost((z * values).sum(-1) ** 2, "f")
-
-    (grads,) = replicated_gradients([theta0], 20, model)
-    theta = theta0.clone().requires_grad_()
-    exact = torch.autograd.grad((theta.softmax(-1) * values**2).sum(), theta)[0]
-    assert torch.allclose(grads, exact.expand(20, 4), atol=1e-5)
+    problem = one_categorical(4)
+    (grads,) = replicated_gradients([problem.theta], 20, problem.model(LocalExpectation("z")))
+    assert torch.allclose(grads, problem.exact().expand(20, 4), atol=1e-5)
 
 
 # ---------------------------------------------------------------- two nested nodes
-THETA1 = torch.tensor([0.5, -0.3, 0.1])
-THETA2 = torch.tensor([[0.2, 1.0, -0.5], [0.0, -1.0, 0.7], [1.2, 0.3, 0.0]])
-TABLE = torch.tensor([[1.0, 4.0, -2.0], [0.5, 3.0, 2.5], [-1.0, 0.0, 6.0]])
-
-
-def nested_exact():
-    t1 = THETA1.clone().requires_grad_()
-    t2 = THETA2.clone().requires_grad_()
-    expectation = (t1.softmax(-1)[:, None] * t2.softmax(-1) * TABLE).sum()
-    return torch.autograd.grad(expectation, [t1, t2])
+NESTED_PROBLEM = nested_categorical(3, 3)
 
 
 NESTED = {
@@ -185,14 +150,8 @@ NESTED = {
 @pytest.mark.parametrize("name", list(NESTED))
 def test_two_nested_nodes(name):
     m1, m2 = (f() for f in NESTED[name])
-
-    def model(theta1, theta2):
-        z1 = m1(OneHotCategorical(logits=theta1))
-        z2 = m2(OneHotCategorical(logits=(z1.unsqueeze(-1) * theta2).sum(-2)))
-        storch.add_cost(((z1.unsqueeze(-1) * TABLE) * z2.unsqueeze(-2)).sum((-1, -2)), "f")
-
-    g1, g2 = replicated_gradients([THETA1, THETA2], R, model)
-    e1, e2 = nested_exact()
+    g1, g2 = replicated_gradients(NESTED_PROBLEM.params, R, NESTED_PROBLEM.model(m1, m2))
+    e1, e2 = NESTED_PROBLEM.exact()
     assert_unbiased(g1, e1, label=f"{name} theta1")
     assert_unbiased(g2.reshape(R, -1), e2.reshape(-1), label=f"{name} theta2")
 
@@ -229,34 +188,10 @@ def test_two_independent_nodes_one_cost():
 
 
 # ---------------------------------------------------------------- Bernoulli under a minibatch plate
-X = torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.0, -1.0], [0.3, 0.3, 0.3], [-1.0, 0.5, 0.0]])
-W = torch.tensor([[0.5, -0.2], [0.1, 0.4], [-0.3, 0.8]])
-T = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.2, 0.7]])
-
-
 def test_bernoulli_under_minibatch_plate():
-    method = LocalExpectation("z")
-
-    def model(w):
-        x = storch.denote_independent(X, 0, "data")
-        t = storch.denote_independent(T, 0, "data")
-        z = method(Bernoulli(logits=(x.unsqueeze(-1) * w).sum(-2)))
-        assert [p.name for p in z.plates] == ["z", "data", "replicate"]
-        storch.add_cost(((z - t) ** 2).sum(-1) + 3.0 * z[..., 0] * z[..., 1], "f")
-
-    (grads,) = replicated_gradients([W], R, model)
-
-    def expectation(w):
-        p = torch.sigmoid(X @ w)
-        total = 0.0
-        for bits in itertools.product([0.0, 1.0], repeat=2):
-            z = torch.tensor(bits)
-            prob = (p * z + (1 - p) * (1 - z)).prod(-1)
-            total = total + prob * (((z - T) ** 2).sum(-1) + 3.0 * z[0] * z[1])
-        return total.mean()
-
-    exact = torch.autograd.functional.jacobian(expectation, W)
-    assert_unbiased(grads.reshape(R, -1), exact.reshape(-1), label="minibatch")
+    problem = minibatch_bernoulli(interaction=3.0)  # f = Σ (z − t)² + 3 z₁z₂ per data point
+    (grads,) = replicated_gradients([problem.w], R, problem.model(LocalExpectation("z")))
+    assert_unbiased(grads.reshape(R, -1), problem.exact().reshape(-1), label="minibatch")
 
 
 # ---------------------------------------------------------------- layout, estimate, variance, errors

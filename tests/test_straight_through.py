@@ -8,8 +8,6 @@ per-sample estimates); exact gradients by enumeration.
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from torch.distributions import Bernoulli, Categorical, Normal, OneHotCategorical
@@ -19,52 +17,20 @@ from storch.method import GumbelSoftmax
 from storch.method.straight_through import GumbelRao, ReinMax, StraightThrough
 from storch.testing import assert_unbiased, check_unbiased, replicated_gradients
 
+from problems import bernoulli, one_categorical
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(7)
-    storch.reset()
-    yield
-    storch.reset()
+pytestmark = pytest.mark.seed(7)
 
-
-PHI = torch.tensor([0.3, -0.5, 1.0])
-TARGET = torch.tensor([0.49, 0.499, 0.8])
-THETA = torch.tensor([0.2, -0.4, 0.9, 0.0])
-VALUES = torch.tensor([1.0, -2.0, 0.5, 3.0])
-
-
-def bernoulli_cost(x):
-    return ((x - TARGET) ** 2).sum(-1) + 2.0 * x[..., 0] * x[..., 1]
-
-
-def quadratic_cost(z):
-    return (z * VALUES).sum(-1) ** 2
-
-
-def cubic_cost(z):
-    return ((z * VALUES).sum(-1) - 0.5) ** 3 / 4
-
-
-def bernoulli_exact():
-    phi = PHI.clone().requires_grad_()
-    p = torch.sigmoid(phi)
-    total = 0.0
-    for x in itertools.product([0.0, 1.0], repeat=3):
-        x = torch.tensor(x)
-        total = total + (p * x + (1 - p) * (1 - x)).prod() * bernoulli_cost(x)
-    return torch.autograd.grad(total, phi)[0]
-
-
-def categorical_exact(cost):
-    theta = THETA.clone().requires_grad_()
-    return torch.autograd.grad((theta.softmax(-1) * cost(torch.eye(4))).sum(), theta)[0]
-
+BERNOULLI = bernoulli(interaction=2.0)
+QUADRATIC = one_categorical(4)  # f = (z·v)²
+CUBIC = one_categorical(4, g=lambda v: (v - 0.5) ** 3 / 4)  # f = ((z·v) − ½)³/4
+PHI, THETA, VALUES = BERNOULLI.phi, QUADRATIC.theta, QUADRATIC.values
+bernoulli_exact = BERNOULLI.exact
 
 PROBLEMS = {
-    "bernoulli": (lambda p: Bernoulli(logits=p), bernoulli_cost, PHI, bernoulli_exact),
-    "categorical_quadratic": (lambda p: OneHotCategorical(logits=p), quadratic_cost, THETA, lambda: categorical_exact(quadratic_cost)),
-    "categorical_cubic": (lambda p: OneHotCategorical(logits=p), cubic_cost, THETA, lambda: categorical_exact(cubic_cost)),
+    "bernoulli": (lambda p: Bernoulli(logits=p), BERNOULLI.cost, PHI, BERNOULLI.exact),
+    "categorical_quadratic": (lambda p: OneHotCategorical(logits=p), QUADRATIC.cost, THETA, QUADRATIC.exact),
+    "categorical_cubic": (lambda p: OneHotCategorical(logits=p), CUBIC.cost, THETA, CUBIC.exact),
 }
 
 
