@@ -21,15 +21,9 @@ from storch.method import Reparameterization, ScoreFunction
 from storch.method.vimco import VIMCO, iwae_bound
 from storch.testing import assert_unbiased, check_unbiased, replicate, replicated_gradients
 
+pytestmark = pytest.mark.seed(31)
+
 R = 3000
-
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(31)
-    storch.reset()
-    yield
-    storch.reset()
 
 
 # ---------------------------------------------------------------- a two-bit Bernoulli latent model
