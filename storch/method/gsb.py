@@ -1,0 +1,405 @@
+"""Generalized stochastic backpropagation (GSB): cumulants times expected pure derivatives of the cost.
+
+Paper: Xu, Quiroz, Kohn & Sisson, "Generalized stochastic backpropagation" (``seeds/004_…``, theorem 1
+and sections 3–5). Written with cumulants ``κ_n`` (the Taylor coefficients of the log characteristic
+function, ``log φ(ω) = Σ_n κ_n (iω)^n / n!``; :mod:`storch.method.cumulants`), the theorem reads, for a
+factorised ``z`` with parameters θ and a cost ``f`` differentiable in ``z``,
+
+    ∇θ E f(z) = Σ_j Σ_{n≥1} (∇θ κ_n(θ)_j / n!) · E[∂ⁿf/∂z_jⁿ (z)]
+
+(pure derivatives per coordinate ``j``). :class:`GSB` truncates the series at ``order = N``. Its
+surrogate term for one node (a control-variate term with forward value 0, no gradient function) is
+
+    Σ_j Σ_{n=1..N} ((κ_n(θ)_j − stopgrad κ_n(θ)_j) / n!) · stopgrad(∂ⁿS/∂z_jⁿ)
+
+with ``S`` the downstream estimate of the cost (:func:`storch.inference` hands it to the method per
+sample). The samples are drawn without any pathwise gradient into θ (``sample()``, detached) and made a
+leaf that autograd differentiates ``S`` with respect to; no score term is used. Gradients that reach θ
+by other paths (a cost that depends on θ directly, e.g. ``log q(z; θ)``) flow as usual.
+
+Dispatch by distribution type (registry :func:`register_gsb_rule`; representations
+:func:`register_representation`; cumulants :func:`storch.method.cumulants.register_cumulants`):
+
+====================================  =============================================  ================  ===========================
+distribution                          rule                                           exact?            cost evaluations / sample
+====================================  =============================================  ================  ===========================
+``Normal``                            cumulants ``μ, σ²`` (eq. 14)                    at order ≥ 2      1 + min(N, 2) VJPs
+``Dirac`` (:mod:`storch.distributions`)  ``κ₁ = a``: plain backpropagation            at order ≥ 1      1 + 1 VJP
+``Gamma``, ``Chi2``, ``Exponential``  ``κ_n = k (n−1)!/βⁿ`` (eq. 19)                  truncated         1 + N VJPs
+``Laplace``                           ``κ₁ = μ``, ``κ_{2m} = 2(2m−1)! b^{2m}`` (eq. 18) truncated         1 + N VJPs
+``Independent`` of the above          those of the base distribution                 as the base       as the base
+``Beta(α, β)``                        gammas ``ζ₁ ~ Γ(α,1)``, ``ζ₂ ~ Γ(β,1)``,         truncated         1 + N VJPs (D = 2 per Beta)
+                                      ``z = ζ₁/(ζ₁+ζ₂)`` (eq. 20)
+``Dirichlet(α)``                      gammas ``ζ_k ~ Γ(α_k,1)``, ``z = ζ/Σζ`` (eq. 21)  truncated         1 + N VJPs (D = K per Dirichlet)
+``Bernoulli``, ``Categorical``,       discrete rule (eqs. 16–17) =                   exact (unbiased)  1 + D·K points, no VJP
+``OneHotCategorical``                 :class:`~storch.method.local_expectation.LocalExpectation`
+``Poisson(λ)``                        ``κ_n = λ`` on integers: ``∇λ E f =             exact (unbiased)  1 + D points, no VJP
+                                      E[f(z + e_j) − f(z)]`` (finite difference,
+                                      :mod:`storch.method.measure_valued`)
+====================================  =============================================  ================  ===========================
+
+"exact" means the surrogate's first derivative is unbiased; "truncated" means a bias from the terms
+above ``N`` that vanishes when the cost's pure derivatives of order > N do (a polynomial of degree ≤ N)
+and otherwise shrinks with ``N`` when the series converges (e.g. Gamma with ``f = exp(−εz)`` and
+``ε/β < 1``; the measured biases are in ``tests/test_gsb.py``).
+
+Cost. The continuous rule evaluates the cost once per sample and then runs ``N`` vector-Jacobian
+products of the downstream graph per node: one plain VJP for ``∂S/∂z`` and, for ``n ≥ 2``, one VJP
+batched over the ``D`` coordinates of one sample (``is_grads_batched``, one-hot grad-outputs broadcast
+over the plates, :mod:`storch.method.derivatives`), so memory grows like ``D`` times one VJP. Orders
+whose cumulants are identically zero beyond the last non-zero one (Normal above 2, Dirac above 1) are
+not computed.
+
+Higher orders and nested nodes. The GSB term is first order in θ: ``backward(create_graph=True)``
+differentiates only ``κ_n(θ)`` again (second derivatives are biased). When another stochastic node ``y``
+depends on ``z``, ``S`` holds ``y``'s surrogate, and ``∂ⁿS/∂z_jⁿ`` is the ``n``-th derivative of ``y``'s
+estimate of ``E_y f`` with respect to ``z``: it is unbiased for every ``n`` when ``y``'s method gives
+unbiased derivatives of all orders (Reparameterization, ScoreFunction, Expect; up to ``n = 2`` for
+LocalExpectation), but only for ``n = 1`` when ``y`` is itself a GSB or another first-order method
+(MVD, ARM). The GSB of ``z`` is then unbiased at order 1 (plus the truncation of ``y``'s series).
+
+Plates. Costs of different samples of the node, and of different elements of its parents' plates, must
+not depend on each other's samples (true for costs built from storch operations). A cost plate the node
+lacks (a minibatch shared by one posterior sample) is weighted by its plate weights, normalised, so that
+the term counts once when that plate is reduced.
+
+Example:
+    >>> import torch, storch
+    >>> from torch.distributions import Gamma
+    >>> k, rate = torch.tensor(3.0, requires_grad=True), torch.tensor(2.0, requires_grad=True)
+    >>> z = GSB("z", n_samples=4, order=2)(Gamma(k, rate))
+    >>> storch.add_cost((z - 1.0) ** 2, "f")     # quadratic: order 2 is exact
+    >>> _ = storch.backward()
+    >>> k.grad.shape, rate.grad.shape
+    (torch.Size([]), torch.Size([]))
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch.distributions import (
+    Bernoulli,
+    Beta,
+    Categorical,
+    Dirichlet,
+    Distribution,
+    Gamma,
+    OneHotCategorical,
+    Poisson,
+)
+
+from storch._dispatch import align_tensor
+from storch.method.cumulants import cumulant_terms, cumulants_registered, supported_distributions
+from storch.method.derivatives import NoDifferentiablePath, pure_derivatives
+from storch.method.groups import flatten_groups
+from storch.method.local_expectation import (
+    coordinates_for,
+    local_expectation_points,
+    local_expectation_term,
+    local_expectation_weights,
+)
+from storch.method.method import Method
+from storch.plate import Plate, PlateLayout, layout_of_plates
+from storch.reduce import _plate_weight
+from storch.reduce import sum as plate_sum
+from storch.sampling.method import MonteCarlo
+from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, plain, wrap_new
+
+__all__ = [
+    "GSB", "GeneralizedStochasticBackprop", "GSBRule", "Representation", "register_gsb_rule",
+    "register_representation", "representation_for", "gsb_rule_for", "gsb_supported",
+]
+
+
+# --------------------------------------------------------------------------- representations
+@dataclass(frozen=True)
+class Representation:
+    """``z = transform(ζ)`` with ``ζ`` drawn from a distribution that has registered cumulants.
+
+    Attributes:
+        latent: ``distribution -> distribution of ζ``, differentiable in the parameters; its batch
+            shape starts with the distribution's batch shape (the plates come first).
+        transform: ``ζ -> z`` on samples ``(n, *latent.batch_shape, *latent.event_shape)``,
+            differentiable (GSB differentiates the cost through it).
+    """
+
+    latent: Callable[[Distribution], Distribution]
+    transform: Callable[[torch.Tensor], torch.Tensor]
+
+
+_REPRESENTATIONS: dict[type, Representation] = {}
+
+
+def register_representation(dist_type: type, representation: Representation) -> None:
+    """Let GSB sample ``dist_type`` through another distribution (e.g. Beta through two gammas)."""
+    _REPRESENTATIONS[dist_type] = representation
+
+
+def representation_for(distr: Distribution) -> Optional[Representation]:
+    """The :class:`Representation` registered for ``type(distr)`` or a base class, else ``None``.
+
+    Example:
+        >>> import torch
+        >>> from torch.distributions import Beta
+        >>> rep = representation_for(Beta(torch.tensor(2.0), torch.tensor(3.0)))
+        >>> rep.latent(Beta(torch.tensor(2.0), torch.tensor(3.0))).concentration.tolist()
+        [2.0, 3.0]
+        >>> rep.transform(torch.tensor([[1.0, 3.0]])).tolist()
+        [0.25]
+    """
+    for cls in type(distr).__mro__:
+        if cls in _REPRESENTATIONS:
+            return _REPRESENTATIONS[cls]
+    return None
+
+
+def _beta_latent(d: Beta) -> Gamma:  # eq. 20: z = ζ₁ / (ζ₁ + ζ₂), ζ₁ ~ Γ(α, 1), ζ₂ ~ Γ(β, 1)
+    alpha = torch.stack([d.concentration1, d.concentration0], -1)
+    return Gamma(alpha, torch.ones_like(alpha))
+
+
+def _dirichlet_latent(d: Dirichlet) -> Distribution:  # eq. 21: z = ζ / Σ_k ζ_k, ζ_k ~ Γ(α_k, 1)
+    alpha = d.concentration
+    return Gamma(alpha, torch.ones_like(alpha))
+
+
+register_representation(Beta, Representation(_beta_latent, lambda zeta: zeta[..., 0] / zeta.sum(-1)))
+register_representation(Dirichlet, Representation(_dirichlet_latent, lambda zeta: zeta / zeta.sum(-1, keepdim=True)))
+
+
+# --------------------------------------------------------------------------- rules
+class GSBRule(ABC):
+    """How :class:`GSB` samples a distribution family and builds its surrogate term."""
+
+    @abstractmethod
+    def sample(self, method: "GSB", distr: Distribution, plates: Sequence[Plate], n: int) -> torch.Tensor:
+        """The node's points ``(N, *batch_shape, *event_shape)`` (plain, storch dispatch disabled)."""
+
+    def weights(self, method: "GSB", tensor: StochasticTensor, plate: Plate) -> Optional[torch.Tensor]:
+        """Plate weights (``None``: uniform ``1/N``)."""
+        return None
+
+    @abstractmethod
+    def term(self, method: "GSB", tensor: StochasticTensor, cost: CostTensor) -> Optional[torch.Tensor]:
+        """The control-variate term (forward value 0) whose gradient is the estimate."""
+
+
+_RULES: dict[type, GSBRule] = {}
+
+
+def register_gsb_rule(dist_type: type, rule: GSBRule) -> None:
+    """Use ``rule`` for ``dist_type`` and its subclasses (overrides the cumulant rule)."""
+    _RULES[dist_type] = rule
+
+
+def _drop_grad(t: torch.Tensor) -> None:
+    t.grad = None  # the hidden leaf's gradient is never used: do not keep it
+
+
+class _CumulantRule(GSBRule):
+    """Continuous distributions: cumulants times expected pure derivatives, truncated at the order."""
+
+    def sample(self, method: "GSB", distr: Distribution, plates: Sequence[Plate], n: int) -> torch.Tensor:
+        rep = representation_for(distr)
+        latent = rep.latent(distr) if rep is not None else distr
+        leaf = latent.sample((n,)).detach().requires_grad_()
+        leaf.register_post_accumulate_grad_hook(_drop_grad)
+        with torch.enable_grad():
+            z = rep.transform(leaf) if rep is not None else leaf.view_as(leaf)
+        z._gsb_leaf = leaf  # type: ignore[attr-defined]
+        return z
+
+    def term(self, method: "GSB", tensor: StochasticTensor, cost: CostTensor) -> Optional[torch.Tensor]:
+        node = tensor._node
+        leaf = getattr(node.samples, "_gsb_leaf", None)
+        if leaf is None:
+            raise RuntimeError(f"GSB({tensor.name!r}): the node was not sampled by GSB's continuous rule.")
+        node_layout: PlateLayout = node.layout
+        distr = tensor.distribution
+        rep = representation_for(distr)
+        with _Disable():
+            latent = rep.latent(distr) if rep is not None else distr
+            kappas = cumulant_terms(latent, method.order)
+        top = max((n for n, k in enumerate(kappas, 1) if k is not None), default=0)
+        if top == 0:
+            return None
+        u = _foreign_plate_weights(cost, node_layout)
+        try:
+            derivs = pure_derivatives(plain(cost), leaf, top, len(node_layout.sizes), u)
+        except NoDifferentiablePath:
+            raise ValueError(
+                f"GSB({tensor.name!r}): the cost {cost.name!r} does not depend differentiably on the samples "
+                f"of plate {tensor.name!r} (GSB needs ∂ⁿf/∂zⁿ). Use LocalExpectation or ScoreFunction for "
+                "this node, or make the cost differentiable in it (no detach, argmax, indexing by it)."
+            ) from None
+        with _Disable():
+            total = None
+            for n in range(1, top + 1):
+                k = kappas[n - 1]
+                if k is None:
+                    continue
+                piece = (k - k.detach()) * (derivs[n - 1] / math.factorial(n))
+                total = piece if total is None else total + piece
+            assert total is not None
+            n_lead = len(node_layout.sizes)
+            if total.dim() > n_lead:
+                total = total.sum(tuple(range(n_lead, total.dim())))
+        term = wrap_new(total, node_layout)
+        missing = [p for p in node_layout.plates if p.name not in cost._layout.names]
+        if missing:  # the cost already summed over these plates of the node
+            term = plate_sum(term, missing)
+        return term
+
+
+def _foreign_plate_weights(cost: CostTensor, node_layout: PlateLayout) -> Optional[torch.Tensor]:
+    """Grad-outputs over the cost: the normalised weights of the cost's plates the node lacks."""
+    extra = [p for p in cost._layout.plates if p.name not in node_layout.names]
+    if not extra:
+        return None
+    u: float | torch.Tensor = 1.0
+    for plate in extra:
+        w = _plate_weight(plate, detach=True)
+        if w is None or (not isinstance(w, Tensor) and torch.as_tensor(w).dim() == 0):
+            u = u * (1.0 / plate.size)
+        else:
+            u = u * (w / plate_sum(w, [plate]))
+    with _Disable():
+        c = plain(cost)
+        if isinstance(u, Tensor):
+            return align_tensor(u, cost._layout, expand=True).detach().to(c.dtype)
+        return torch.full_like(c, float(u))
+
+
+class _LocalExpectationRule(GSBRule):
+    """Bernoulli / categorical: the discrete rule of eqs. 16–17, i.e. local expectations."""
+
+    def sample(self, method: "GSB", distr: Distribution, plates: Sequence[Plate], n: int) -> torch.Tensor:
+        return flatten_groups(local_expectation_points(distr, n, len(plates)))
+
+    def weights(self, method: "GSB", tensor: StochasticTensor, plate: Plate) -> Optional[torch.Tensor]:
+        n = method.n_samples
+        return local_expectation_weights(n, plate.size // n).to(tensor.device)
+
+    def term(self, method: "GSB", tensor: StochasticTensor, cost: CostTensor) -> Optional[torch.Tensor]:
+        return local_expectation_term(tensor, cost)
+
+
+class _FiniteDifferenceRule(GSBRule):
+    """Poisson: ``∇λ_j E f = E[f(z + e_j) − f(z)]``, by the measure-valued decomposition (MVD)."""
+
+    def _mvd(self, method: "GSB") -> Method:
+        from storch.method.mvd import MVD
+
+        if method._finite_difference is None:
+            method._finite_difference = [MVD(method.plate_name, method.n_samples)]
+        return method._finite_difference[0]
+
+    def sample(self, method: "GSB", distr: Distribution, plates: Sequence[Plate], n: int) -> torch.Tensor:
+        return self._mvd(method).proposal_dist(distr, n)
+
+    def weights(self, method: "GSB", tensor: StochasticTensor, plate: Plate) -> Optional[torch.Tensor]:
+        return self._mvd(method).sampling_method.weighting_function(tensor, plate)
+
+    def term(self, method: "GSB", tensor: StochasticTensor, cost: CostTensor) -> Optional[torch.Tensor]:
+        return self._mvd(method).estimator(tensor, cost)[1]
+
+
+_CUMULANT_RULE = _CumulantRule()
+for _t in (Bernoulli, Categorical, OneHotCategorical):
+    register_gsb_rule(_t, _LocalExpectationRule())
+register_gsb_rule(Poisson, _FiniteDifferenceRule())
+
+
+def gsb_supported() -> list[str]:
+    """Names of the distribution types GSB handles (rules, representations, cumulants)."""
+    names = {t.__name__ for t in _RULES} | {t.__name__ for t in _REPRESENTATIONS} | set(supported_distributions())
+    return sorted(names)
+
+
+def gsb_rule_for(distr: Distribution, who: str = "GSB") -> GSBRule:
+    """The rule GSB uses for ``distr``; a ``ValueError`` listing the supported types if none.
+
+    Example:
+        >>> import torch
+        >>> from torch.distributions import Bernoulli, Laplace
+        >>> type(gsb_rule_for(Bernoulli(torch.tensor(0.3)))).__name__
+        '_LocalExpectationRule'
+        >>> type(gsb_rule_for(Laplace(0.0, 1.0))).__name__
+        '_CumulantRule'
+    """
+    for cls in type(distr).__mro__:
+        if cls in _RULES:
+            return _RULES[cls]
+        if cls in _REPRESENTATIONS:
+            return _CUMULANT_RULE
+    if cumulants_registered(distr):
+        return _CUMULANT_RULE
+    raise ValueError(
+        f"{who} cannot handle {type(distr).__name__}: supported distributions are {', '.join(gsb_supported())}. "
+        "Register cumulants (storch.method.cumulants.register_cumulants), a representation "
+        "(storch.method.gsb.register_representation) or a rule (register_gsb_rule), or use ScoreFunction."
+    )
+
+
+# --------------------------------------------------------------------------- the method
+class GSB(Method):
+    """Generalized stochastic backpropagation, truncated at ``order`` (Xu et al., ``seeds/004_…``).
+
+    ``∇θ E f(z) ≈ Σ_j Σ_{n=1..N} (∇θ κ_n(θ)_j / n!) · E[∂ⁿf/∂z_jⁿ]`` for continuous factorised
+    distributions (cumulants :mod:`storch.method.cumulants`; Beta and Dirichlet through their gamma
+    representation); the discrete rule for Bernoulli / categorical (local expectations) and Poisson
+    (finite differences). See the module docstring for the table of distributions, exactness and cost.
+    First-order gradients only (the term is built with ``stopgrad(∂ⁿf)``).
+
+    Args:
+        plate_name: node / plate name.
+        n_samples: the number of samples ``n`` (discrete rules lay out ``n`` evaluation groups).
+        order: the truncation order ``N ≥ 1`` (continuous distributions).
+
+    Example:
+        >>> import torch, storch
+        >>> from torch.distributions import Laplace
+        >>> mu = torch.tensor([0.2, -0.3], requires_grad=True)
+        >>> b = torch.tensor([0.5, 1.0], requires_grad=True)
+        >>> z = GSB("z", n_samples=50, order=4)(Laplace(mu, b))
+        >>> storch.add_cost(((z - 0.49) ** 2).sum(-1), "c")   # ∇μ = 2(μ − 0.49), ∇b = 4b: exact at order 2
+        >>> _ = storch.backward()
+        >>> torch.allclose(b.grad, 4 * b.detach())
+        True
+    """
+
+    def __init__(self, plate_name: str, n_samples: int = 1, order: int = 2) -> None:
+        if isinstance(order, bool) or not isinstance(order, int) or order < 1:
+            raise ValueError(
+                f"GSB({plate_name!r}): order must be an integer ≥ 1 (the truncation order of the cumulant "
+                f"series), got {order!r}."
+            )
+        super().__init__(plate_name, MonteCarlo(plate_name, n_samples))
+        self.order = order
+        self._finite_difference: Optional[list[Method]] = None  # the Poisson rule's MVD, made on demand
+        self.sampling_method.set_mc_sample(self._sample)
+        self.sampling_method.set_mc_weighting_function(self._weights)
+
+    def check_distribution(self, distr: Distribution) -> None:
+        gsb_rule_for(distr, f"GSB({self.plate_name!r})")
+
+    def _sample(self, distr: Distribution, plates: Sequence[Plate], n: int) -> torch.Tensor:
+        return gsb_rule_for(distr).sample(self, distr, plates, n)
+
+    def _weights(self, tensor: StochasticTensor, plate: Plate) -> Optional[torch.Tensor]:
+        return gsb_rule_for(tensor.distribution).weights(self, tensor, plate)
+
+    def estimator(self, tensor: StochasticTensor, cost: CostTensor) -> tuple[None, Optional[torch.Tensor]]:
+        return None, gsb_rule_for(tensor.distribution).term(self, tensor, cost)
+
+    def extra_repr(self) -> str:
+        return f"plate_name={self.plate_name!r}, n_samples={self.n_samples}, order={self.order}"
+
+
+#: the paper's name
+GeneralizedStochasticBackprop = GSB
