@@ -11,6 +11,7 @@ so a problem of a given size has the same numbers in every test file.
 * :func:`nested_categorical`: two nested categorical nodes, ``f = table[z₁, z₂]``;
 * :func:`bernoulli`: three Bernoulli variables in one node, a quadratic cost (and an interaction);
 * :func:`minibatch_bernoulli`: a logistic model, two Bernoulli variables per data point of a plate;
+* :func:`minibatch_categorical`: a softmax regression, one categorical per data point of a plate;
 * :func:`nested_bernoulli`: two nested two-bit Bernoulli nodes, one cost of both;
 * :func:`two_costs`: two Bernoulli nodes, two costs with different ancestors.
 
@@ -35,9 +36,10 @@ Model = Callable[..., None]
 Check = Callable[[Tensor], None] | None
 
 __all__ = [
-    "BernoulliBits", "MinibatchBernoulli", "NestedBernoulli", "NestedCategorical", "OneCategorical", "TwoCosts",
-    "bernoulli", "enumerate_bernoulli", "exact_grads", "minibatch_bernoulli", "nested_bernoulli",
-    "nested_categorical", "one_categorical", "replicated_hessians", "two_costs",
+    "BernoulliBits", "MinibatchBernoulli", "MinibatchCategorical", "NestedBernoulli", "NestedCategorical",
+    "OneCategorical", "TwoCosts", "bernoulli", "enumerate_bernoulli", "exact_grads", "minibatch_bernoulli",
+    "minibatch_categorical", "nested_bernoulli", "nested_categorical", "one_categorical", "replicated_hessians",
+    "two_costs",
 ]
 
 
@@ -276,6 +278,50 @@ class MinibatchBernoulli:
 
 def minibatch_bernoulli(interaction: float = 0.0) -> MinibatchBernoulli:
     return MinibatchBernoulli(MINIBATCH_X.clone(), MINIBATCH_W.clone(), MINIBATCH_T.clone(), interaction)
+
+
+# ---------------------------------------------------------------- a categorical under a minibatch plate
+MINIBATCH_CATEGORICAL_W = torch.tensor(
+    [[0.5, -0.2, 0.0, 1.0, 0.3], [0.1, 0.4, -0.7, 0.0, 0.2], [-0.3, 0.8, 0.5, 0.1, -0.6]]
+)
+MINIBATCH_Y = torch.tensor([0.0, 2.0, -1.0, 1.0])
+LEVELS = torch.tensor([-1.0, 0.0, 1.0, 2.0, 3.0])
+
+
+@dataclass(frozen=True, eq=False)
+class MinibatchCategorical:
+    """A softmax regression under the minibatch plate ``data`` (the 4 points of :data:`MINIBATCH_X`).
+
+    Per data point ``i``: ``z_i ~ Cat(softmax(X_i W))`` over 5 levels (one node ``z``, one-hot),
+    ``f_i = (level_{z_i} − y_i)²``; the plate averages, so
+    ``E f = mean_i Σ_k softmax(X_i W)_k (level_k − y_i)²``. The parameter is ``W`` (3 × 5).
+    """
+
+    x: Tensor
+    w: Tensor
+    y: Tensor
+    levels: Tensor
+
+    def model(self, method: Callable) -> Model:
+        def model(w: Tensor) -> None:
+            x = storch.denote_independent(self.x, 0, "data")
+            y = storch.denote_independent(self.y, 0, "data")
+            z = method(OneHotCategorical(logits=(x.unsqueeze(-1) * w).sum(-2)))
+            assert z.plate_names == ["z", "data", "replicate"]
+            storch.add_cost(((z * self.levels).sum(-1) - y) ** 2, "f")
+
+        return model
+
+    def expectation(self, w: Tensor) -> Tensor:
+        return ((self.x @ w).softmax(-1) * (self.levels - self.y[:, None]) ** 2).sum(-1).mean()
+
+    def exact(self) -> Tensor:
+        """``∇_W E f``."""
+        return exact_grads(self.expectation, [self.w])[0]
+
+
+def minibatch_categorical() -> MinibatchCategorical:
+    return MinibatchCategorical(MINIBATCH_X.clone(), MINIBATCH_CATEGORICAL_W.clone(), MINIBATCH_Y.clone(), LEVELS.clone())
 
 
 # ---------------------------------------------------------------- two Bernoulli nodes

@@ -11,34 +11,30 @@ from torch.distributions import Bernoulli, Categorical, Normal, OneHotCategorica
 import storch
 from storch.method import ScoreFunction
 from storch.method.rao_blackwell import RaoBlackwellSF
-from storch.testing import assert_unbiased, check_unbiased, replicate, replicated_gradients
+from storch.testing import assert_unbiased, check_unbiased, replicated_gradients
+
+from problems import (
+    BERNOULLI_PHI,
+    BERNOULLI_TARGET,
+    minibatch_categorical,
+    nested_categorical,
+    one_categorical,
+    replicated_hessians,
+)
 
 R = 3000
 
-THETA = torch.tensor([0.2, -0.4, 0.9, 0.0, -1.0, 0.6])
-VALUES = torch.tensor([1.0, -2.0, 0.5, 3.0, 2.0, -1.0])
-
-
-def categorical_exact(theta=THETA, values=VALUES):
-    t = theta.clone().requires_grad_()
-    return torch.autograd.grad((t.softmax(-1) * values**2).sum(), t)[0]
+CATEGORICAL = one_categorical(6)
+THETA, VALUES, categorical_exact = CATEGORICAL.theta, CATEGORICAL.values, CATEGORICAL.exact
 
 
 @pytest.mark.parametrize("k,n_sampled", [(2, 1), (3, 1), (3, 2), (6, 1)])
 @pytest.mark.parametrize("one_hot", [True, False], ids=["one_hot", "categorical"])
 def test_one_categorical_node(k, n_sampled, one_hot):
-    method = RaoBlackwellSF("z", k=k, n_sampled=n_sampled)
-
-    def model(theta):
-        if one_hot:
-            z = method(OneHotCategorical(logits=theta))
-            x = (z * VALUES).sum(-1)
-        else:
-            z = method(Categorical(logits=theta))
-            x = VALUES[z]  # storch indexing keeps the plates
+    def check(z):
         assert z.n == k - 1 + n_sampled
-        storch.add_cost(x**2, "f")
 
+    model = CATEGORICAL.model(RaoBlackwellSF("z", k=k, n_sampled=n_sampled), one_hot, check)
     (grads,) = replicated_gradients([THETA], R, model)
     assert_unbiased(grads, categorical_exact())
     if k == 6:  # everything but one value summed, the last one "sampled" with probability 1: exact
@@ -64,58 +60,28 @@ def test_summed_values_and_weights():
 
 
 # ---------------------------------------------------------------- two nested nodes
-THETA1 = torch.tensor([0.5, -0.3, 0.1, 1.0])
-THETA2 = torch.tensor([[0.2, 1.0, -0.5, 0.0, 0.3], [0.0, -1.0, 0.7, 0.2, 0.0], [1.2, 0.3, 0.0, -0.4, 0.9], [0.1, 0.2, 0.3, 0.4, 0.5]])
-TABLE = torch.tensor(
-    [[1.0, 4.0, -2.0, 0.0, 1.0], [0.5, 3.0, 2.5, -1.0, 0.0], [-1.0, 0.0, 6.0, 2.0, 1.0], [2.0, -3.0, 0.0, 1.0, 4.0]]
-)
+NESTED_PROBLEM = nested_categorical(4, 5)
 
 
 @pytest.mark.parametrize("second", ["rao_blackwell", "score_function"])
 def test_two_nested_nodes(second):
     m1 = RaoBlackwellSF("z1", k=2)
     m2 = RaoBlackwellSF("z2", k=3) if second == "rao_blackwell" else ScoreFunction("z2", n_samples=2)
-
-    def model(theta1, theta2):
-        z1 = m1(OneHotCategorical(logits=theta1))
-        z2 = m2(OneHotCategorical(logits=(z1.unsqueeze(-1) * theta2).sum(-2)))
-        assert [p.name for p in z2.plates] == ["z2", "z1", "replicate"]
-        storch.add_cost(((z1.unsqueeze(-1) * TABLE) * z2.unsqueeze(-2)).sum((-1, -2)), "f")
-
-    g1, g2 = replicated_gradients([THETA1, THETA2], R, model)
-    t1, t2 = THETA1.clone().requires_grad_(), THETA2.clone().requires_grad_()
-    e1, e2 = torch.autograd.grad((t1.softmax(-1)[:, None] * t2.softmax(-1) * TABLE).sum(), [t1, t2])
+    g1, g2 = replicated_gradients(NESTED_PROBLEM.params, R, NESTED_PROBLEM.model(m1, m2))
+    e1, e2 = NESTED_PROBLEM.exact()
     assert_unbiased(g1, e1, label="theta1")
     assert_unbiased(g2, e2, label="theta2")
 
 
 # ---------------------------------------------------------------- a minibatch plate
-X = torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.0, -1.0], [0.3, 0.3, 0.3], [-1.0, 0.5, 0.0]])
-W = torch.tensor([[0.5, -0.2, 0.0, 1.0, 0.3], [0.1, 0.4, -0.7, 0.0, 0.2], [-0.3, 0.8, 0.5, 0.1, -0.6]])
-Y = torch.tensor([0.0, 2.0, -1.0, 1.0])
-LEVELS = torch.tensor([-1.0, 0.0, 1.0, 2.0, 3.0])
-
-
 def test_categorical_under_a_minibatch_plate():
-    method = RaoBlackwellSF("z", k=2)
-
-    def model(w):
-        x = storch.denote_independent(X, 0, "data")
-        y = storch.denote_independent(Y, 0, "data")
-        z = method(OneHotCategorical(logits=(x.unsqueeze(-1) * w).sum(-2)))
-        assert z.plate_names == ["z", "data", "replicate"]
-        storch.add_cost(((z * LEVELS).sum(-1) - y) ** 2, "f")
-
-    (grads,) = replicated_gradients([W], R, model)
-    w = W.clone().requires_grad_()
-    p = (X @ w).softmax(-1)
-    exact = torch.autograd.grad((p * (LEVELS - Y[:, None]) ** 2).sum(-1).mean(), w)[0]
-    assert_unbiased(grads, exact)
+    problem = minibatch_categorical()
+    (grads,) = replicated_gradients([problem.w], R, problem.model(RaoBlackwellSF("z", k=2)))
+    assert_unbiased(grads, problem.exact())
 
 
 def test_bernoulli_with_k_2_is_exact():
-    phi = torch.tensor([0.3, -0.5, 1.0])
-    target = torch.tensor([0.49, 0.499, 0.8])
+    phi, target = BERNOULLI_PHI, BERNOULLI_TARGET
 
     def model(p):
         data = storch.denote_independent(p, -1, "var")  # three independent variables as a plate
@@ -154,17 +120,8 @@ def test_several_variables_in_one_node_is_an_error():
 
 # ---------------------------------------------------------------- second order
 def test_hessian_unbiased():
-    def expectation(theta):
-        return (theta.softmax(-1) * VALUES**2).sum()
-
-    repeats = 4000
-    leaf, view = replicate(THETA, repeats)
-    z = RaoBlackwellSF("z", k=3)(OneHotCategorical(logits=view))
-    storch.add_cost(((z * VALUES).sum(-1)) ** 2, "f")
-    storch.backward(create_graph=True)
-    rows = [torch.autograd.grad(leaf.grad[:, i].sum(), leaf, retain_graph=True)[0] * repeats for i in range(6)]
-    hessians = torch.stack(rows, 1).reshape(repeats, -1)
-    assert_unbiased(hessians, torch.autograd.functional.hessian(expectation, THETA.clone()).reshape(-1))
+    hessians = replicated_hessians(THETA, 4000, CATEGORICAL.model(RaoBlackwellSF("z", k=3)))
+    assert_unbiased(hessians, torch.autograd.functional.hessian(CATEGORICAL.expectation, THETA.clone()).reshape(-1))
 
 
 # ---------------------------------------------------------------- variance
@@ -172,11 +129,7 @@ def test_variance_below_the_score_function():
     theta = torch.tensor([3.0, 1.5, 0.0, -0.5, -1.0, 0.0])  # concentrated on the first two values
 
     def run(method):
-        def model(th):
-            z = method(OneHotCategorical(logits=th))
-            storch.add_cost(((z * VALUES).sum(-1)) ** 2, "f")
-
-        return replicated_gradients([theta], 10000, model)[0]  # skewed estimates: more replicates
+        return replicated_gradients([theta], 10000, CATEGORICAL.model(method))[0]  # skewed estimates: more replicates
 
     exact = categorical_exact(theta)
     rb = run(RaoBlackwellSF("z", k=3))

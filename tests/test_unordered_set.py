@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from torch.distributions import Bernoulli, Categorical, OneHotCategorical
+from torch.distributions import Categorical, OneHotCategorical
 
 import storch
 from storch.method import GumbelSoftmax, ScoreFunction
@@ -26,6 +26,8 @@ from storch.sampling.unordered import (
     unordered_set_log_weights,
 )
 from storch.testing import assert_unbiased, check_unbiased, replicate, replicated_gradients
+
+from problems import bernoulli, minibatch_categorical, nested_categorical, one_categorical, replicated_hessians
 
 R = 2000
 
@@ -143,13 +145,8 @@ def test_weights_with_values_of_probability_zero():
 
 
 # ---------------------------------------------------------------- unbiasedness: one node
-THETA = torch.tensor([0.2, -0.4, 0.9, 0.0, -1.0, 0.6])
-VALUES = torch.tensor([1.0, -2.0, 0.5, 3.0, 2.0, -1.0])
-
-
-def categorical_exact(theta=THETA):
-    t = theta.clone().requires_grad_()
-    return torch.autograd.grad((t.softmax(-1) * VALUES**2).sum(), t)[0]
+CATEGORICAL = one_categorical(6)
+THETA, VALUES, categorical_exact = CATEGORICAL.theta, CATEGORICAL.values, CATEGORICAL.exact
 
 
 ONE_NODE = {
@@ -167,18 +164,7 @@ ONE_NODE = {
     ids=[f"{name}-onehot" for name in ONE_NODE] + ["k2_baseline-categorical", "k3-categorical"],
 )
 def test_one_categorical_node_unbiased(name, one_hot):
-    method = ONE_NODE[name]()
-
-    def model(theta):
-        if one_hot:
-            z = method(OneHotCategorical(logits=theta))
-            value = (z * VALUES).sum(-1)
-        else:
-            z = method(Categorical(logits=theta))
-            value = VALUES[z]
-        storch.add_cost(value**2, "f")
-
-    (grads,) = replicated_gradients([THETA], R, model)
+    (grads,) = replicated_gradients([THETA], R, CATEGORICAL.model(ONE_NODE[name](), one_hot))
     assert_unbiased(grads, categorical_exact(), label=name)
 
 
@@ -203,87 +189,35 @@ def test_cost_estimate_is_unbiased():
 
 
 # ---------------------------------------------------------------- two nested nodes
-THETA1 = torch.tensor([0.5, -0.3, 0.1, 1.0])
-THETA2 = torch.tensor(
-    [[0.2, 1.0, -0.5, 0.0, 0.3], [0.0, -1.0, 0.7, 0.2, 0.0], [1.2, 0.3, 0.0, -0.4, 0.9], [0.1, 0.2, 0.3, 0.4, 0.5]]
-)
-TABLE = torch.tensor(
-    [[1.0, 4.0, -2.0, 0.0, 1.0], [0.5, 3.0, 2.5, -1.0, 0.0], [-1.0, 0.0, 6.0, 2.0, 1.0], [2.0, -3.0, 0.0, 1.0, 4.0]]
-)
+NESTED_PROBLEM = nested_categorical(4, 5)
 
 
 @pytest.mark.parametrize("second", ["unordered_set", "score_function"])
 def test_two_nested_nodes(second):
     m1 = UnorderedSetEstimator("z1", k=2)
     m2 = UnorderedSetEstimator("z2", k=3) if second == "unordered_set" else ScoreFunction("z2", n_samples=2)
-
-    def model(theta1, theta2):
-        z1 = m1(OneHotCategorical(logits=theta1))
-        z2 = m2(OneHotCategorical(logits=(z1.unsqueeze(-1) * theta2).sum(-2)))
-        assert [p.name for p in z2.plates] == ["z2", "z1", "replicate"]
-        storch.add_cost(((z1.unsqueeze(-1) * TABLE) * z2.unsqueeze(-2)).sum((-1, -2)), "f")
-
-    g1, g2 = replicated_gradients([THETA1, THETA2], R, model)
-    t1, t2 = THETA1.clone().requires_grad_(), THETA2.clone().requires_grad_()
-    e1, e2 = torch.autograd.grad((t1.softmax(-1)[:, None] * t2.softmax(-1) * TABLE).sum(), [t1, t2])
+    g1, g2 = replicated_gradients(NESTED_PROBLEM.params, R, NESTED_PROBLEM.model(m1, m2))
+    e1, e2 = NESTED_PROBLEM.exact()
     assert_unbiased(g1, e1, label="theta1")
     assert_unbiased(g2, e2, label="theta2")
 
 
 # ---------------------------------------------------------------- a minibatch plate
-X = torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.0, -1.0], [0.3, 0.3, 0.3], [-1.0, 0.5, 0.0]])
-W = torch.tensor([[0.5, -0.2, 0.0, 1.0, 0.3], [0.1, 0.4, -0.7, 0.0, 0.2], [-0.3, 0.8, 0.5, 0.1, -0.6]])
-Y = torch.tensor([0.0, 2.0, -1.0, 1.0])
-LEVELS = torch.tensor([-1.0, 0.0, 1.0, 2.0, 3.0])
-
-
 def test_categorical_under_a_minibatch_plate():
-    method = UnorderedSetEstimator("z", k=3)
-
-    def model(w):
-        x = storch.denote_independent(X, 0, "data")
-        y = storch.denote_independent(Y, 0, "data")
-        z = method(OneHotCategorical(logits=(x.unsqueeze(-1) * w).sum(-2)))
-        assert z.plate_names == ["z", "data", "replicate"]
-        storch.add_cost(((z * LEVELS).sum(-1) - y) ** 2, "f")
-
-    (grads,) = replicated_gradients([W], 1500, model)
-    w = W.clone().requires_grad_()
-    p = (X @ w).softmax(-1)
-    exact = torch.autograd.grad((p * (LEVELS - Y[:, None]) ** 2).sum(-1).mean(), w)[0]
-    assert_unbiased(grads, exact)
+    problem = minibatch_categorical()
+    (grads,) = replicated_gradients([problem.w], 1500, problem.model(UnorderedSetEstimator("z", k=3)))
+    assert_unbiased(grads, problem.exact())
 
 
 # ---------------------------------------------------------------- several variables
-PHI = torch.tensor([0.3, -0.5, 1.0])
-TARGET = torch.tensor([0.49, 0.499, 0.8])
-
-
-def bernoulli_cost(x):
-    return ((x - TARGET) ** 2).sum(-1) + 2.0 * x[..., 0] * x[..., 1]
-
-
-def bernoulli_expectation(phi):
-    p = torch.sigmoid(phi)
-    total = 0.0
-    for x in itertools.product([0.0, 1.0], repeat=3):
-        x = torch.tensor(x)
-        total = total + (p * x + (1 - p) * (1 - x)).prod() * bernoulli_cost(x)
-    return total
+BERNOULLI = bernoulli(interaction=2.0)
 
 
 @pytest.mark.parametrize("k", [3, 5])
 def test_several_variables_sampled_jointly(k):
     # three Bernoulli variables in one node: the set holds k distinct joint values of 8
-    method = UnorderedSetEstimator("x", k=k)
-
-    def model(phi):
-        x = method(Bernoulli(logits=phi))
-        storch.add_cost(bernoulli_cost(x), "f")
-
-    (grads,) = replicated_gradients([PHI], R, model)
-    phi = PHI.clone().requires_grad_()
-    assert_unbiased(grads, torch.autograd.grad(bernoulli_expectation(phi), phi)[0])
+    (grads,) = replicated_gradients([BERNOULLI.phi], R, BERNOULLI.model(UnorderedSetEstimator("x", k=k)))
+    assert_unbiased(grads, BERNOULLI.exact())
 
 
 def test_two_independent_nodes_feeding_one_cost():
@@ -362,15 +296,8 @@ def test_sequences_unbiased(k, use_baseline):
 # ---------------------------------------------------------------- second order
 @pytest.mark.parametrize("use_baseline", [False, True], ids=["plain", "baseline"])
 def test_hessian_unbiased(use_baseline):
-    repeats = 4000
-    leaf, view = replicate(PHI, repeats)
-    x = UnorderedSetEstimator("x", k=3, use_baseline=use_baseline)(Bernoulli(logits=view))
-    storch.add_cost(bernoulli_cost(x), "f")
-    storch.backward(create_graph=True)
-    rows = [torch.autograd.grad(leaf.grad[:, i].sum(), leaf, retain_graph=True)[0] * repeats for i in range(3)]
-    hessians = torch.stack(rows, 1).reshape(repeats, -1)
-    exact = torch.autograd.functional.hessian(bernoulli_expectation, PHI.clone()).reshape(-1)
-    assert_unbiased(hessians, exact)
+    model = BERNOULLI.model(UnorderedSetEstimator("x", k=3, use_baseline=use_baseline))
+    assert_unbiased(replicated_hessians(BERNOULLI.phi, 4000, model), BERNOULLI.exact_hessian().reshape(-1))
 
 
 # ---------------------------------------------------------------- variance
