@@ -7,8 +7,6 @@ second derivatives; a variance check on a rare-event cost; and the errors.
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from torch.distributions import Bernoulli, Categorical, Normal, OneHotCategorical
@@ -18,20 +16,17 @@ from storch.method import ScoreFunction
 from storch.sampling.importance import ImportanceSampling
 from storch.testing import assert_unbiased, check_unbiased, replicate, replicated_gradients
 
+from problems import bernoulli, minibatch_bernoulli, nested_categorical, one_categorical, replicated_hessians
+
 R = 3000
 
-THETA = torch.tensor([0.2, -0.4, 0.9, 0.0, -1.0])
-VALUES = torch.tensor([1.0, -2.0, 0.5, 3.0, 2.0])
+CATEGORICAL = one_categorical(5)
+THETA, VALUES = CATEGORICAL.theta, CATEGORICAL.values
 UNIFORM5 = OneHotCategorical(probs=torch.ones(5) / 5)
 
 
 def tempered(p):
     return OneHotCategorical(logits=p.logits / 3)
-
-
-def exact_categorical_grad():
-    theta = THETA.clone().requires_grad_()
-    return torch.autograd.grad((theta.softmax(-1) * VALUES**2).sum(), theta)[0]
 
 
 @pytest.mark.parametrize(
@@ -46,14 +41,8 @@ def exact_categorical_grad():
     ids=["fixed_uniform_n1", "tempered_n3", "tempered_n3_batch_average"],
 )
 def test_one_categorical_node(make):
-    method = make()
-
-    def model(theta):
-        z = method(OneHotCategorical(logits=theta))
-        storch.add_cost(((z * VALUES).sum(-1)) ** 2, "f")
-
-    (grads,) = replicated_gradients([THETA], R, model)
-    assert_unbiased(grads, exact_categorical_grad())
+    (grads,) = replicated_gradients([THETA], R, CATEGORICAL.model(make()))
+    assert_unbiased(grads, CATEGORICAL.exact())
 
 
 def test_cost_estimate_is_unbiased_and_weights_are_detached():
@@ -69,52 +58,29 @@ def test_cost_estimate_is_unbiased_and_weights_are_detached():
 
 
 # ---------------------------------------------------------------- two nested nodes
-THETA1 = torch.tensor([0.5, -0.3, 0.1])
-THETA2 = torch.tensor([[0.2, 1.0, -0.5], [0.0, -1.0, 0.7], [1.2, 0.3, 0.0]])
-TABLE = torch.tensor([[1.0, 4.0, -2.0], [0.5, 3.0, 2.5], [-1.0, 0.0, 6.0]])
-
-
 def test_two_nested_nodes():
+    problem = nested_categorical(3, 3)
     uniform3 = OneHotCategorical(probs=torch.ones(3) / 3)
     m1 = ScoreFunction("z1", sampling_method=ImportanceSampling("z1", 2, uniform3), baseline_factory="batch_average")
     m2 = ScoreFunction("z2", sampling_method=ImportanceSampling("z2", 2, tempered))
-
-    def model(theta1, theta2):
-        z1 = m1(OneHotCategorical(logits=theta1))
-        z2 = m2(OneHotCategorical(logits=(z1.unsqueeze(-1) * theta2).sum(-2)))
-        assert [p.name for p in z2.plates] == ["z2", "z1", "replicate"]
-        storch.add_cost(((z1.unsqueeze(-1) * TABLE) * z2.unsqueeze(-2)).sum((-1, -2)), "f")
-
-    g1, g2 = replicated_gradients([THETA1, THETA2], R, model)
-    t1, t2 = THETA1.clone().requires_grad_(), THETA2.clone().requires_grad_()
-    e1, e2 = torch.autograd.grad((t1.softmax(-1)[:, None] * t2.softmax(-1) * TABLE).sum(), [t1, t2])
+    g1, g2 = replicated_gradients(problem.params, R, problem.model(m1, m2))
+    e1, e2 = problem.exact()
     assert_unbiased(g1, e1, label="theta1")
     assert_unbiased(g2, e2, label="theta2")
 
 
 # ---------------------------------------------------------------- minibatch plate, several variables
-X = torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.0, -1.0], [0.3, 0.3, 0.3], [-1.0, 0.5, 0.0]])
-W = torch.tensor([[0.5, -0.2], [0.1, 0.4], [-0.3, 0.8]])
-T = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.2, 0.7]])
-
-
 def test_bernoulli_variables_under_a_minibatch_plate():
     # one fixed proposal Bernoulli(0.5) for both variables of every data point: expanded to the
     # target's batch shape (replicate, data, 2)
+    problem = minibatch_bernoulli()  # f = Σ (z − t)² per data point
     method = ScoreFunction("z", sampling_method=ImportanceSampling("z", 2, Bernoulli(torch.tensor(0.5))))
 
-    def model(w):
-        x = storch.denote_independent(X, 0, "data")
-        t = storch.denote_independent(T, 0, "data")
-        z = method(Bernoulli(logits=(x.unsqueeze(-1) * w).sum(-2)))
+    def weights_per_data_point(z):
         assert z.plate.weight.plate_names == ["z", "data", "replicate"]
-        storch.add_cost(((z - t) ** 2).sum(-1), "f")
 
-    (grads,) = replicated_gradients([W], R, model)
-    w = W.clone().requires_grad_()
-    p = torch.sigmoid(X @ w)
-    exact = torch.autograd.grad((p * (1 - T) ** 2 + (1 - p) * T**2).sum(-1).mean(), w)[0]
-    assert_unbiased(grads, exact)
+    (grads,) = replicated_gradients([problem.w], R, problem.model(method, check=weights_per_data_point))
+    assert_unbiased(grads, problem.exact())
 
 
 # ---------------------------------------------------------------- a continuous node
@@ -132,31 +98,11 @@ def test_normal_node_with_a_wider_proposal():
 
 
 # ---------------------------------------------------------------- second order
-PHI = torch.tensor([0.3, -0.5, 1.0])
-TARGET = torch.tensor([0.49, 0.499, 0.8])
-
-
 def test_hessian_unbiased():
-    def cost(x):
-        return ((x - TARGET) ** 2).sum(-1) + 2.0 * x[..., 0] * x[..., 1]
-
-    def expectation(phi):
-        p = torch.sigmoid(phi)
-        total = 0.0
-        for x in itertools.product([0.0, 1.0], repeat=3):
-            x = torch.tensor(x)
-            total = total + (p * x + (1 - p) * (1 - x)).prod() * cost(x)
-        return total
-
-    repeats = 4000
-    leaf, view = replicate(PHI, repeats)
+    problem = bernoulli(interaction=2.0)
     method = ScoreFunction("x", sampling_method=ImportanceSampling("x", 2, Bernoulli(torch.tensor([0.5, 0.4, 0.7]))))
-    x = method(Bernoulli(logits=view))
-    storch.add_cost(cost(x), "f")
-    storch.backward(create_graph=True)
-    rows = [torch.autograd.grad(leaf.grad[:, i].sum(), leaf, retain_graph=True)[0] * repeats for i in range(3)]
-    hessians = torch.stack(rows, 1).reshape(repeats, -1)
-    assert_unbiased(hessians, torch.autograd.functional.hessian(expectation, PHI.clone()).reshape(-1))
+    hessians = replicated_hessians(problem.phi, 4000, problem.model(method))
+    assert_unbiased(hessians, problem.exact_hessian().reshape(-1))
 
 
 # ---------------------------------------------------------------- variance: a rare event

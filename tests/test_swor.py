@@ -19,25 +19,16 @@ from storch.method.wor import ScoreFunctionWOR
 from storch.sampling.swor import SampleWithoutReplacement, log_inclusion_probability
 from storch.testing import assert_unbiased, check_unbiased, replicated_gradients
 
+from problems import bernoulli, nested_categorical, one_categorical, replicated_hessians
+
+pytestmark = pytest.mark.seed(2024)
+
 R = 3000
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(2024)
-    storch.reset()
-    yield
-    storch.reset()
-
-
 # ---------------------------------------------------------------- the sampled set
-THETA = torch.tensor([0.2, -0.4, 0.9, 0.0, 1.0])
-VALUES = torch.tensor([1.0, -2.0, 0.5, 3.0, 2.0])
-
-
-def categorical_exact(theta=THETA):
-    t = theta.clone().requires_grad_()
-    return torch.autograd.grad((t.softmax(-1) * VALUES**2).sum(), t)[0]
+CATEGORICAL = one_categorical(5, theta=torch.tensor([0.2, -0.4, 0.9, 0.0, 1.0]))
+THETA, VALUES, categorical_exact = CATEGORICAL.theta, CATEGORICAL.values, CATEGORICAL.exact
 
 
 def test_samples_are_distinct_per_plate_combination():
@@ -107,74 +98,26 @@ ONE_NODE = {
 @pytest.mark.parametrize("name", list(ONE_NODE))
 @pytest.mark.parametrize("one_hot", [True, False], ids=["onehot", "categorical"])
 def test_one_categorical_node_unbiased(name, one_hot):
-    method = ONE_NODE[name]()
-
-    def model(theta):
-        if one_hot:
-            z = method(OneHotCategorical(logits=theta))
-            value = (z * VALUES).sum(-1)
-        else:
-            z = method(Categorical(logits=theta))
-            value = VALUES[z]
-        storch.add_cost(value**2, "f")
-
-    (grads,) = replicated_gradients([THETA], R, model)
+    (grads,) = replicated_gradients([THETA], R, CATEGORICAL.model(ONE_NODE[name](), one_hot))
     assert_unbiased(grads, categorical_exact(), label=name)
 
 
-PHI = torch.tensor([0.3, -0.5, 1.0])
-TARGET = torch.tensor([0.49, 0.499, 0.8])
-
-
-def bernoulli_joint_exact():
-    phi = PHI.clone().requires_grad_()
-    total = 0.0
-    for x in itertools.product([0.0, 1.0], repeat=3):
-        x = torch.tensor(x)
-        prob = Bernoulli(logits=phi).log_prob(x).sum().exp()
-        total = total + prob * (((x - TARGET) ** 2).sum() + 2.0 * x[0] * x[1])
-    return phi, total
+BERNOULLI = bernoulli(interaction=2.0)
 
 
 @pytest.mark.parametrize("k", [2, 5])
 def test_several_variables_sampled_jointly_unbiased(k):
-    method = ScoreFunctionWOR("x", k=k)
-
-    def model(phi):
-        x = method(Bernoulli(logits=phi))
-        storch.add_cost(((x - TARGET) ** 2).sum(-1) + 2.0 * x[..., 0] * x[..., 1], "f")
-
-    (grads,) = replicated_gradients([PHI], R, model)
-    phi, total = bernoulli_joint_exact()
-    assert_unbiased(grads, torch.autograd.grad(total, phi)[0], label=f"joint k={k}")
+    (grads,) = replicated_gradients([BERNOULLI.phi], R, BERNOULLI.model(ScoreFunctionWOR("x", k=k)))
+    assert_unbiased(grads, BERNOULLI.exact(), label=f"joint k={k}")
 
 
 def test_hessian_unbiased():
-    method = ScoreFunctionWOR("x", k=3)
-    repeats = 3000
-    leaf, view = storch.testing.replicate(PHI, repeats)
-    x = method(Bernoulli(logits=view))
-    storch.add_cost(((x - TARGET) ** 2).sum(-1) + 2.0 * x[..., 0] * x[..., 1], "f")
-    storch.backward(create_graph=True)
-    rows = [torch.autograd.grad(leaf.grad[:, i].sum(), leaf, retain_graph=True)[0] * repeats for i in range(3)]
-    hessians = torch.stack(rows, 1)
-    exact = torch.autograd.functional.hessian(lambda p: _joint_expectation(p), PHI.clone())
-    assert_unbiased(hessians.reshape(repeats, -1), exact.reshape(-1), label="hessian")
-
-
-def _joint_expectation(phi):
-    total = 0.0
-    for x in itertools.product([0.0, 1.0], repeat=3):
-        x = torch.tensor(x)
-        prob = (torch.sigmoid(phi) * x + torch.sigmoid(-phi) * (1 - x)).prod()
-        total = total + prob * (((x - TARGET) ** 2).sum() + 2.0 * x[0] * x[1])
-    return total
+    hessians = replicated_hessians(BERNOULLI.phi, 3000, BERNOULLI.model(ScoreFunctionWOR("x", k=3)))
+    assert_unbiased(hessians, BERNOULLI.exact_hessian().reshape(-1), label="hessian")
 
 
 # ---------------------------------------------------------------- two nested nodes, minibatch plate
-THETA1 = torch.tensor([0.5, -0.3, 0.1])
-THETA2 = torch.tensor([[0.2, 1.0, -0.5], [0.0, -1.0, 0.7], [1.2, 0.3, 0.0]])
-TABLE = torch.tensor([[1.0, 4.0, -2.0], [0.5, 3.0, 2.5], [-1.0, 0.0, 6.0]])
+NESTED_PROBLEM = nested_categorical(3, 3)
 
 
 @pytest.mark.parametrize(
@@ -188,15 +131,8 @@ TABLE = torch.tensor([[1.0, 4.0, -2.0], [0.5, 3.0, 2.5], [-1.0, 0.0, 6.0]])
 )
 def test_two_nested_nodes_unbiased(make):
     m1, m2 = (f() for f in make)
-
-    def model(theta1, theta2):
-        z1 = m1(OneHotCategorical(logits=theta1))
-        z2 = m2(OneHotCategorical(logits=(z1.unsqueeze(-1) * theta2).sum(-2)))
-        storch.add_cost(((z1.unsqueeze(-1) * TABLE) * z2.unsqueeze(-2)).sum((-1, -2)), "f")
-
-    g1, g2 = replicated_gradients([THETA1, THETA2], R, model)
-    t1, t2 = THETA1.clone().requires_grad_(), THETA2.clone().requires_grad_()
-    e1, e2 = torch.autograd.grad((t1.softmax(-1)[:, None] * t2.softmax(-1) * TABLE).sum(), [t1, t2])
+    g1, g2 = replicated_gradients(NESTED_PROBLEM.params, R, NESTED_PROBLEM.model(m1, m2))
+    e1, e2 = NESTED_PROBLEM.exact()
     assert_unbiased(g1, e1, label="theta1")
     assert_unbiased(g2, e2, label="theta2")
 
@@ -222,13 +158,7 @@ def test_minibatch_plate_unbiased():
 
 # ---------------------------------------------------------------- the normalised (biased) variant
 def _categorical_estimates(k, biased, repeats=R):
-    method = ScoreFunctionWOR("z", k=k, biased=biased)
-
-    def model(theta):
-        z = method(OneHotCategorical(logits=theta))
-        storch.add_cost(((z * VALUES).sum(-1)) ** 2, "f")
-
-    return replicated_gradients([THETA], repeats, model)[0]
+    return replicated_gradients([THETA], repeats, CATEGORICAL.model(ScoreFunctionWOR("z", k=k, biased=biased)))[0]
 
 
 def test_biased_variant_is_exact_when_k_covers_the_support():
