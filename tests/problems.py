@@ -24,12 +24,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch.distributions import Bernoulli, Categorical, OneHotCategorical
 
 import storch
-from storch.testing import replicate
+from storch.testing import assert_unbiased, replicate, replicated_gradients
 
 Tensor = torch.Tensor
 Model = Callable[..., None]
@@ -86,6 +87,24 @@ def _square(v: Tensor) -> Tensor:
     return v**2
 
 
+class _SeveralParameters:
+    """For problems with several parameters: ``params``, ``exact()`` (one gradient each) and ``names``."""
+
+    names: ClassVar[tuple[str, ...]]
+    params: list[Tensor]
+
+    def exact(self) -> tuple[Tensor, ...]:
+        raise NotImplementedError
+
+    def assert_unbiased(self, model: Model, repeats: int, label: str = "") -> list[Tensor]:
+        """``repeats`` gradient estimates of every parameter under ``model`` (one backward pass),
+        each asserted unbiased against :meth:`exact` (labelled ``"{label} {name}"``); returns them."""
+        grads = replicated_gradients(self.params, repeats, model)
+        for g, e, name in zip(grads, self.exact(), self.names):
+            assert_unbiased(g, e, label=f"{label} {name}".strip())
+        return grads
+
+
 # ---------------------------------------------------------------- one categorical node
 CATEGORICAL_THETA = torch.tensor([0.2, -0.4, 0.9, 0.0, -1.0, 0.6])
 CATEGORICAL_VALUES = torch.tensor([1.0, -2.0, 0.5, 3.0, 2.0, -1.0])
@@ -140,7 +159,7 @@ NESTED_TABLE = torch.tensor(
 
 
 @dataclass(frozen=True, eq=False)
-class NestedCategorical:
+class NestedCategorical(_SeveralParameters):
     """``z₁ ~ Cat(softmax θ₁)``, ``z₂ | z₁ ~ Cat(softmax θ₂[z₁])``, ``f = table[z₁, z₂]``.
 
     ``E f = Σ_{a,b} softmax(θ₁)_a softmax(θ₂[a])_b table[a, b]``. The nodes are named ``z1`` and
@@ -150,6 +169,7 @@ class NestedCategorical:
     theta1: Tensor
     theta2: Tensor
     table: Tensor
+    names: ClassVar[tuple[str, ...]] = ("theta1", "theta2")
 
     @property
     def params(self) -> list[Tensor]:
@@ -331,7 +351,7 @@ A = torch.tensor([0.3, 0.9])
 
 
 @dataclass(frozen=True, eq=False)
-class NestedBernoulli:
+class NestedBernoulli(_SeveralParameters):
     """``x₁ ~ Bernoulli(σ(φ₁))``, ``x₂ | x₁ ~ Bernoulli(σ(φ₂ + x₁ C))`` (two bits each), one cost
     ``f = Σ (x₁ − a)² + 3 Σ (x₂ − x₁/2)² + x₁₁ x₂₂`` of both (``C`` = ``coupling``, or the
     identity when ``None``). The model is left to the tests (how ``x₁`` enters ``x₂``'s logits
@@ -342,6 +362,7 @@ class NestedBernoulli:
     phi2: Tensor
     a: Tensor
     coupling: Tensor | None = field(default=None)
+    names: ClassVar[tuple[str, ...]] = ("phi1", "phi2")
 
     @property
     def params(self) -> list[Tensor]:
@@ -370,7 +391,7 @@ def nested_bernoulli(coupling: Tensor | None = None) -> NestedBernoulli:
 
 
 @dataclass(frozen=True, eq=False)
-class TwoCosts:
+class TwoCosts(_SeveralParameters):
     """Two costs with different ancestors: ``z₁ ~ Bernoulli(σ(φ₁))`` with ``first = Σ (z₁ − a)²``,
     ``z₂ | z₁ ~ Bernoulli(σ(φ₂ + z₁))`` with ``second = 3 Σ (z₂ − z₁/2)²`` (two bits each): ``z₂``
     is an ancestor of the second cost only."""
@@ -378,6 +399,7 @@ class TwoCosts:
     phi1: Tensor
     phi2: Tensor
     a: Tensor
+    names: ClassVar[tuple[str, ...]] = ("phi1", "phi2")
 
     @property
     def params(self) -> list[Tensor]:
