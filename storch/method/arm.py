@@ -32,9 +32,8 @@ from typing import Optional
 import torch
 from torch.distributions import Bernoulli, Distribution
 from torch.distributions.utils import probs_to_logits
-from torch.utils.weak import WeakIdKeyDictionary
 
-from storch.method.groups import flatten_groups, group_plate, group_weights, split_groups, spread_groups
+from storch.method.groups import GroupRecords, flatten_groups, group_plate, group_weights, split_groups, spread_groups
 from storch.method.method import Method
 from storch.plate import layout_of_plates
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout_of, wrap
@@ -140,15 +139,13 @@ class ARM(_AntitheticBernoulli):
 
     def __init__(self, plate_name: str, n_samples: int = 1) -> None:
         super().__init__(plate_name, n_samples)
-        self._noise: WeakIdKeyDictionary = WeakIdKeyDictionary()  # samples -> u
+        self._noise = GroupRecords("ARM", "uniforms")  # samples -> u
 
     def _record(self, samples: torch.Tensor, u: torch.Tensor) -> None:
-        self._noise[samples] = u
+        self._noise.keep(samples, u)
 
     def _gradient(self, tensor: StochasticTensor, f_b: Tensor, f_b_tilde: Tensor, phi: torch.Tensor) -> torch.Tensor:
-        u = self._noise.get(tensor._node.samples)
-        if u is None:
-            raise RuntimeError(f"ARM({tensor.name!r}): the uniforms of these samples were not recorded.")
+        u = self._noise.of(tensor)
         return (f_b_tilde - f_b) * (self._per_group(tensor, u) - 0.5)
 
 

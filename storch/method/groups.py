@@ -33,13 +33,16 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from storch._dispatch import align_tensor
 from storch.plate import Plate, layout_of_plates, merge_layouts
-from storch.tensor import Tensor, _Disable, layout_of, wrap, wrap_new
+from storch.tensor import StochasticTensor, Tensor, _Disable, layout_of, wrap, wrap_new
 
-__all__ = ["group_weights", "flatten_groups", "split_groups", "spread_groups", "group_plate"]
+__all__ = ["group_weights", "flatten_groups", "split_groups", "spread_groups", "group_plate", "GroupRecords"]
 
 
 def group_weights(n_groups: int, point_weights: torch.Tensor | list[float]) -> torch.Tensor:
@@ -123,3 +126,50 @@ def spread_groups(term: torch.Tensor, like: Tensor, plate: Plate, group_size: in
         if i:
             x = x.movedim(0, i)
     return wrap(x, like_layout)
+
+
+class GroupRecords:
+    """What a method decided when it drew a node's evaluation groups, kept for its estimator.
+
+    A method that lays out evaluation groups often needs more than the points themselves to build
+    its estimate: the layout of a group (MVD), the sign vectors (SPSA), the uniforms (ARM). It
+    decides them in ``proposal_dist``, which returns the plain samples, and reads them back in the
+    weighting function or ``estimator``, which see the node's :class:`~storch.tensor.StochasticTensor`.
+    The record is keyed by the samples tensor (weakly, by identity: it lives as long as the node)
+    and found again through ``tensor._node.samples``.
+
+    Args:
+        method: the method's name for errors, e.g. ``"MVD"``.
+        what: what is recorded, for errors, e.g. ``"evaluation layout"``.
+
+    Example:
+        >>> import torch, storch
+        >>> from torch.distributions import Normal
+        >>> records = GroupRecords("MyMethod", "evaluation layout")
+        >>> x = storch.method.ScoreFunction("x", n_samples=2)(Normal(torch.zeros(()), 1.0))
+        >>> records.of(x)
+        Traceback (most recent call last):
+        ...
+        RuntimeError: MyMethod('x'): no evaluation layout recorded for these samples; MyMethod nodes must be sampled by the MyMethod method itself.
+        >>> records.keep(x._node.samples, "2 groups of 1 point")
+        >>> records.of(x)
+        '2 groups of 1 point'
+    """
+
+    def __init__(self, method: str, what: str) -> None:
+        self.method, self.what = method, what
+        self._records: WeakIdKeyDictionary = WeakIdKeyDictionary()  # samples -> record
+
+    def keep(self, samples: torch.Tensor, record: Any) -> None:
+        """Remember ``record`` for the node whose proposal returned ``samples``."""
+        self._records[samples] = record
+
+    def of(self, tensor: StochasticTensor) -> Any:
+        """The record kept for the node of ``tensor``; an error if its samples were drawn elsewhere."""
+        record = self._records.get(tensor._node.samples)
+        if record is None:
+            raise RuntimeError(
+                f"{self.method}({tensor.name!r}): no {self.what} recorded for these samples; {self.method} nodes "
+                f"must be sampled by the {self.method} method itself."
+            )
+        return record

@@ -27,10 +27,9 @@ from typing import Optional
 
 import torch
 from torch.distributions import Distribution
-from torch.utils.weak import WeakIdKeyDictionary
 
 from storch._dispatch import align_tensor
-from storch.method.groups import flatten_groups, group_weights, split_groups, spread_groups
+from storch.method.groups import GroupRecords, flatten_groups, group_weights, split_groups, spread_groups
 from storch.method.measure_valued import MeasureValuedDecomposition, measure_valued_for, registered_types
 from storch.method.method import Method
 from storch.plate import Plate, PlateLayout, layout_of_plates
@@ -116,7 +115,7 @@ class MVD(Method):
 
     def __init__(self, plate_name: str, n_samples: int = 1) -> None:
         super().__init__(plate_name, None, n_samples)
-        self._plans: WeakIdKeyDictionary = WeakIdKeyDictionary()  # samples -> _Plan
+        self._plans = GroupRecords("MVD", "evaluation layout")  # samples -> _Plan
         self.sampling_method.set_mc_weighting_function(self._weights)
 
     def check_distribution(self, distr: Distribution) -> None:
@@ -148,26 +147,17 @@ class MVD(Method):
             groups.append(_coordinate_points(x, values.to(x.dtype), n_plates, coord_ndim))
             blocks.append((name, values.shape[1]))
         samples = flatten_groups(torch.cat(groups, 1))
-        self._plans[samples] = _Plan(tuple(blocks), tuple(distr.batch_shape[n_plates:]))
+        self._plans.keep(samples, _Plan(tuple(blocks), tuple(distr.batch_shape[n_plates:])))
         return samples
 
     def _weights(self, tensor: StochasticTensor, plate: Plate) -> torch.Tensor:
-        m = self._plan(tensor).group_size
+        m = self._plans.of(tensor).group_size
         return group_weights(plate.size // m, [1.0] + [0.0] * (m - 1))
-
-    def _plan(self, tensor: StochasticTensor) -> _Plan:
-        plan = self._plans.get(tensor._node.samples)
-        if plan is None:
-            raise RuntimeError(
-                f"MVD({tensor.name!r}): no evaluation layout recorded for these samples; MVD nodes "
-                "must be sampled by the MVD method itself."
-            )
-        return plan
 
     def estimator(
         self, tensor: StochasticTensor, cost: CostTensor
     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        plan = self._plan(tensor)
+        plan = self._plans.of(tensor)
         if not plan.blocks:
             return None, None
         plate = tensor.plate

@@ -42,9 +42,8 @@ import torch
 from torch.distributions import Distribution, Independent, OneHotCategorical, biject_to, constraints
 from torch.distributions.transforms import identity_transform
 from torch.distributions.utils import probs_to_logits
-from torch.utils.weak import WeakIdKeyDictionary
 
-from storch.method.groups import flatten_groups, group_plate, group_weights, split_groups, spread_groups
+from storch.method.groups import GroupRecords, flatten_groups, group_plate, group_weights, split_groups, spread_groups
 from storch.method.method import Method
 from storch.plate import Plate, layout_of_plates
 from storch.tensor import CostTensor, StochasticTensor, layout_of, wrap
@@ -227,7 +226,7 @@ class SPSA(Method):
         if not c > 0:
             raise ValueError(f"SPSA({plate_name!r}): the perturbation size c must be positive, got {c}.")
         self.c = float(c)
-        self._records: WeakIdKeyDictionary = WeakIdKeyDictionary()  # samples -> _Record
+        self._records = GroupRecords("SPSA", "perturbations")  # samples -> _Record
         self.sampling_method.set_mc_weighting_function(self._weights)
 
     def check_distribution(self, distr: Distribution) -> None:
@@ -246,7 +245,7 @@ class SPSA(Method):
         names = perturbable_parameters(distr)
         if not names:
             samples = distr.sample((amt_samples,))
-            self._records[samples] = _Record((), ())
+            self._records.keep(samples, _Record((), ()))
             return samples
         coords = tuple(_coordinate(leaf, name) for name in names)
         kwargs_plus = {k: v for k, v in given.items() if k not in names}
@@ -268,20 +267,11 @@ class SPSA(Method):
         _set_rng_state(device, state)
         x_minus = distr_minus.sample()
         samples = flatten_groups(torch.stack([x, x_plus.to(x.dtype), x_minus.to(x.dtype)], 1))
-        self._records[samples] = _Record(coords, tuple(signs))
+        self._records.keep(samples, _Record(coords, tuple(signs)))
         return samples
 
-    def _record(self, tensor: StochasticTensor) -> _Record:
-        record = self._records.get(tensor._node.samples)
-        if record is None:
-            raise RuntimeError(
-                f"SPSA({tensor.name!r}): no perturbations recorded for these samples; SPSA nodes must "
-                "be sampled by the SPSA method itself."
-            )
-        return record
-
     def _weights(self, tensor: StochasticTensor, plate: Plate) -> Optional[torch.Tensor]:
-        m = self._record(tensor).group_size
+        m = self._records.of(tensor).group_size
         if m == 1:
             return None
         return group_weights(plate.size // m, [1.0, 0.0, 0.0])
@@ -289,7 +279,7 @@ class SPSA(Method):
     def estimator(
         self, tensor: StochasticTensor, cost: CostTensor
     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        record = self._record(tensor)
+        record = self._records.of(tensor)
         if not record.coordinates:
             return None, None
         plate = tensor.plate
