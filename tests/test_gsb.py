@@ -17,7 +17,7 @@ from torch.distributions import Gamma, Laplace, Normal
 
 import storch
 from storch.method.gsb import GSB, GeneralizedStochasticBackprop
-from storch.testing import assert_unbiased, replicated_gradients
+from storch.testing import assert_unbiased, check_unbiased, replicated_gradients
 
 R = 3000
 
@@ -282,3 +282,150 @@ def test_poisson_finite_differences_unbiased():
         return (rate + (rate - t) ** 2 + torch.exp(rate * (math.exp(-0.3) - 1))).sum()
 
     check(model, expectation, (rate0,), label="poisson")
+
+
+# ---------------------------------------------------------------- truncation bias, measured
+# Where the cumulant series does not terminate, GSB at order N estimates T_N = Σ_{n≤N} ∇κ_n/n! E[∂ⁿf],
+# not ∇E f. T_N is computed below by quadrature (Beta, Dirichlet) or in closed form (Laplace), the
+# GSB estimator is checked to be unbiased for T_N, and the bias T_N − ∇E f is measured per order.
+def gauss_legendre(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    import numpy as np
+
+    x, w = np.polynomial.legendre.leggauss(m)
+    return torch.tensor((x + 1) / 2), torch.tensor(w / 2)
+
+
+def gamma_representation_series(alpha, f, order, points, weights, density):
+    """T_1..T_order for ∇α of E f(ζ/Σζ), ζ_k ~ Γ(α_k, 1), by quadrature over z = ζ/Σζ.
+
+    Since ζ = s·z with s ~ Γ(Σα) independent of z, ∂ⁿg/∂ζ_kⁿ = s⁻ⁿ h_{n,k}(z) (g has degree 0), so
+    E[∂ⁿg/∂ζ_kⁿ] = E[s⁻ⁿ] E[h_{n,k}(z)], E[s⁻ⁿ] = Γ(Σα − n)/Γ(Σα) (infinite for n ≥ Σα), and
+    ∇_{α_k} κ_n(Γ(α_k, 1))/n! = 1/n."""
+    from storch.method.derivatives import pure_derivatives
+
+    zeta = points.clone().requires_grad_()
+    ders = pure_derivatives(f(zeta / zeta.sum(-1, keepdim=True)), zeta, order, 1)
+    a0 = float(alpha.sum())
+    total, series = torch.zeros(alpha.shape, dtype=torch.float64), []
+    for n in range(1, order + 1):
+        inv_moment = math.exp(math.lgamma(a0 - n) - math.lgamma(a0)) if a0 > n else math.inf
+        total = total + inv_moment / n * ((weights * density)[:, None] * ders[n - 1]).sum(0)
+        series.append(total.clone())
+    return series
+
+
+def beta_reference(a, b, f, order, m=160):
+    x, w = gauss_legendre(m)
+    ab = torch.tensor([a, b], dtype=torch.float64, requires_grad=True)
+    log_norm = torch.lgamma(ab).sum() - torch.lgamma(ab.sum())
+    density = torch.exp((ab[0] - 1) * torch.log(x) + (ab[1] - 1) * torch.log1p(-x) - log_norm)
+    (exact,) = torch.autograd.grad((w * density * f(x)).sum(), ab)
+    points = torch.stack([x, 1 - x], -1)
+    series = gamma_representation_series(ab.detach(), lambda z: f(z[..., 0]), order, points, w, density.detach())
+    return exact, series
+
+
+def dirichlet_reference(alpha, f, order, m=48):
+    """z = (u, (1−u)v, (1−u)(1−v)) on [0,1]², Jacobian (1 − u)."""
+    x, w = gauss_legendre(m)
+    u, v = torch.meshgrid(x, x, indexing="ij")
+    weights = (w[:, None] * w[None, :] * (1 - u)).reshape(-1)
+    z = torch.stack([u, (1 - u) * v, (1 - u) * (1 - v)], -1).reshape(-1, 3)
+    a = alpha.detach().double().clone().requires_grad_()
+    density = torch.exp(((a - 1) * torch.log(z)).sum(-1) + torch.lgamma(a.sum()) - torch.lgamma(a).sum())
+    (exact,) = torch.autograd.grad((weights * density * f(z)).sum(), a)
+    return exact, gamma_representation_series(a.detach(), f, order, z, weights, density.detach())
+
+
+BIAS_FIGURES: dict[str, list] = {}  # printed with pytest -s; quoted in the docstring / README
+
+
+def test_beta_truncation_bias_shrinks_then_the_series_diverges():
+    exact, series = beta_reference(6.0, 8.0, torch.exp, 6)
+    bias = torch.stack([t - exact for t in series])  # (order, 2): ∇α, ∇β
+    BIAS_FIGURES["beta(6,8), f=exp(z)"] = [exact.tolist()] + bias.tolist()
+    print("\nBeta(6, 8), f = exp(z): exact", exact.tolist(), "\nbias by order\n", bias)
+    assert (bias[:4].abs().diff(dim=0) < 0).all()  # shrinks over orders 1..4 ...
+    assert (bias[0].abs() / bias[3].abs() > 15).all()
+    _, series_small = beta_reference(2.0, 3.0, torch.exp, 5)
+    assert not torch.isfinite(series_small[-1]).all()  # ... but E[∂ⁿf] = ∞ for n ≥ α + β
+
+    def model(ab):
+        z = GSB("z", n_samples=8, order=1)(torch.distributions.Beta(ab[..., 0], ab[..., 1]))
+        storch.add_cost(torch.exp(z), "f")
+
+    (est,) = replicated_gradients([torch.tensor([6.0, 8.0])], R, model)
+    assert_unbiased(est, series[0].float(), label="beta order 1 vs T_1")  # GSB estimates T_N ...
+    assert not check_unbiased(est, exact.float()).passed  # ... and its bias is measurable at order 1
+
+
+def test_dirichlet_truncation_bias():
+    alpha = torch.tensor([3.0, 4.0, 5.0], dtype=torch.float64)
+    c = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
+
+    def f(z):
+        return torch.exp((z * c).sum(-1))
+
+    exact, series = dirichlet_reference(alpha, f, 5)
+    bias = torch.stack([t - exact for t in series])
+    BIAS_FIGURES["dirichlet(3,4,5), f=exp(c.z)"] = [exact.tolist()] + bias.tolist()
+    print("\nDirichlet(3, 4, 5), f = exp(c·z): exact", exact.tolist(), "\nbias by order\n", bias)
+    assert (bias[:3].abs().diff(dim=0) < 0).all()
+    assert (bias[0].abs() / bias[2].abs() > 5).all()
+
+    def model(a):
+        z = GSB("z", n_samples=4, order=2)(torch.distributions.Dirichlet(a))
+        storch.add_cost(f(z).float(), "f")
+
+    (est,) = replicated_gradients([alpha.float()], 2000, model)
+    assert_unbiased(est, series[1].float(), label="dirichlet order 2 vs T_2")
+
+
+def laplace_series(mu, b, omega, order):
+    """f = cos(ωz): E f = cos(ωμ)/(1 + b²ω²); ∇b T_N = Σ_{2m≤N} 2b^{2m−1} (−1)^m ω^{2m} E f (∇μ is exact)."""
+    ef = math.cos(omega * mu) / (1 + (b * omega) ** 2)
+    exact = -2 * b * omega**2 * math.cos(omega * mu) / (1 + (b * omega) ** 2) ** 2
+    partial = [sum(2 * b ** (2 * m - 1) * (-1) ** m * omega ** (2 * m) * ef for m in range(1, n // 2 + 1))
+               for n in range(1, order + 1)]
+    return exact, partial
+
+
+@pytest.mark.parametrize("order", [2, 8])
+def test_laplace_truncation_bias_cos(order):
+    mu, b, omega = 0.3, 0.5, 1.0  # bω = 0.5: the b-series converges like (bω)^{2m}
+    exact, partial = laplace_series(mu, b, omega, 8)
+    bias = [p - exact for p in partial]
+    BIAS_FIGURES["laplace(0.3,0.5), f=cos(z)"] = [exact] + bias
+    assert all(abs(bias[n]) < abs(bias[n - 2]) for n in range(3, 8, 2))
+    _, divergent = laplace_series(mu, 1.5, 1.0, 8)  # bω = 1.5: the series diverges, bias grows
+    d_exact = laplace_series(mu, 1.5, 1.0, 1)[0]
+    assert all(abs(divergent[n] - d_exact) > abs(divergent[n - 2] - d_exact) for n in range(3, 8, 2))
+
+    def model(m, s):
+        z = GSB("z", n_samples=4, order=order)(Laplace(m, s))
+        storch.add_cost(torch.cos(omega * z), "f")
+
+    g_mu, g_b = replicated_gradients([torch.tensor(mu), torch.tensor(b)], R, model)
+    exact_mu = -omega * math.sin(omega * mu) / (1 + (b * omega) ** 2)
+    assert_unbiased(g_mu.unsqueeze(-1), torch.tensor([exact_mu]), label="mu (exact at any order)")
+    assert_unbiased(g_b.unsqueeze(-1), torch.tensor([partial[order - 1]]), label=f"b vs T_{order}")
+    if order == 2:  # the truncation bias is measurable at order 2 ...
+        assert not check_unbiased(g_b.unsqueeze(-1), torch.tensor([exact])).passed
+    else:  # ... and below the noise at order 8
+        assert_unbiased(g_b.unsqueeze(-1), torch.tensor([exact]), label="b vs exact")
+
+
+def test_random_probe_derivatives_are_unbiased():
+    """With max_exact_batch=1 every order ≥ 2 of a 2-coordinate node is a random-sign probe estimate;
+    the coupling z₀z₁ has a mixed partial (extra variance) but no pure one: GSB stays unbiased for T_4."""
+    mu, b, omega = torch.tensor([0.3, -0.2]), torch.tensor([0.5, 0.4]), 1.0
+
+    def model(m, s):
+        z = GSB("z", n_samples=2, order=4, max_exact_batch=1)(Laplace(m, s))
+        storch.add_cost(torch.cos(omega * z).sum(-1) + z[..., 0] * z[..., 1], "f")
+
+    g_mu, g_b = replicated_gradients([mu, b], R, model)
+    t4 = torch.tensor([laplace_series(m, s, omega, 4)[1][3] for m, s in zip(mu.tolist(), b.tolist())])
+    exact_mu = -omega * torch.sin(omega * mu) / (1 + (b * omega) ** 2) + mu.flip(0)
+    assert_unbiased(g_mu, exact_mu, label="mu")
+    assert_unbiased(g_b, t4, label="b vs T_4 (probes)")

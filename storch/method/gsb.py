@@ -44,11 +44,15 @@ and otherwise shrinks with ``N`` when the series converges (e.g. Gamma with ``f 
 ``ε/β < 1``; the measured biases are in ``tests/test_gsb.py``).
 
 Cost. The continuous rule evaluates the cost once per sample and then runs ``N`` vector-Jacobian
-products of the downstream graph per node: one plain VJP for ``∂S/∂z`` and, for ``n ≥ 2``, one VJP
-batched over the ``D`` coordinates of one sample (``is_grads_batched``, one-hot grad-outputs broadcast
-over the plates, :mod:`storch.method.derivatives`), so memory grows like ``D`` times one VJP. Orders
-whose cumulants are identically zero beyond the last non-zero one (Normal above 2, Dirac above 1) are
-not computed.
+products of the downstream graph per node (``D`` = coordinates per sample): one plain VJP for
+``∂S/∂z`` and, for ``n ≥ 2``, one VJP batched over the ``D`` one-hot coordinate vectors
+(``is_grads_batched``, broadcast over the plates, :mod:`storch.method.derivatives`). Because the graph
+of the order-``n`` derivative is itself batched, an exact order ``n`` costs ``D^{n−1}`` copies of the
+graph; orders with ``D^{n−1} > max_exact_batch`` (default 256: all orders for ``D = 1``, order 2 up to
+``D = 256``, order 3 up to ``D = 16``, order 8 up to ``D = 2``) use unbiased random-sign probes instead
+(one plain VJP each, extra variance from mixed partials), so a node never costs more than ``N`` VJPs of
+at most ``max_exact_batch`` times one VJP. Orders above the last non-zero cumulant (Normal above 2, Dirac
+above 1) are not computed.
 
 Higher orders and nested nodes. The GSB term is first order in θ: ``backward(create_graph=True)``
 differentiates only ``κ_n(θ)`` again (second derivatives are biased). When another stochastic node ``y``
@@ -230,7 +234,9 @@ class _CumulantRule(GSBRule):
             return None
         u = _foreign_plate_weights(cost, node_layout)
         try:
-            derivs = pure_derivatives(plain(cost), leaf, top, len(node_layout.sizes), u)
+            derivs = pure_derivatives(
+                plain(cost), leaf, top, len(node_layout.sizes), u, max_exact_batch=method.max_exact_batch
+            )
         except NoDifferentiablePath:
             raise ValueError(
                 f"GSB({tensor.name!r}): the cost {cost.name!r} does not depend differentiably on the samples "
@@ -360,6 +366,8 @@ class GSB(Method):
         plate_name: node / plate name.
         n_samples: the number of samples ``n`` (discrete rules lay out ``n`` evaluation groups).
         order: the truncation order ``N ≥ 1`` (continuous distributions).
+        max_exact_batch: orders ``n`` with ``D^{n−1}`` above this are estimated by random-sign probes
+            (unbiased, more variance) instead of exact batched VJPs (:mod:`storch.method.derivatives`).
 
     Example:
         >>> import torch, storch
@@ -373,7 +381,7 @@ class GSB(Method):
         True
     """
 
-    def __init__(self, plate_name: str, n_samples: int = 1, order: int = 2) -> None:
+    def __init__(self, plate_name: str, n_samples: int = 1, order: int = 2, max_exact_batch: int = 256) -> None:
         if isinstance(order, bool) or not isinstance(order, int) or order < 1:
             raise ValueError(
                 f"GSB({plate_name!r}): order must be an integer ≥ 1 (the truncation order of the cumulant "
@@ -381,6 +389,7 @@ class GSB(Method):
             )
         super().__init__(plate_name, MonteCarlo(plate_name, n_samples))
         self.order = order
+        self.max_exact_batch = int(max_exact_batch)
         self._finite_difference: Optional[list[Method]] = None  # the Poisson rule's MVD, made on demand
         self.sampling_method.set_mc_sample(self._sample)
         self.sampling_method.set_mc_weighting_function(self._weights)
