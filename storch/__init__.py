@@ -14,7 +14,7 @@ Example:
     True
 """
 
-from storch import exceptions, method, nn, sampling, util
+from storch import distributions, exceptions, method, nn, sampling, util
 from storch.inference import add_cost, backward, registered_costs, reset, surrogate_loss
 from storch.method.relaxation import conditional_gumbel_rsample
 from storch.ops import cat, expand_as, gather, grad

@@ -6,13 +6,15 @@ baselines (:mod:`~storch.method.score_function`, :mod:`~storch.method.baseline`)
 :mod:`~storch.method.straight_through`), antithetic pairs (:mod:`~storch.method.arm`),
 measure-valued derivatives (:mod:`~storch.method.mvd`), finite differences
 (:mod:`~storch.method.spsa`), learned control variates (:mod:`~storch.method.relax`), local expectations (:mod:`~storch.method.local_expectation`),
-sampling without replacement (:mod:`~storch.method.wor`, :mod:`~storch.method.unordered_set`), Rao-Blackwellisation
+generalized stochastic backpropagation (:mod:`~storch.method.gsb`, cumulants in
+:mod:`~storch.method.cumulants`), sampling without replacement (:mod:`~storch.method.wor`, :mod:`~storch.method.unordered_set`), Rao-Blackwellisation
 (:mod:`~storch.method.rao_blackwell`) and multi-sample bounds (:mod:`~storch.method.vimco`).
 """
 
-from storch.method import baseline
+from storch.method import baseline, cumulants
 from storch.method.arm import ARM, DisARM
 from storch.method.expect import Expect
+from storch.method.gsb import GSB, GeneralizedStochasticBackprop
 from storch.method.gumbel import GumbelSoftmax
 from storch.method.infer import Infer
 from storch.method.local_expectation import IndeCateR, LocalExpectation
@@ -33,4 +35,5 @@ __all__ = [
     "log_prob", "ARM", "DisARM", "MVD", "SPSA", "LocalExpectation", "IndeCateR", "StraightThrough",
     "GumbelRao", "ReinMax", "VIMCO", "iwae_bound", "ScoreFunctionWOR", "RaoBlackwellSF",
     "LAX", "RELAX", "REBAR", "UnorderedSetEstimator", "UnorderedSetGumbelSoftmax",
+    "GSB", "GeneralizedStochasticBackprop", "cumulants",
 ]

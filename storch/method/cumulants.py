@@ -2,8 +2,8 @@
 
 The cumulants ``κ_n`` are the Taylor coefficients of the log characteristic function (the cumulant
 generating function), ``log φ(ω) = log E[e^{iωz}] = Σ_{n≥1} κ_n (iω)^n / n!``. For a factorised
-distribution with parameters θ, theorem 1 of Xu, Quiroz, Kohn & Sisson, "Generalized stochastic
-backpropagation" (``seeds/004_…``) reads, per coordinate,
+distribution with parameters θ, theorem 1 of Echraibi, Flocon Cholet, Gosselin & Vaton, "Generalized
+stochastic backpropagation" (NeurIPS 2020 workshop; ``seeds/004_…``) reads, per coordinate,
 
     ∇θ E f(z) = Σ_{n≥1} (∇θ κ_n(θ) / n!) · E[∂ⁿf/∂zⁿ (z)]
 

@@ -1,8 +1,9 @@
 """Generalized stochastic backpropagation (GSB): cumulants times expected pure derivatives of the cost.
 
-Paper: Xu, Quiroz, Kohn & Sisson, "Generalized stochastic backpropagation" (``seeds/004_…``, theorem 1
-and sections 3–5). Written with cumulants ``κ_n`` (the Taylor coefficients of the log characteristic
-function, ``log φ(ω) = Σ_n κ_n (iω)^n / n!``; :mod:`storch.method.cumulants`), the theorem reads, for a
+Paper: Echraibi, Flocon Cholet, Gosselin & Vaton, "Generalized stochastic backpropagation" (NeurIPS 2020
+workshop "Beyond Backpropagation"; ``seeds/004_…``, theorem 1 and sections 3–5). Written with
+cumulants ``κ_n`` (the Taylor coefficients of the log characteristic function,
+``log φ(ω) = Σ_n κ_n (iω)^n / n!``; :mod:`storch.method.cumulants`), the theorem reads, for a
 factorised ``z`` with parameters θ and a cost ``f`` differentiable in ``z``,
 
     ∇θ E f(z) = Σ_j Σ_{n≥1} (∇θ κ_n(θ)_j / n!) · E[∂ⁿf/∂z_jⁿ (z)]
