@@ -355,7 +355,7 @@ def gsb_rule_for(distr: Distribution, who: str = "GSB") -> GSBRule:
 
 # --------------------------------------------------------------------------- the method
 class GSB(Method):
-    """Generalized stochastic backpropagation, truncated at ``order`` (Xu et al., ``seeds/004_…``).
+    """Generalized stochastic backpropagation, truncated at ``order`` (Echraibi et al. 2020, ``seeds/004_…``).
 
     ``∇θ E f(z) ≈ Σ_j Σ_{n=1..N} (∇θ κ_n(θ)_j / n!) · E[∂ⁿf/∂z_jⁿ]`` for continuous factorised
     distributions (cumulants :mod:`storch.method.cumulants`; Beta and Dirichlet through their gamma
