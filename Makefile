@@ -14,7 +14,7 @@ SC_VENV := .venv-storchastic
 SC_PY := $(SC_VENV)/bin/python
 SC_STAMP := $(SC_VENV)/.installed
 
-.PHONY: venv test demo bench bench-storchastic clean
+.PHONY: venv test demo bench bench-storchastic bench-gsb clean
 
 venv: $(STAMP)
 
@@ -32,6 +32,12 @@ demo: $(STAMP)
 
 bench: $(STAMP) $(SC_STAMP)
 	$(VENV_PY) benchmarks/run.py
+
+# The reproductions of the GSB paper's experiments (plots need matplotlib, the `bench` extra).
+bench-gsb: $(STAMP)
+	$(VENV_PY) -m pip install -e ".[bench]"
+	$(VENV_PY) benchmarks/gsb/toy.py
+	$(VENV_PY) benchmarks/gsb/logistic_regression.py
 
 # Storchastic 0.3.7 also imports as `storch`, so it lives in its own venv and process.
 $(SC_STAMP):
