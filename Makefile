@@ -36,8 +36,8 @@ bench: $(STAMP) $(SC_STAMP)
 # The reproductions of the GSB paper's experiments (plots need matplotlib, the `bench` extra).
 bench-gsb: $(STAMP)
 	$(VENV_PY) -m pip install -e ".[bench]"
-	$(VENV_PY) benchmarks/gsb/toy.py
-	$(VENV_PY) benchmarks/gsb/logistic_regression.py
+	$(VENV_PY) benchmarks/gsb/toy_problems.py
+	$(VENV_PY) benchmarks/gsb/bayes_logreg.py
 
 # Storchastic 0.3.7 also imports as `storch`, so it lives in its own venv and process.
 $(SC_STAMP):
