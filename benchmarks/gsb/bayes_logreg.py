@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/gsb/bayes_logreg.py            # default run (a few minutes on 2 cores)
+    .venv/bin/python benchmarks/gsb/bayes_logreg.py            # default run (~2 minutes on 2 cores)
     .venv/bin/python benchmarks/gsb/bayes_logreg.py --quick    # smoke run (seconds)
 
 Data: scikit-learn's breast-cancer set (569 × 30, the UCI Wisconsin data the paper uses), features

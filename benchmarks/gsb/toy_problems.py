@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/gsb/toy_problems.py            # default run (a few minutes on 2 cores)
+    .venv/bin/python benchmarks/gsb/toy_problems.py            # default run (~9 minutes on 2 cores)
     .venv/bin/python benchmarks/gsb/toy_problems.py --quick    # smoke run (seconds)
 
 ``z ~ Π_j Gamma(k_j, scale μ_j)`` (torch: rate ``1/μ_j``), ``j = 1..d``, ``d ∈ {1, 10, 100}``, with
