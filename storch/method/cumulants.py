@@ -35,13 +35,14 @@ import torch
 from torch.distributions import Distribution, Exponential, Gamma, Independent, Laplace, Normal
 
 from storch.distributions.dirac import Dirac
+from storch.registry import TypeRegistry
 
 __all__ = ["register_cumulants", "cumulants", "cumulant_terms", "cumulants_registered", "supported_distributions"]
 
 #: ``(distribution, order) -> [κ_1, …, κ_order]``, ``None`` for cumulants that are identically 0
 CumulantFn = Callable[[Distribution, int], list[Optional[torch.Tensor]]]
 
-_CUMULANTS: dict[type, CumulantFn] = {}
+_CUMULANTS: TypeRegistry[CumulantFn] = TypeRegistry()
 
 
 def register_cumulants(dist_type: type) -> Callable[[CumulantFn], CumulantFn]:
@@ -72,10 +73,7 @@ def register_cumulants(dist_type: type) -> Callable[[CumulantFn], CumulantFn]:
 
 
 def _lookup(distr: Distribution) -> Optional[CumulantFn]:
-    for cls in type(distr).__mro__:
-        if cls in _CUMULANTS:
-            return _CUMULANTS[cls]
-    return None
+    return _CUMULANTS.lookup(distr)
 
 
 def cumulants_registered(distr: Distribution) -> bool:

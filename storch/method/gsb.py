@@ -112,6 +112,7 @@ from storch.method.method import Method
 from storch.plate import Plate, PlateLayout, layout_of_plates
 from storch.reduce import _plate_weight
 from storch.reduce import sum as plate_sum
+from storch.registry import TypeRegistry
 from storch.sampling.method import MonteCarlo
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, plain, wrap_new
 
@@ -137,7 +138,7 @@ class Representation:
     transform: Callable[[torch.Tensor], torch.Tensor]
 
 
-_REPRESENTATIONS: dict[type, Representation] = {}
+_REPRESENTATIONS: TypeRegistry[Representation] = TypeRegistry()
 
 
 def register_representation(dist_type: type, representation: Representation) -> None:
@@ -157,10 +158,7 @@ def representation_for(distr: Distribution) -> Optional[Representation]:
         >>> rep.transform(torch.tensor([[1.0, 3.0]])).tolist()
         [0.25]
     """
-    for cls in type(distr).__mro__:
-        if cls in _REPRESENTATIONS:
-            return _REPRESENTATIONS[cls]
-    return None
+    return _REPRESENTATIONS.lookup(distr)
 
 
 def _beta_latent(d: Beta) -> Gamma:  # eq. 20: z = ζ₁ / (ζ₁ + ζ₂), ζ₁ ~ Γ(α, 1), ζ₂ ~ Γ(β, 1)
@@ -194,7 +192,7 @@ class GSBRule(ABC):
         """The control-variate term (forward value 0) whose gradient is the estimate."""
 
 
-_RULES: dict[type, GSBRule] = {}
+_RULES: TypeRegistry[GSBRule] = TypeRegistry()
 
 
 def register_gsb_rule(dist_type: type, rule: GSBRule) -> None:

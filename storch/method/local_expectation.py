@@ -42,6 +42,7 @@ from torch.distributions import Bernoulli, Categorical, Distribution, OneHotCate
 from storch.method.groups import flatten_groups, group_plate, group_weights, split_groups, spread_groups
 from storch.method.method import Method
 from storch.plate import layout_of_plates
+from storch.registry import TypeRegistry
 from storch.sampling.method import MonteCarlo
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, wrap_new
 from storch.util import log_prob_of_own_samples, magic_box
@@ -69,7 +70,7 @@ class Coordinates:
     probs: Callable[[Distribution], torch.Tensor]
 
 
-_COORDINATES: dict[type, Coordinates] = {}
+_COORDINATES: TypeRegistry[Coordinates] = TypeRegistry()
 
 
 def register_coordinates(dist_type: type, coordinates: Coordinates) -> None:
@@ -86,10 +87,7 @@ def coordinates_for(distr: Distribution) -> Optional[Coordinates]:
         >>> coordinates_for(Bernoulli(torch.tensor([0.25]))).probs(Bernoulli(torch.tensor([0.25]))).tolist()
         [[0.75, 0.25]]
     """
-    for cls in type(distr).__mro__:
-        if cls in _COORDINATES:
-            return _COORDINATES[cls]
-    return None
+    return _COORDINATES.lookup(distr)
 
 
 def _bernoulli_probs(d: Bernoulli) -> torch.Tensor:

@@ -51,6 +51,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch.distributions import Bernoulli, Categorical, Distribution, Exponential, Normal, OneHotCategorical, Poisson
 
+from storch.registry import TypeRegistry
+
 __all__ = [
     "MeasureValuedParameter", "MeasureValuedDecomposition", "register_measure_valued", "measure_valued_for",
     "bernoulli_probs", "categorical_probs",
@@ -98,7 +100,7 @@ class MeasureValuedDecomposition:
     parts: Mapping[str, MeasureValuedParameter]
 
 
-_DECOMPOSITIONS: dict[type, MeasureValuedDecomposition] = {}
+_DECOMPOSITIONS: TypeRegistry[MeasureValuedDecomposition] = TypeRegistry()
 
 
 def register_measure_valued(dist_type: type, decomposition: MeasureValuedDecomposition) -> None:
@@ -117,10 +119,7 @@ def measure_valued_for(distr: Distribution) -> MeasureValuedDecomposition | None
         >>> measure_valued_for(Gamma(1.0, 1.0)) is None
         True
     """
-    for cls in type(distr).__mro__:
-        if cls in _DECOMPOSITIONS:
-            return _DECOMPOSITIONS[cls]
-    return None
+    return _DECOMPOSITIONS.lookup(distr)
 
 
 def registered_types() -> list[type]:

@@ -30,6 +30,8 @@ from torch.distributions import (
     RelaxedOneHotCategorical,
 )
 
+from storch.registry import TypeRegistry
+
 __all__ = [
     "Relaxation", "GumbelCoupling", "register_relaxation", "relaxation_for", "conditional_gumbel_rsample",
 ]
@@ -75,7 +77,7 @@ class Relaxation:
     coupling: Optional[GumbelCoupling] = None
 
 
-_RELAXATIONS: dict[type, Relaxation] = {}
+_RELAXATIONS: TypeRegistry[Relaxation] = TypeRegistry()
 
 
 def register_relaxation(dist_type: type, relaxation: Relaxation) -> None:
@@ -85,10 +87,7 @@ def register_relaxation(dist_type: type, relaxation: Relaxation) -> None:
 
 def relaxation_for(distr: Distribution) -> Relaxation | None:
     """The relaxation registered for ``type(distr)`` or its nearest base class, else ``None``."""
-    for cls in type(distr).__mro__:
-        if cls in _RELAXATIONS:
-            return _RELAXATIONS[cls]
-    return None
+    return _RELAXATIONS.lookup(distr)
 
 
 def _one_hot_argmax(x: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ from torch.distributions.utils import probs_to_logits
 from storch.method.groups import GroupRecords, flatten_groups, group_plate, group_weights, split_groups, spread_groups
 from storch.method.method import Method
 from storch.plate import Plate, layout_of_plates
+from storch.registry import TypeRegistry
 from storch.tensor import CostTensor, StochasticTensor, layout_of, wrap
 
 __all__ = ["SPSA", "register_spsa_wrapper", "perturbable_parameters"]
@@ -58,7 +59,7 @@ class _Wrapper:
     rebuild: Callable[[Distribution, Distribution], Distribution]
 
 
-_WRAPPERS: dict[type, _Wrapper] = {}
+_WRAPPERS: TypeRegistry[_Wrapper] = TypeRegistry()
 
 
 def register_spsa_wrapper(
@@ -77,10 +78,7 @@ def register_spsa_wrapper(
 
 
 def _wrapper_for(d: Distribution) -> _Wrapper | None:
-    for cls in type(d).__mro__:
-        if cls in _WRAPPERS:
-            return _WRAPPERS[cls]
-    return None
+    return _WRAPPERS.lookup(d)
 
 
 register_spsa_wrapper(

@@ -31,6 +31,7 @@ from torch.distributions import Bernoulli, Distribution, OneHotCategorical
 
 from storch.method.method import Method
 from storch.method.relaxation import conditional_gumbel_rsample
+from storch.registry import TypeRegistry
 from storch.sampling.method import SamplingMethod
 
 __all__ = [
@@ -55,7 +56,7 @@ class OneHotView:
     to_sample: Callable[[torch.Tensor], torch.Tensor]
 
 
-_VIEWS: dict[type, OneHotView] = {}
+_VIEWS: TypeRegistry[OneHotView] = TypeRegistry()
 
 
 def register_one_hot_view(dist_type: type, view: OneHotView) -> None:
@@ -72,10 +73,7 @@ def one_hot_view_for(distr: Distribution) -> Optional[OneHotView]:
         >>> one_hot_view_for(Bernoulli(logits=torch.tensor([0.0]))).logits(Bernoulli(logits=torch.tensor([0.0]))).exp()
         tensor([[0.5000, 0.5000]])
     """
-    for cls in type(distr).__mro__:
-        if cls in _VIEWS:
-            return _VIEWS[cls]
-    return None
+    return _VIEWS.lookup(distr)
 
 
 def _bernoulli_logits(d: Bernoulli) -> torch.Tensor:

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch.distributions import Bernoulli, Categorical, Distribution, OneHotCategorical
 
 from storch.plate import Plate
+from storch.registry import TypeRegistry
 from storch.sampling.method import SamplingMethod
 from storch.tensor import Tensor, _Disable, wrap_new
 
@@ -75,7 +76,7 @@ class WORSupport:
     values: Callable[[torch.Tensor], torch.Tensor]
 
 
-_SUPPORTS: dict[type, Callable[[Distribution], WORSupport]] = {}
+_SUPPORTS: TypeRegistry[Callable[[Distribution], WORSupport]] = TypeRegistry()
 
 
 def register_wor_support(dist_type: type) -> Callable:
@@ -93,10 +94,9 @@ def register_wor_support(dist_type: type) -> Callable:
 
 def wor_support(distr: Distribution) -> WORSupport:
     """The registered :class:`WORSupport` of ``distr`` (the most specific registered base class)."""
-    for cls in type(distr).__mro__:
-        fn = _SUPPORTS.get(cls)
-        if fn is not None:
-            return fn(distr)
+    fn = _SUPPORTS.lookup(distr)
+    if fn is not None:
+        return fn(distr)
     raise TypeError(
         f"Sampling without replacement needs a distribution with a finite, enumerable support; "
         f"{type(distr).__name__} has no registered support (registered: "

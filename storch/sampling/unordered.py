@@ -40,6 +40,7 @@ import torch
 from torch.distributions import Bernoulli, Distribution, OneHotCategorical
 
 from storch.plate import Plate
+from storch.registry import TypeRegistry
 from storch.sampling.swor import SampleWithoutReplacement, WORState, wor_support
 
 __all__ = [
@@ -252,7 +253,7 @@ class UnorderedSet(SampleWithoutReplacement):
 
 
 # ----------------------------------------------------------------------- relaxed variant
-_RELAXED_VALUES: dict[type, Callable[[torch.Tensor], torch.Tensor]] = {}
+_RELAXED_VALUES: TypeRegistry[Callable[[torch.Tensor], torch.Tensor]] = TypeRegistry()
 
 
 def register_relaxed_wor_value(dist_type: type) -> Callable:
@@ -277,10 +278,7 @@ def _bernoulli_relaxed(y: torch.Tensor) -> torch.Tensor:
 
 
 def _relaxed_value_fn(distr: Distribution) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
-    for cls in type(distr).__mro__:
-        if cls in _RELAXED_VALUES:
-            return _RELAXED_VALUES[cls]
-    return None
+    return _RELAXED_VALUES.lookup(distr)
 
 
 def _log1m_softmax(u: torch.Tensor) -> torch.Tensor:
