@@ -167,8 +167,12 @@ def plot(results: dict, args: argparse.Namespace) -> None:
                     "Bayesian logistic regression (Laplace)")
     axes[0].set_ylim(bottom=max(min(min(r["elbo"]) for v in results.values() for r in v), -2000))
     axes[0].legend(fontsize=8)
-    print("plot:", save_figure(fig, f"logreg{'_quick' if args.quick else ''}.png"))
+    print("plot:", save_figure(fig, f"{stem(args)}.png"))
     plt.close(fig)
+
+
+def stem(args: argparse.Namespace) -> str:
+    return args.name or ("logreg_quick" if args.quick else "logreg")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -183,6 +187,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-samples", type=int, default=500)
     p.add_argument("--n-checkpoints", type=int, default=6)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--name", default=None, help="stem of the result files (default logreg / logreg_quick)")
     p.add_argument("--quick", action="store_true", help="smoke run: 6 steps, 1 seed")
     if p.parse_args(argv).quick:  # quick defaults; options given explicitly still win
         p.set_defaults(steps=6, seeds=1, var_repeats=4, n_checkpoints=2, eval_samples=50)
@@ -206,7 +211,7 @@ def main(argv=None) -> dict:
         print(f"\ntotal {time.perf_counter() - t0:.1f} s")
     text = out.getvalue()
     print(text, end="")
-    write_results("logreg_quick" if args.quick else "logreg", text, results)
+    write_results(stem(args), text, results)
     plot(results, args)
     return results
 
