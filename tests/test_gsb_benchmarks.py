@@ -42,7 +42,7 @@ def test_toy_truncation_bound_is_an_upper_bound():
 
 
 def test_quick_runs(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("common.RESULTS", str(tmp_path))
+    monkeypatch.setattr("gsb_common.RESULTS", str(tmp_path))
     toy = toy_problems.main(["--quick", "--steps", "4", "--dims", "1", "3", "--seeds", "1"])
     assert set(toy) == {(p, d, e) for p in (1, 2) for d in (1, 3) for e in ("gsb", "pathwise", "score")}
     logreg = bayes_logreg.main(["--quick", "--steps", "2"])

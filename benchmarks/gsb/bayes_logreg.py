@@ -37,13 +37,13 @@ import math
 import time
 from contextlib import redirect_stdout
 
-import common  # noqa: F401  (puts the checkout on sys.path)
+import gsb_common  # noqa: F401  (puts the checkout on sys.path)
 import torch
 import torch.nn.functional as F
 from torch.distributions import Laplace
 
 import storch
-from common import Timer, fmt, gradient_log_variance, make_method, mean_sd, plot_curves, pyplot, save_figure, write_results
+from gsb_common import Timer, fmt, gradient_log_variance, make_method, mean_sd, plot_curves, pyplot, save_figure, write_results
 
 PRIOR_SCALE = 1.0
 B0 = 0.1

@@ -18,8 +18,9 @@ Run from the repository root::
 Metrics per estimator, mean ± sd over seeds (5, as in the paper): the exact loss per coordinate
 (``L/d``) along training, and the gradient log-variance ``log10`` of the per-parameter variance of one
 gradient estimate, averaged over the ``2d`` parameters, from ``--var-repeats`` independent estimates at
-each checkpoint (:func:`common.gradient_log_variance`); ms per optimisation step. Tables go to stdout and
-``benchmarks/gsb/results/toy.txt`` / ``toy.json``; plots to ``results/toy1.png`` and ``results/toy2.png``.
+each checkpoint (:func:`gsb_common.gradient_log_variance`); ms per optimisation step. Tables go to
+stdout and ``benchmarks/gsb/results/toy.txt`` / ``toy.json``; plots to ``results/toy1.png`` and
+``results/toy2.png``.
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ import math
 import time
 from contextlib import redirect_stdout
 
-import common  # noqa: F401  (puts the checkout on sys.path)
+import gsb_common  # noqa: F401  (puts the checkout on sys.path)
 import torch
 import torch.nn.functional as F
 from torch.distributions import Gamma
 
 import storch
-from common import Timer, fmt, gradient_log_variance, make_method, mean_sd, plot_curves, pyplot, save_figure, write_results
+from gsb_common import Timer, fmt, gradient_log_variance, make_method, mean_sd, plot_curves, pyplot, save_figure, write_results
 
 EPS = 0.49
 K0, MU0 = 2.0, 0.5
