@@ -1,10 +1,21 @@
-"""Toy problems 1 and 2 of Echraibi et al. (2020), section 6.1: GSB vs pathwise vs score function.
+"""GSB's toy problems (Echraibi et al. 2020, section 6.1) where the truncated series diverges: eq. 25 vs order N.
+
+A companion of ``toy_problems.py`` (the main reproduction, started at ``k = 2, μ = 0.5`` where toy 2 keeps
+``εμ < 0.73`` and the truncated series converges). Here the runs start at ``k = μ = 1`` with a log
+parameterisation, so toy 2 drives ``εμ`` past 1, the radius of convergence of GSB's gamma series; the
+script compares the truncated series with the series summed in closed form (the paper's eq. 25,
+:class:`GSBExponential`) and checks every estimator against the **exact** gradient at each checkpoint
+(``max|z|``), which shows which estimators are unbiased where.
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/gsb/toy.py            # full run (d = 1, 10, 100; 2000 steps; 5 runs)
-    .venv/bin/python benchmarks/gsb/toy.py --quick    # smoke run (seconds)
-    .venv/bin/python benchmarks/gsb/toy.py --help
+    .venv/bin/python benchmarks/gsb/toy_closed_form.py            # d = 1, 10, 100; 2000 steps; 5 runs (~5 min)
+    .venv/bin/python benchmarks/gsb/toy_closed_form.py --quick    # smoke run (seconds)
+    .venv/bin/python benchmarks/gsb/toy_closed_form.py --help
+
+Results: ``benchmarks/gsb/results/toy_closed_form.{txt,json}`` and ``toy_closed_form_problem{1,2}.png``
+(plots with matplotlib's Agg backend when matplotlib is installed, ``pip install -e '.[bench]'``; without it
+the tables are still printed and written).
 
 ``z ~ Π_j Gamma(k_j, μ_j)`` with the paper's scale ``μ`` (torch's ``rate = 1/μ``), parameterised as
 ``k = exp(a)``, ``μ = exp(b)``, ``a = b = 0`` at the start (``k = μ = 1``), ``θ = (a, b)``.
@@ -28,7 +39,7 @@ Estimators, all storch methods with ``--samples`` samples per step and no contro
   is the implicit reparameterization gradient (Figurnov et al. 2018).
 * ``score function``: :class:`storch.method.ScoreFunction` without baseline.
 
-Measured per estimator, ``d`` and run (``--seeds`` runs, one storch graph, see ``common.py``): the exact
+Measured per estimator, ``d`` and run (``--seeds`` runs, one storch graph, see the helpers below): the exact
 training loss at every step; at ``--checkpoints`` evenly spaced steps, ``--var-reps`` independent gradient
 estimates at the current parameters, from which the log10 of the per-coordinate variance of one estimate
 (averaged over the 2d coordinates of ``(a, b)``) and ``max|z|`` = the largest ``|mean − exact|/se`` over
@@ -40,27 +51,170 @@ above, the estimator is biased. Tables: mean ± sd over the runs.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
+import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.distributions import Gamma
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import storch  # noqa: E402
-from storch.method import Reparameterization, ScoreFunction  # noqa: E402
-from storch.method.derivatives import pure_derivatives  # noqa: E402
-from storch.method.gsb import GSB, _foreign_plate_weights  # noqa: E402
-from storch.reduce import sum as plate_sum  # noqa: E402
-from storch.tensor import CostTensor, StochasticTensor, _Disable, plain, wrap_new  # noqa: E402
-
-import common  # noqa: E402
+import storch
+from storch.method import Reparameterization, ScoreFunction
+from storch.method.derivatives import pure_derivatives
+from storch.method.gsb import GSB, _foreign_plate_weights
+from storch.reduce import sum as plate_sum
+from storch.tensor import (
+    CostTensor,
+    StochasticTensor,
+    _Disable,
+    is_storch,
+    layout_of,
+    plain,
+    wrap_new,
+)
+from storch.testing import replicated_gradients
 
 EPS = 0.49
+
+
+# --------------------------------------------------------------------------- helpers
+# Seeds as a plate: the S runs of one estimator are one storch graph. The parameters have a leading
+# dimension S that the model declares an independent plate "seed" (seed_view); each run draws its own
+# samples and Adam is elementwise, so the runs do not interact. storch averages over an independent
+# plate (weight 1/S), so gradients are multiplied by S before the step (rescale_grads). Gradient
+# variance: R independent estimates in one backward pass (storch.testing.replicated_gradients, a
+# "replicate" plate in front of "seed"); per run, the variance of one estimate per coordinate,
+# averaged over coordinates, as log10.
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+SEED_PLATE = "seed"
+
+
+def seed_view(param: torch.Tensor, plate: str = SEED_PLATE) -> torch.Tensor:
+    """Declare the leading non-plate dimension of ``param`` (the runs) an independent plate."""
+    dim = len(layout_of(param).plates) if is_storch(param) else 0
+    return storch.denote_independent(param, dim, plate)
+
+
+def rescale_grads(params: Sequence[torch.Tensor], factor: float) -> None:
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(factor)
+
+
+def replicated_estimates(
+    params: Sequence[torch.Tensor], repeats: int, model: Callable[..., None], n_seeds: int, chunk: int = 0
+) -> list[torch.Tensor]:
+    """``R`` independent gradient estimates per run: one tensor ``(R, S, ...)`` per parameter.
+
+    ``model(*views)`` builds the graph and registers the costs (it calls :func:`seed_view` itself).
+    ``chunk`` > 0 splits the ``R`` replicates into several backward passes (memory).
+    """
+    chunk = chunk if chunk > 0 else repeats
+    parts: list[list[torch.Tensor]] = []
+    done = 0
+    while done < repeats:
+        r = min(chunk, repeats - done)
+        grads = replicated_gradients([p.detach() for p in params], r, model)
+        parts.append([g.detach() * n_seeds for g in grads])  # undo the 1/S of the seed plate
+        done += r
+    return [torch.cat([p[i] for p in parts]) for i in range(len(params))]
+
+
+def log10_mean_variance(estimates: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per run (dim 1): log10 of the mean over all coordinates of the variance over replicates (dim 0)."""
+    flat = torch.cat([e.double().flatten(2) for e in estimates], dim=2)  # (R, S, coordinates)
+    return flat.var(0).mean(-1).log10()
+
+
+def max_abs_z(estimates: Sequence[torch.Tensor], exact: Sequence[torch.Tensor], floor: float = 1e-7) -> float:
+    """Largest ``|mean − exact| / (sd/√R)`` over all coordinates of all runs (``storch.testing``'s statistic)."""
+    worst = 0.0
+    for e, g in zip(estimates, exact):
+        e = e.double()
+        r = e.shape[0]
+        diff = (e.mean(0) - g.double()).abs()
+        se = e.std(0) / math.sqrt(r)
+        z = torch.where(diff > floor, diff / se.clamp_min(1e-30), torch.zeros_like(diff))
+        worst = max(worst, float(z.max()))
+    return worst
+
+
+def mean_sd(values: Sequence[float] | torch.Tensor) -> tuple[float, float]:
+    t = torch.as_tensor(values, dtype=torch.float64).flatten()
+    if t.numel() == 0:
+        return float("nan"), float("nan")
+    sd = float(t.std()) if t.numel() > 1 else 0.0
+    return float(t.mean()), sd
+
+
+def fmt_ms(m: float, s: float, digits: int = 3) -> str:
+    """``mean ± sd`` in a compact scientific or fixed form."""
+    if not math.isfinite(m):
+        return "nan"
+    if m != 0 and (abs(m) < 1e-2 or abs(m) >= 1e4):
+        return f"{m:.{digits - 1}e} ± {s:.1e}"
+    return f"{m:.{digits}f} ± {s:.{digits}f}"
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h)) for i, h in enumerate(header)]
+    line = lambda cells: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    out = [line(header), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in rows]
+    return "\n".join(out)
+
+
+def environment() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+        "argv": sys.argv[1:],
+    }
+
+
+def write_results(out_dir: Path, stem: str, text: str, data: dict[str, Any]) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    txt, js = out_dir / f"{stem}.txt", out_dir / f"{stem}.json"
+    txt.write_text(text + "\n")
+    js.write_text(json.dumps(data, indent=1, default=float) + "\n")
+    return [txt, js]
+
+
+def pyplot() -> Optional[Any]:
+    """matplotlib.pyplot with the Agg backend, or None (and a printed note) when matplotlib is missing."""
+    if os.environ.get("GSB_BENCH_NO_PLOTS"):
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: tables only, no plots (pip install -e '.[bench]' or make bench-gsb).")
+        return None
+    return plt
+
+
+def band(ax: Any, x: Sequence[float], runs: torch.Tensor, label: str, color: Optional[str] = None, log: bool = False) -> None:
+    """Mean ± sd over runs (dim 0 of ``runs``) as a line with a shaded band."""
+    r = runs.double()
+    if log:  # mean and sd of log10 values: a band that stays positive
+        r = r.clamp_min(1e-300).log10()
+    m = r.mean(0)
+    s = r.std(0) if r.shape[0] > 1 else torch.zeros_like(m)
+    lo, hi = m - s, m + s
+    if log:
+        m, lo, hi = 10**m, 10**lo, 10**hi
+    (ln,) = ax.plot(list(x), m.tolist(), label=label, color=color, lw=1.2)
+    ax.fill_between(list(x), lo.tolist(), hi.tolist(), color=ln.get_color(), alpha=0.2, lw=0)
 
 
 # --------------------------------------------------------------------------- GSB summed in closed form (eq. 25)
@@ -141,7 +295,7 @@ def estimators(problem: int, order2: int) -> list[tuple[str, Callable[[int], Any
 
 # --------------------------------------------------------------------------- one training run (S seeds at once)
 def model(a: torch.Tensor, b: torch.Tensor, method: Any, cost: Callable) -> None:
-    z = method(gamma(common.seed_view(a), common.seed_view(b)))
+    z = method(gamma(seed_view(a), seed_view(b)))
     storch.add_cost(cost(z), "f")
 
 
@@ -165,18 +319,18 @@ def train(problem: int, d: int, make: Callable[[int], Any], args: argparse.Names
         with torch.no_grad():
             losses[t] = exact(a.double(), b.double())
         if t in checkpoints:
-            est = common.replicated_estimates(
+            est = replicated_estimates(
                 [a, b], args.var_reps, lambda a_, b_: model(a_, b_, make(args.samples), cost), S, args.chunk
             )
-            logvar.append(common.log10_mean_variance(est))
-            zmax = max(zmax, common.max_abs_z(est, exact_grads(a, b, exact)))
+            logvar.append(log10_mean_variance(est))
+            zmax = max(zmax, max_abs_z(est, exact_grads(a, b, exact)))
         if t == args.steps:
             break
         t0 = time.perf_counter()
         opt.zero_grad()
         model(a, b, method, cost)
         storch.backward()
-        common.rescale_grads([a, b], S)
+        rescale_grads([a, b], S)
         opt.step()
         step_time += time.perf_counter() - t0
     return {
@@ -195,8 +349,8 @@ def summary_rows(results: dict[str, dict[str, Any]], steps: int) -> list[list[st
     marks = [max(1, steps // 10), steps // 2, steps]
     for label, r in results.items():
         L = r["losses"]
-        cells = [label] + [common.fmt_ms(*common.mean_sd(L[m])) for m in marks]
-        cells.append(common.fmt_ms(*common.mean_sd(r["logvar"].mean(0)), digits=2))
+        cells = [label] + [fmt_ms(*mean_sd(L[m])) for m in marks]
+        cells.append(fmt_ms(*mean_sd(r["logvar"].mean(0)), digits=2))
         cells.append(f"{r['max_abs_z']:.1f}")
         cells.append(f"{r['ms_per_step']:.1f}")
         rows.append(cells)
@@ -209,7 +363,7 @@ def header(steps: int, seeds: int) -> list[str]:
 
 
 def plot(all_results: dict, args: argparse.Namespace, out: Path) -> list[Path]:
-    plt = common.pyplot()
+    plt = pyplot()
     if plt is None:
         return []
     files = []
@@ -219,15 +373,15 @@ def plot(all_results: dict, args: argparse.Namespace, out: Path) -> list[Path]:
         for col, d in enumerate(dims):
             for label, r in by_d[d].items():
                 steps = range(r["losses"].shape[0])
-                common.band(axes[0][col], steps, r["losses"].T, label, log=True)
-                common.band(axes[1][col], r["checkpoints"], r["logvar"].T, label)
+                band(axes[0][col], steps, r["losses"].T, label, log=True)
+                band(axes[1][col], r["checkpoints"], r["logvar"].T, label)
             axes[0][col].set_yscale("log")
             axes[0][col].set_title(f"problem {problem}, d = {d}: training loss")
             axes[1][col].set_title("log10 variance of the gradient")
             axes[1][col].set_xlabel("step (Adam, lr 1e-3)")
         axes[0][0].legend(fontsize=8)
         fig.tight_layout()
-        path = out / f"toy{'_quick' if args.quick else ''}_problem{problem}.png"
+        path = out / f"toy_closed_form{'_quick' if args.quick else ''}_problem{problem}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         files.append(path)
@@ -249,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--estimators", default="", help="comma-separated substrings of estimator labels to run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", type=Path, default=common.RESULTS)
+    p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--quick", action="store_true", help="smoke run: d = 1, 10; 60 steps; 2 runs; 20 estimates")
     return p
 
@@ -262,15 +416,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.set_num_threads(args.threads)
     wanted = [s.strip().lower() for s in args.estimators.split(",") if s.strip()]
     text = [
-        f"GSB toy problems (Echraibi et al. 2020, sec. 6.1): z ~ Gamma(k = e^a, scale mu = e^b), a = b = 0 at start, "
+        (f"GSB toy problems (Echraibi et al. 2020, sec. 6.1): z ~ Gamma(k = e^a, scale mu = e^b), a = b = 0 at start, "
         f"eps = {EPS}; Adam lr {args.lr}, {args.steps} steps, {args.samples} samples per estimate, "
         f"{args.seeds} runs (mean ± sd); log10 Var = variance of one estimate per coordinate of (a, b), averaged "
         f"over coordinates and over {len(range(args.checkpoints + 1))} checkpoints, {args.var_reps} estimates each; "
-        f"max|z| = largest |mean - exact|/se against the exact gradient (unbiased: ~4-5)."
+        f"max|z| = largest |mean - exact|/se against the exact gradient (unbiased: ~4-5).")
     ]
     print(text[0], flush=True)
     all_results: dict[int, dict[int, dict[str, Any]]] = {}
-    data: dict[str, Any] = {"env": common.environment(), "args": {k: str(v) for k, v in vars(args).items()}, "tables": {}}
+    data: dict[str, Any] = {"env": environment(), "args": {k: str(v) for k, v in vars(args).items()}, "tables": {}}
     t_start = time.perf_counter()
     for problem in args.problems:
         name = PROBLEMS[problem][0]
@@ -281,7 +435,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     continue
                 results[label] = train(problem, d, make, args, args.seed + 1000 * problem + 10 * d + i)
             all_results.setdefault(problem, {})[d] = results
-            table = common.format_table(header(args.steps, args.seeds), summary_rows(results, args.steps))
+            table = format_table(header(args.steps, args.seeds), summary_rows(results, args.steps))
             block = f"\nProblem {problem}: {name}, d = {d}\n{table}"
             print(block, flush=True)
             text.append(block)
@@ -301,8 +455,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     elapsed = time.perf_counter() - t_start
     text.append(f"\n(total {elapsed:.0f} s)")
     print(text[-1])
-    stem = "toy_quick" if args.quick else "toy"
-    files = common.write_results(args.out, stem, "\n".join(text), data)
+    stem = "toy_closed_form_quick" if args.quick else "toy_closed_form"
+    files = write_results(args.out, stem, "\n".join(text), data)
     files += plot(all_results, args, args.out)
     print("wrote " + ", ".join(str(f) for f in files))
     return 0
