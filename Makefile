@@ -14,7 +14,7 @@ SC_VENV := .venv-storchastic
 SC_PY := $(SC_VENV)/bin/python
 SC_STAMP := $(SC_VENV)/.installed
 
-.PHONY: venv test demo bench bench-storchastic bench-gsb clean
+.PHONY: venv test demo bench bench-storchastic bench-gsb bench-gsb-extra clean
 
 venv: $(STAMP)
 
@@ -38,6 +38,12 @@ bench-gsb: $(STAMP)
 	$(VENV_PY) -m pip install -e ".[bench]"
 	$(VENV_PY) benchmarks/gsb/toy_problems.py
 	$(VENV_PY) benchmarks/gsb/bayes_logreg.py
+
+# Companions: truncation beyond the gamma series' radius (~5 min), probes vs exact derivatives (~2 min).
+bench-gsb-extra: $(STAMP)
+	$(VENV_PY) -m pip install -e ".[bench]"
+	$(VENV_PY) benchmarks/gsb/toy_closed_form.py
+	$(VENV_PY) benchmarks/gsb/logistic_regression.py
 
 # Storchastic 0.3.7 also imports as `storch`, so it lives in its own venv and process.
 $(SC_STAMP):
