@@ -89,6 +89,47 @@ _ELEMENTWISE: frozenset = frozenset(
 ) | _BROADCAST_FIRST
 _SPECIAL = _BROADCAST_FIRST | _EXPAND_PLATES
 
+# Functions that take dimension indices. An index that falls on a plate is an error even when the
+# result happens to have the plates' sizes (a 3-sample node over a 3-valued variable: ``t.sum(0)``
+# sums the samples). Spec: the positions of dimension arguments in ``args`` (keywords are found by
+# name), and whether they index the result, which has one more dimension (``stack``, ``unsqueeze``).
+_DIM_KEYWORDS = ("dim", "axis", "dims", "dim0", "dim1", "source", "destination", "start_dim", "end_dim")
+_DIM_AT = {
+    1: (
+        "sum nansum mean nanmean prod std var std_mean var_mean amax amin max min argmax argmin "
+        "logsumexp softmax log_softmax softmin cumsum cumprod cummax cummin logcumsumexp all any median "
+        "nanmedian mode sort argsort unbind squeeze count_nonzero flip select index_select narrow "
+        "gather scatter scatter_add scatter_reduce index_add index_copy index_fill unflatten "
+        "cat concat concatenate glu"
+    ),
+    2: "topk kthvalue split chunk tensor_split norm renorm roll repeat_interleave diff normalize",
+    (1, 2): "transpose swapaxes swapdims movedim moveaxis flatten",
+}
+_NEW_DIM = ("stack", "unsqueeze")
+
+
+def _dim_specs() -> dict[Callable, tuple[tuple[int, ...], int]]:
+    specs: dict[Callable, tuple[tuple[int, ...], int]] = {}
+    groups = [((pos,) if isinstance(pos, int) else pos, names.split(), 0) for pos, names in _DIM_AT.items()]
+    groups.append(((1,), list(_NEW_DIM), 1))
+    for positions, names, extra in groups:
+        for name in names:
+            for owner in (torch, _T, F):
+                func = getattr(owner, name, None)
+                if callable(func):
+                    specs[func] = (positions, extra)
+    return specs
+
+
+_DIM_SPECS = _dim_specs()
+# Functions whose default (no dimension given) falls on dimension 0, or that always swap dimensions.
+_IMPLICIT_DIMS: dict[Callable, tuple[int, ...]] = {
+    f: (0,) for f in (torch.stack, torch.cat, torch.concat, torch.concatenate, torch.unbind, _T.unbind)
+}
+_IMPLICIT_DIMS.update({torch.t: (0, -1), _T.t: (0, -1), _T.T.__get__: (0, -1), _T.mT.__get__: (-2, -1)})
+_DIM_SPECS.update({f: _DIM_SPECS.get(f, ((), 0)) for f in _IMPLICIT_DIMS})
+
+
 # storch.Tensor, set by storch.tensor once the class exists (it imports this module).
 Tensor: type = torch.Tensor
 
@@ -144,6 +185,9 @@ def torch_function(cls: type, func: Callable, types: tuple, args: tuple = (), kw
         if layout is None:
             layout = EMPTY_LAYOUT
         else:
+            spec = _DIM_SPECS.get(func)
+            if spec is not None:
+                _check_dim_args(func, spec, args, kwargs)
             if plain_ndim > first.dim() - len(layout.sizes):
                 ragged = True
             if not same or (ragged and func in _ELEMENTWISE) or func in _SPECIAL:
@@ -152,6 +196,53 @@ def torch_function(cls: type, func: Callable, types: tuple, args: tuple = (), kw
         if type(out) is _T:
             return _wrap_tensor(out, layout, func, args)
         return _wrap_output(out, layout, func, args)
+
+
+def _dim_values(value: Any) -> list[int]:
+    """The dimension indices in one argument: an int or a sequence of ints (bools are flags)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, (tuple, list)) and value and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        return list(value)
+    return []
+
+
+def _check_dim_args(func: Callable, spec: tuple[tuple[int, ...], int], args: tuple, kwargs: dict) -> None:
+    """Refuse a dimension argument that indexes a plate of the (first) input tensor."""
+    subject = args[0] if args else None
+    if type(subject) is list or type(subject) is tuple:  # cat / stack: the first plated member
+        subject = next((b for b in subject if isinstance(b, Tensor) and b._layout.sizes), None)
+    if not isinstance(subject, Tensor) or not subject._layout.sizes:
+        return  # dimensions of a plain tensor (e.g. the table of a gather with a plated index)
+    positions, extra = spec
+    values = [v for i in positions if i < len(args) for v in _dim_values(args[i])]
+    for key in _DIM_KEYWORDS:
+        if key in kwargs:
+            values += _dim_values(kwargs[key])
+    ndim = subject.dim() + extra
+    if not values and func in _IMPLICIT_DIMS and ndim >= 2:
+        values = list(_IMPLICIT_DIMS[func])
+    n_plates = len(subject._layout.sizes)
+    for d in values:
+        if -ndim <= d < ndim and d % ndim < n_plates:
+            raise plate_index_error(func, d, d % ndim, subject)
+
+
+def plate_index_error(func: Callable, dim: int, position: int, t: torch.Tensor) -> ValueError:
+    """The error for a dimension argument that falls on a plate."""
+    name = _func_name(func)
+    layout = t._layout
+    plate = layout.plates[position]
+    n = len(layout.sizes)
+    return ValueError(
+        f"{name} got dimension {dim}, which is plate {plate.name!r} (size {plate.size}) of a tensor of "
+        f"shape {tuple(t.shape)} whose first {n} dimensions are the plates {list(layout.names)}. "
+        "Dimension arguments must index event dimensions: count from the right (e.g. dim=-1), as for "
+        "a single sample. To reduce a plate on purpose use storch.reduce_plates(t, "
+        f"{plate.name!r}) (weighted) or storch.sum/mean(t, {plate.name!r})."
+    )
 
 
 def _wrap_tensor(out: torch.Tensor, layout: PlateLayout, func: Callable, args: tuple) -> Any:
@@ -181,9 +272,17 @@ def _wrap_output(out: Any, layout: PlateLayout, func: Callable, args: tuple) -> 
     return out
 
 
+def _func_name(func: Callable) -> str:
+    """The name users know ``func`` by (``T`` for the getter of ``Tensor.T``)."""
+    name = getattr(func, "__name__", None) or repr(func)
+    if name == "__get__":  # a property getter
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
 def plate_dimension_error(func: Callable, shape: torch.Size, layout: PlateLayout) -> ValueError:
     """The error for an operation whose result lost or reshaped a plate dimension."""
-    name = getattr(func, "__name__", None) or repr(func)
+    name = _func_name(func)
     n = len(layout.sizes)
     plates = ", ".join(f"{p.name!r} (size {p.size})" for p in layout.plates)
     if len(shape) < n:
@@ -255,11 +354,42 @@ def _convert(a: Any, union: PlateLayout, pad_to: int | None, expand: bool) -> An
     return a
 
 
-# Small caches keyed by layout ids. Entries hold weak references and are checked on every hit, so
-# an id reused by a new layout after the old one died is never mistaken for it.
-_CACHE_LIMIT = 4096
-_union_cache: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], PlateLayout]] = {}
-_plan_cache: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, tuple | None, tuple]] = {}
+class _LayoutCache:
+    """A small cache keyed by the identities of plate layouts, holding nothing alive.
+
+    An entry is keyed by the ``id``s of its layouts and removed as soon as any of them dies (a
+    weak-reference callback), so an id reused by a new layout is never mistaken for the old one and
+    the cache never keeps a step's plates, nodes or methods alive. A cached layout is held weakly
+    too: it is alive while some tensor carries it, and recomputed otherwise.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, layouts: tuple[PlateLayout, ...]) -> Any:
+        hit = self._entries.get(tuple(map(id, layouts)))
+        if hit is not None and all(r() is lay for r, lay in zip(hit[0], layouts)):
+            return hit[1]
+        return None
+
+    def put(self, layouts: tuple[PlateLayout, ...], value: Any) -> None:
+        key = tuple(map(id, layouts))
+        entries = self._entries
+
+        def forget(_: weakref.ref, key: tuple[int, ...] = key) -> None:
+            entries.pop(key, None)
+
+        entries[key] = (tuple(weakref.ref(lay, forget) for lay in layouts), value)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+_union_cache = _LayoutCache()  # layouts -> weak reference to their union
+_plan_cache = _LayoutCache()  # (source layout, union) -> (permutation, index)
 
 
 def union_of_layouts(layouts: list[PlateLayout]) -> PlateLayout:
@@ -267,23 +397,20 @@ def union_of_layouts(layouts: list[PlateLayout]) -> PlateLayout:
     first = layouts[0]
     if all(lay is first or lay.plates == first.plates for lay in layouts):
         return first
-    key = tuple(id(lay) for lay in layouts)
-    hit = _union_cache.get(key)
-    if hit is not None and all(r() is lay for r, lay in zip(hit[0], layouts)):
-        return hit[1]
-    union = merge_layouts(layouts)
-    if len(_union_cache) > _CACHE_LIMIT:
-        _union_cache.clear()
-    _union_cache[key] = (tuple(weakref.ref(lay) for lay in layouts), union)
+    key = tuple(layouts)
+    ref = _union_cache.get(key)
+    union = ref() if ref is not None else None
+    if union is None:
+        union = merge_layouts(layouts)
+        _union_cache.put(key, weakref.ref(union))
     return union
 
 
 def _plan(src: PlateLayout, union: PlateLayout) -> tuple[tuple | None, tuple]:
     """How to lay out a tensor with plates ``src`` for ``union``: a permutation and an index."""
-    key = (id(src), id(union))
-    hit = _plan_cache.get(key)
-    if hit is not None and hit[0]() is src and hit[1]() is union:
-        return hit[2], hit[3]
+    hit = _plan_cache.get((src, union))
+    if hit is not None:
+        return hit
     positions = []
     for u in union.plates:
         positions.append(next((i for i, p in enumerate(src.plates) if p is u or p == u), None))
@@ -295,15 +422,11 @@ def _plan(src: PlateLayout, union: PlateLayout) -> tuple[tuple | None, tuple]:
         else:
             names = [p.name for p in missing]
             raise RuntimeError(f"internal error: plates {names} are missing from the union {union}")
-        if len(_plan_cache) > _CACHE_LIMIT:
-            _plan_cache.clear()
-        _plan_cache[key] = (weakref.ref(src), weakref.ref(union), perm, index)
+        _plan_cache.put((src, union), (perm, index))
         return perm, index
     perm = tuple(present) if present != sorted(present) else None
     index = tuple(slice(None) if p is not None else None for p in positions)
-    if len(_plan_cache) > _CACHE_LIMIT:
-        _plan_cache.clear()
-    _plan_cache[key] = (weakref.ref(src), weakref.ref(union), perm, index)
+    _plan_cache.put((src, union), (perm, index))
     return perm, index
 
 
