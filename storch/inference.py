@@ -18,18 +18,24 @@ derivatives of any order are the gradient estimates.
 
 from __future__ import annotations
 
+import warnings
 from contextvars import ContextVar
 from typing import Any
 
 import torch
 
+from storch._step import forget_sampled, sampled_plates
+from storch.exceptions import NonFiniteCostError, StaleCostError, UnusedNodeWarning
 from storch.method.method import Method
-from storch.plate import Plate
+from storch.plate import Plate, PlateClashError, merge_layouts
 from storch.reduce import reduce_plate
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout_of, plain, wrap
-from storch.util import get_distr_parameters, magic_box
+from storch.util import get_distr_parameters, magic_box, restore_lazy_plates
 
-__all__ = ["add_cost", "backward", "surrogate_loss", "reset", "registered_costs"]
+__all__ = ["add_cost", "backward", "surrogate_loss", "reset", "registered_costs", "MAX_PLATES"]
+
+#: torch reduces tensors of at most 64 dimensions, so a cost carries at most 64 plates
+MAX_PLATES = 64
 
 _COSTS: ContextVar[tuple[CostTensor, ...]] = ContextVar("storch_costs", default=())
 
@@ -52,15 +58,43 @@ def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
         (['double'], 4.0)
         >>> storch.reset()
     """
-    if not isinstance(cost, torch.Tensor):
-        cost = torch.as_tensor(cost, dtype=torch.get_default_dtype())
     costs = _COSTS.get()
     if name is None:
         name = f"cost_{len(costs)}"
+    try:
+        cost = _as_cost_tensor(cost, name)
+        _check_cost(cost, name, costs)
+    except Exception:
+        reset()  # a failed step leaves nothing behind for the next one
+        raise
+    layout = layout_of(cost)
+    registered = wrap(cost, layout, CostTensor)
+    registered._name = name  # type: ignore[attr-defined]
+    _COSTS.set(costs + (registered,))  # type: ignore[operator]
+
+
+def _as_cost_tensor(cost: Any, name: str) -> torch.Tensor:
+    if isinstance(cost, torch.Tensor):
+        return cost
+    if isinstance(cost, (int, float)) and not isinstance(cost, bool):
+        return torch.tensor(float(cost), dtype=torch.get_default_dtype())
+    raise TypeError(
+        f"storch.add_cost({name!r}): a cost is a tensor (or a Python number for a constant), got "
+        f"{type(cost).__name__} {cost!r:.80}. Register one tensor per cost, e.g. "
+        "storch.add_cost(loss.sum(-1), 'reconstruction')."
+    )
+
+
+def _check_cost(cost: torch.Tensor, name: str, costs: tuple[CostTensor, ...]) -> None:
+    """Refuse a cost that cannot be registered, with the reason and the fix."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"storch.add_cost: a cost name is a non-empty string, got {name!r}.")
     if any(c.name == name for c in costs):
         raise ValueError(
             f"A cost named {name!r} is already registered in this graph; give each cost a unique "
-            f"name (e.g. f'{name}_{{t}}' in a loop)."
+            f"name (e.g. f'{name}_{{t}}' in a loop). If it is left over from a step that raised before "
+            "storch.backward(), call storch.reset() at the start of each step. The registry has been "
+            "cleared."
         )
     layout = layout_of(cost)
     if cost.dim() != len(layout.sizes):
@@ -72,9 +106,16 @@ def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
         )
     if not cost.dtype.is_floating_point:
         raise TypeError(f"Cost {name!r} must be a floating point tensor, got {cost.dtype}.")
-    registered = wrap(cost, layout, CostTensor)
-    registered._name = name  # type: ignore[attr-defined]
-    _COSTS.set(costs + (registered,))  # type: ignore[operator]
+    if len(layout.sizes) > MAX_PLATES:
+        nodes = sum(p.node is not None for p in layout.plates)
+        raise ValueError(
+            f"Cost {name!r} carries {len(layout.sizes)} plates ({nodes} of them stochastic nodes: "
+            f"{', '.join(layout.names[:6])}, ...), but torch reduces tensors of at most {MAX_PLATES} "
+            "dimensions. Every stochastic node adds its plate to everything computed from it, so a "
+            "chain of N nodes gives its costs N plates. Draw several variables in one node (a "
+            "distribution with a batch dimension), or decode a sequence with one ancestral plate per "
+            "chain (storch.sampling's decoders), which does not grow with its length."
+        )
 
 
 def registered_costs() -> tuple[CostTensor, ...]:
@@ -83,8 +124,14 @@ def registered_costs() -> tuple[CostTensor, ...]:
 
 
 def reset() -> None:
-    """Forget the registered costs of the current context."""
+    """Forget the registered costs (and the sampled nodes) of the current context.
+
+    :func:`backward` resets on its own, also when it raises. Call ``reset`` at the start of a step,
+    or where you catch an error raised between :func:`add_cost` and :func:`backward`, so that costs
+    of a failed step do not join the next one.
+    """
     _COSTS.set(())
+    forget_sampled()
 
 
 class _Record:
@@ -149,11 +196,35 @@ def _surrogate(costs: tuple[CostTensor, ...], record: _Record) -> torch.Tensor:
             "No costs are registered in this context: call storch.add_cost(cost, name) before "
             "storch.backward() or storch.surrogate_loss()."
         )
+    _check_one_step(costs)
     total = None
     for cost in costs:
         s = _cost_surrogate(cost, record)
         total = s if total is None else total + s
+    for node in record.nodes.values():  # parameters the estimators computed with dispatch off
+        restore_lazy_plates(node.distribution)
     return total  # type: ignore[return-value]
+
+
+def _check_one_step(costs: tuple[CostTensor, ...]) -> None:
+    """Refuse costs whose stochastic nodes clash: two different nodes with one plate name.
+
+    Within one step, node names are unique (they clash in any operation that meets both), so such
+    costs come from two steps: a cost left over from a step that raised before ``backward``.
+    """
+    if len(costs) < 2:
+        return
+    try:
+        merge_layouts([layout_of(c) for c in costs])
+    except PlateClashError as clash:
+        reset()
+        names = ", ".join(repr(c.name) for c in costs)
+        raise StaleCostError(
+            f"The registered costs ({names}) hold two different stochastic nodes with one plate name: "
+            f"{clash} Within one step a node name is unique, so one of these costs is left over from "
+            "an earlier step that raised before storch.backward(). Call storch.reset() at the start "
+            "of each step (or where you catch the error); the registry has been cleared."
+        ) from None
 
 
 def surrogate_loss(costs: tuple[CostTensor, ...] | None = None) -> torch.Tensor:
@@ -192,6 +263,53 @@ def _retain_param_grads(record: _Record) -> list[Any]:
     return handles
 
 
+def _check_finite(loss: torch.Tensor, costs: tuple[CostTensor, ...]) -> None:
+    """Raise :class:`NonFiniteCostError`, naming the costs, if the surrogate loss is NaN or infinite."""
+    if loss.device.type == "meta":
+        return  # no values to check
+    with _Disable():
+        if bool(torch.isfinite(loss)):
+            return
+        found = []
+        for cost in costs:
+            bad = ~torch.isfinite(cost.detach())
+            n_bad = int(bad.sum())
+            if n_bad:
+                where = tuple(int(i) for i in bad.nonzero()[0]) if bad.dim() else ()
+                found.append(
+                    f"{cost.name!r} at {n_bad} of {bad.numel()} values (plates {cost.plate_names}; "
+                    f"first at index {where}: {cost.detach()[where].item()})"
+                )
+    detail = (
+        "Non-finite costs: " + "; ".join(found) + "."
+        if found
+        else "Every cost is finite, so a log-probability, weight or control variate of an estimator is "
+        "not (e.g. log p(x) = -inf for a sample outside the support)."
+    )
+    raise NonFiniteCostError(
+        f"storch.backward: the surrogate loss is {loss.item()}. {detail} Nothing was differentiated, "
+        "no baseline or method state was updated, and the registry was cleared."
+    )
+
+
+def _warn_unused_nodes(costs: tuple[CostTensor, ...]) -> None:
+    """Warn about nodes sampled in this step whose gradient is zero because no cost carries them."""
+    in_costs = {id(p) for c in costs for p in layout_of(c).plates}
+    for plate in sampled_plates():
+        if id(plate) in in_costs or plate.node is None:
+            continue
+        method = type(plate.node.method).__name__
+        warnings.warn(
+            f"Node {plate.name!r} ({method}) was sampled in this step, but no registered cost carries "
+            f"its plate {plate.name!r}, so its distribution's parameters get no gradient from it. If a "
+            "cost depends on it, the plate was reduced before storch.add_cost (storch.reduce_plates, "
+            "storch.sum/mean, logsumexp): register the cost with the plate and let storch reduce it. If "
+            "the node is not used, sample it under torch.no_grad().",
+            UnusedNodeWarning,
+            stacklevel=3,
+        )
+
+
 def backward(
     create_graph: bool = False,
     retain_graph: bool = False,
@@ -225,15 +343,24 @@ def backward(
     costs = _COSTS.get()
     record = _Record()
     try:
+        if not torch.is_grad_enabled():
+            raise RuntimeError(
+                "storch.backward() was called with gradients disabled (inside torch.no_grad() or "
+                "torch.inference_mode()), so the surrogate loss cannot be differentiated. Call it "
+                "outside that block, or use storch.surrogate_loss() to only estimate the cost."
+            )
         loss = _surrogate(costs, record)
+        _check_finite(loss, costs)
+        _warn_unused_nodes(costs)
         if print_costs:
             for cost in costs:
                 print(f"{cost.name}: {_cost_surrogate(cost, _Record()).item():.6g}")
         if not loss.requires_grad:
             raise ValueError(
                 "storch.backward: no registered cost depends on a tensor that requires grad, so there "
-                "is nothing to differentiate. Check that your parameters have requires_grad=True, "
-                "or use storch.surrogate_loss() to only estimate the cost."
+                "is nothing to differentiate. Check that your parameters have requires_grad=True and "
+                "that the costs were not computed under torch.no_grad(), or use "
+                "storch.surrogate_loss() to only estimate the cost."
             )
         handles = _retain_param_grads(record)
         # methods that learn from the gradient estimate (RELAX's control variate) differentiate

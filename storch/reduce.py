@@ -77,7 +77,7 @@ def gather_samples(
     tensors = [s if isinstance(s, torch.Tensor) else torch.as_tensor(s) for s in samples]
     layouts = [layout_of(t) for t in tensors]
     union = merge_layouts(layouts)
-    plate = Plate(plate_name, len(tensors), weight)
+    plate = Plate(plate_name, len(tensors), _sample_weights(weight, len(tensors), plate_name))
     with _Disable():
         if union.plates:
             tensors = [
@@ -86,6 +86,25 @@ def gather_samples(
             ]
         stacked = torch.stack(tensors, 0)
     return wrap_new(stacked, layout_of_plates((plate,) + union.plates), IndependentTensor)  # type: ignore[return-value]
+
+
+def _sample_weights(weight: object, n: int, plate_name: str) -> torch.Tensor | None:
+    """``gather_samples``' weight as a scalar or a vector of ``n`` weights (``None``: ``1/n``)."""
+    if weight is None:
+        return None
+    try:
+        w = torch.as_tensor(weight, dtype=torch.get_default_dtype())
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(
+            f"gather_samples({plate_name!r}): weight must be a number, a sequence or a tensor of "
+            f"{n} weights, got {type(weight).__name__}: {error}"
+        ) from None
+    if w.dim() > 1 or (w.dim() == 1 and w.shape[0] != n):
+        raise ValueError(
+            f"gather_samples({plate_name!r}): weight must be a scalar or hold one weight per sample "
+            f"({n}), got shape {tuple(w.shape)}."
+        )
+    return w
 
 
 def _resolve(tensor: torch.Tensor, ref: PlateRef) -> tuple[int, Plate | None]:
@@ -170,11 +189,17 @@ def _plate_weight(plate: Plate, detach: bool) -> torch.Tensor | None:
 
 
 def reduce_plate(tensor: Tensor, plate: Plate, detach_weights: bool = True) -> torch.Tensor:
-    """Weighted sum of ``tensor`` over one plate: ``Σ_i w_i t_i`` (a mean for uniform weights)."""
+    """Weighted sum of ``tensor`` over one plate: ``Σ_i w_i t_i`` (a mean for uniform weights).
+
+    A value of weight zero does not enter the sum even when it is infinite or NaN (an enumerated
+    value of probability 0 whose cost is ``inf``): ``0 · ∞`` would poison the sum. Finite values of
+    weight zero stay in, so the derivative with respect to their weight is kept.
+    """
     w = _plate_weight(plate, detach_weights)
     if w is None:
         return _reduce_dims(tensor, plate, "mean")
-    return _reduce_dims(tensor * w, plate, "sum")
+    ignored = (w == 0) & ~torch.isfinite(tensor)
+    return _reduce_dims(torch.where(ignored, torch.zeros((), dtype=tensor.dtype, device=tensor.device), tensor) * w, plate, "sum")
 
 
 def reduce_plates(
@@ -232,6 +257,11 @@ def variance(
     if not isinstance(tensor, Tensor):
         raise ValueError("variance needs a storch.Tensor with the plate to compute the variance over.")
     plate = tensor._layout.plates[tensor._layout.index(variance_plate)]
+    if plate.size < 2:
+        raise ValueError(
+            f"variance over plate {plate.name!r} needs at least 2 samples, but it has {plate.size}: "
+            "the variance of a single sample cannot be estimated."
+        )
     centered = tensor - reduce_plate(tensor, plate, detach_weights)
     var = reduce_plate(centered * centered, plate, detach_weights)
     if plate.has_uniform_weight and plate.size > 1:

@@ -11,13 +11,13 @@ from torch.distributions.utils import lazy_property
 from storch.method.relaxation import conditional_gumbel_rsample, relaxation_for
 from storch._dispatch import union_of_layouts
 from storch.plate import EMPTY_LAYOUT, Plate, PlateLayout, layout_of_plates, order_plates
-from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout_of, wrap_new
+from storch.tensor import CostTensor, StochasticTensor, Tensor, _alias, _Disable, layout_of, wrap_new
 
 __all__ = [
     "magic_box", "get_distr_parameters", "distribution_layout", "has_differentiable_path",
     "has_backwards_path", "walk_backward_graph", "print_graph", "topological_sort", "split",
     "rsample_gumbel", "rsample_gumbel_softmax", "conditional_gumbel_rsample", "tensor_stats",
-    "reduce_mean", "log_prob_of_own_samples",
+    "reduce_mean", "log_prob_of_own_samples", "restore_lazy_plates",
 ]
 
 
@@ -96,6 +96,28 @@ def _with_nested(d: Distribution) -> list[Distribution]:
         if isinstance(value, Distribution):
             found.extend(_with_nested(value))
     return found
+
+
+def restore_lazy_plates(d: Distribution) -> None:
+    """Give the plates back to parameters that ``d`` computed lazily while dispatch was off.
+
+    ``torch.distributions`` computes some parameters on first use and caches them on the object
+    (``Bernoulli(logits=…).probs``, ``Categorical(probs=…).logits``, ``MultivariateNormal``'s
+    matrices). storch samples and scores with its dispatch disabled, so a parameter first computed
+    there would be cached as a plain tensor whose plate dimensions later broadcast as event
+    dimensions (``q.probs * logits`` a data × data grid). Each such cached value gets the plates of
+    its own distribution's parameters back (a view; nothing is recomputed).
+    """
+    for dist in _with_nested(d):
+        layout = None
+        for name, value in list(vars(dist).items()):
+            if type(value) is not torch.Tensor or not isinstance(getattr(type(dist), name, None), lazy_property):
+                continue
+            if layout is None:
+                layout = distribution_layout(dist)
+            sizes = layout.sizes
+            if sizes and tuple(value.shape[: len(sizes)]) == sizes:
+                dist.__dict__[name] = wrap_new(_alias(value), layout)
 
 
 def log_prob_of_own_samples(d: Distribution, samples: torch.Tensor) -> torch.Tensor:

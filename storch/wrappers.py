@@ -5,7 +5,9 @@
   the outputs the plates back.
 * :func:`reduce` — the same for functions that reduce some plates away.
 * :func:`make_left_broadcastable` — for functions that accept exactly one batch dimension, such as
-  ``nn.Conv2d`` on ``(N, C, H, W)``: the plates are flattened into that batch dimension.
+  ``nn.Conv2d`` on ``(N, C, H, W)`` or ``nn.LSTMCell`` on ``(N, F)`` with an ``(h, c)`` state: the
+  plates (and, with ``batch_dims``, the leading non-plate dimensions) are flattened into that batch
+  dimension.
 * :func:`stochastic` — check that a user function that samples returns storch tensors.
 """
 
@@ -53,11 +55,28 @@ def _call(
     dim: str | None,
     dims: Sequence[str] | None,
     removed: Sequence[str],
+    batch_dims: int = 0,
 ) -> Any:
     union = _collect_layouts(args, kwargs)
     expand = expand_plates or flatten_plates
     n = len(union.sizes)
     flat = math.prod(union.sizes)
+    merge_batch = flatten_plates and n > 0 and batch_dims > 0
+    batch: list[tuple[int, ...]] = []  # the batch shape (first batch_dims non-plate dims) when merged
+
+    def merge(t: torch.Tensor) -> torch.Tensor:
+        """``(flat, *B, *rest)`` -> ``(flat·prod(B), *rest)``, with ``B`` the same for every tensor."""
+        shape = tuple(t.shape[1 : 1 + batch_dims])
+        if t.dim() < 1 + batch_dims or (batch and shape != batch[0]):
+            raise ValueError(
+                f"{getattr(fn, '__name__', fn)}: with batch_dims={batch_dims} every tensor argument needs the "
+                f"same {batch_dims} batch dimension(s) after its plates {list(union.names)}; got shape "
+                f"{tuple(t.shape[1:])} after the plates"
+                + (f", but an earlier argument had batch shape {batch[0]}." if batch else ".")
+            )
+        if not batch:
+            batch.append(shape)
+        return t.reshape((flat * math.prod(shape),) + tuple(t.shape[1 + batch_dims :]))
 
     def prepare(t: torch.Tensor) -> torch.Tensor:
         plated = isinstance(t, Tensor) and bool(t._layout.plates)
@@ -68,6 +87,8 @@ def _call(
                 t = expand_plain(t, union) if flatten_plates else t
             if flatten_plates and n:
                 t = t.reshape((flat,) + tuple(t.shape[n:]))
+                if merge_batch:
+                    t = merge(t)
             if isinstance(t, Tensor):  # never hand out (or retype below) the caller's storch tensor
                 t = t.view_as(t)
         if not unwrap and plated and not flatten_plates:
@@ -86,14 +107,17 @@ def _call(
 
     def finish(t: torch.Tensor) -> torch.Tensor:
         if flatten_plates and n:
-            if t.dim() == 0 or t.shape[0] != flat:
+            b = batch[0] if merge_batch and batch else ()
+            lead = flat * math.prod(b)
+            if t.dim() == 0 or t.shape[0] != lead:
+                merged = f" and the batch dimensions {b}" if b else ""
                 raise ValueError(
                     f"{getattr(fn, '__name__', fn)} returned shape {tuple(t.shape)} after the plates "
-                    f"{list(union.names)} were flattened into a first dimension of size {flat}; it "
+                    f"{list(union.names)}{merged} were flattened into a first dimension of size {lead}; it "
                     "must keep that dimension."
                 )
             with _Disable():
-                t = t.reshape(union.sizes + tuple(t.shape[1:]))
+                t = t.reshape(union.sizes + b + tuple(t.shape[1:]))
         if type(t) is not torch.Tensor:
             with _Disable():
                 t = t.view_as(t)
@@ -173,12 +197,21 @@ def reduce(fn: Callable, plates: str | Sequence[str]) -> Callable:
     return wrapper
 
 
-def make_left_broadcastable(fn: Callable) -> Callable:
+def make_left_broadcastable(fn: Callable | None = None, *, batch_dims: int = 0) -> Callable:
     """Wrap a function that takes exactly one batch dimension, e.g. ``nn.Conv2d`` on ``(N, C, H, W)``.
 
     All plates are flattened into the first dimension before the call and restored afterwards, so a
     ``(Z, N, C, H, W)`` input with plates ``z`` and ``data`` reaches the convolution as
-    ``(Z·N, C, H, W)``.
+    ``(Z·N, C, H, W)``. Plain tensor arguments are expanded over the plates first; tensors inside
+    tuples, lists and dicts (an ``(h, c)`` state) are handled too, and so are tuple outputs.
+
+    Args:
+        fn: the function or module; without it, a decorator is returned.
+        batch_dims: how many non-plate dimensions after the plates are batch dimensions of ``fn``
+            too, flattened together with the plates (``0``: none, the plates are the batch). With
+            ``batch_dims=1`` a ``(Z, N, F)`` input on plate ``z`` reaches ``fn`` as ``(Z·N, F)``;
+            every tensor argument must then have the same ``N`` after its plates (a plain ``(N, H)``
+            state is expanded over the plates).
 
     Example:
         >>> import torch, storch
@@ -186,8 +219,32 @@ def make_left_broadcastable(fn: Callable) -> Callable:
         >>> x = storch.denote_independent(torch.randn(4, 1, 8, 8), 0, "data")
         >>> conv(x).shape
         torch.Size([4, 2, 6, 6])
+
+        A recurrent cell on samples of a minibatch: ``nn.LSTMCell`` itself accepts only ``(N, F)``
+        inputs, wrapped it takes the sample plate in front.
+
+        >>> from torch.distributions import Normal
+        >>> cell = storch.make_left_broadcastable(torch.nn.LSTMCell(3, 5), batch_dims=1)
+        >>> x = storch.method.Reparameterization("z", n_samples=4)(Normal(torch.zeros(2, 3), 1.0))
+        >>> h, c = cell(x, (torch.zeros(2, 5), torch.zeros(2, 5)))   # x: (4, 2, 3) on plate z
+        >>> h.shape, [p.name for p in h.plates], c.shape
+        (torch.Size([4, 2, 5]), ['z'], torch.Size([4, 2, 5]))
     """
-    return deterministic(fn, flatten_plates=True)
+    if isinstance(batch_dims, bool) or not isinstance(batch_dims, int) or batch_dims < 0:
+        raise ValueError(f"make_left_broadcastable: batch_dims must be an int >= 0, got {batch_dims!r}.")
+    if fn is None:
+        return functools.partial(make_left_broadcastable, batch_dims=batch_dims)
+    if batch_dims == 0:
+        return deterministic(fn, flatten_plates=True)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return _call(
+            fn, args, kwargs, unwrap=True, expand_plates=False, flatten_plates=True, dim=None, dims=None,
+            removed=(), batch_dims=batch_dims,
+        )
+
+    return wrapper
 
 
 def stochastic(fn: Callable) -> Callable:

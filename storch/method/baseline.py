@@ -62,10 +62,19 @@ class MovingAverageBaseline(Baseline):
         return self.averages.get(name, torch.zeros((), dtype=mean.dtype))
 
     def update(self) -> None:
+        """Fold the costs of the last step into the averages; a NaN or infinite mean is skipped.
+
+        (:func:`storch.backward` refuses non-finite costs before this runs; the guard also covers
+        a surrogate differentiated by hand.) No value is read back, so this never syncs a GPU.
+        """
         beta = self.exponential_decay
         for name, mean in self._pending.items():
             old = self.averages.get(name)
-            self.averages[name] = mean if old is None else beta * old + (1 - beta) * mean
+            finite = torch.isfinite(mean)
+            if old is None:
+                self.averages[name] = torch.where(finite, mean, torch.zeros_like(mean))
+            else:
+                self.averages[name] = torch.where(finite, beta * old + (1 - beta) * mean, old)
         self._pending.clear()
 
 

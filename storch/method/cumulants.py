@@ -36,6 +36,7 @@ from torch.distributions import Distribution, Exponential, Gamma, Independent, L
 
 from storch.distributions.dirac import Dirac
 from storch.registry import TypeRegistry
+from storch.sampling.method import check_count
 
 __all__ = ["register_cumulants", "cumulants", "cumulant_terms", "cumulants_registered", "supported_distributions"]
 
@@ -88,8 +89,7 @@ def supported_distributions() -> list[str]:
 
 def cumulant_terms(distr: Distribution, order: int) -> list[Optional[torch.Tensor]]:
     """``[κ_1, …, κ_order]`` with ``None`` for identically-zero cumulants (see :func:`cumulants`)."""
-    if int(order) < 1:
-        raise ValueError(f"cumulants: the order must be at least 1, got {order}.")
+    order = check_count(order, "the order", "cumulants")
     fn = _lookup(distr)
     if fn is None:
         raise ValueError(
@@ -97,7 +97,7 @@ def cumulant_terms(distr: Distribution, order: int) -> list[Optional[torch.Tenso
             f"{', '.join(supported_distributions())}. Register them with "
             "storch.method.cumulants.register_cumulants."
         )
-    terms = list(fn(distr, int(order)))
+    terms = list(fn(distr, order))
     if len(terms) != order:
         raise RuntimeError(f"The cumulants of {type(distr).__name__} returned {len(terms)} terms for order {order}.")
     return terms

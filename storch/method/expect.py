@@ -13,6 +13,7 @@ from torch.distributions import Distribution
 
 from storch.method.method import Method
 from storch.sampling.expect import Enumerate
+from storch.sampling.method import check_count
 
 __all__ = ["Expect"]
 
@@ -34,6 +35,7 @@ class Expect(Method):
     """
 
     def __init__(self, plate_name: str, budget: int = 10000) -> None:
+        budget = check_count(budget, "budget", f"Expect({plate_name!r})")
         super().__init__(plate_name, Enumerate(plate_name, budget))
 
     def check_distribution(self, distr: Distribution) -> None:

@@ -160,6 +160,14 @@ class GroupRecords:
         self.method, self.what = method, what
         self._records: WeakIdKeyDictionary = WeakIdKeyDictionary()  # samples -> record
 
+    def __getstate__(self) -> dict:
+        # records belong to the nodes of the current forward pass; a copy (deepcopy, pickle) starts empty
+        return {"method": self.method, "what": self.what}
+
+    def __setstate__(self, state: dict) -> None:
+        self.method, self.what = state["method"], state["what"]
+        self._records = WeakIdKeyDictionary()
+
     def keep(self, samples: torch.Tensor, record: Any) -> None:
         """Remember ``record`` for the node whose proposal returned ``samples``."""
         self._records[samples] = record

@@ -113,7 +113,7 @@ from storch.plate import Plate, PlateLayout, layout_of_plates
 from storch.reduce import _plate_weight
 from storch.reduce import sum as plate_sum
 from storch.registry import TypeRegistry
-from storch.sampling.method import MonteCarlo
+from storch.sampling.method import check_count
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, plain, wrap_new
 
 __all__ = [
@@ -386,9 +386,9 @@ class GSB(Method):
                 f"GSB({plate_name!r}): order must be an integer ≥ 1 (the truncation order of the cumulant "
                 f"series), got {order!r}."
             )
-        super().__init__(plate_name, MonteCarlo(plate_name, n_samples))
+        super().__init__(plate_name, None, n_samples)
         self.order = order
-        self.max_exact_batch = int(max_exact_batch)
+        self.max_exact_batch = check_count(max_exact_batch, "max_exact_batch", f"GSB({plate_name!r})")
         self._finite_difference: Optional[list[Method]] = None  # the Poisson rule's MVD, made on demand
         self.sampling_method.set_mc_sample(self._sample)
         self.sampling_method.set_mc_weighting_function(self._weights)

@@ -18,7 +18,7 @@ import math
 import torch
 from torch.distributions import Distribution
 
-from storch.method.method import Method
+from storch.method.method import DEFAULT_N_SAMPLES, Method
 from storch.method.relaxation import relaxation_for
 from storch.sampling.method import SamplingMethod
 from storch.util import rsample_gumbel_softmax
@@ -52,7 +52,7 @@ class GumbelSoftmax(Method):
         self,
         plate_name: str,
         sampling_method: SamplingMethod | None = None,
-        n_samples: int = 1,
+        n_samples: int = DEFAULT_N_SAMPLES,
         straight_through: bool = False,
         initial_temperature: float = 1.0,
         min_temperature: float = 1e-4,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch.distributions import Distribution
 
 from storch.method.baseline import BaselineFactory
-from storch.method.method import Method
+from storch.method.method import DEFAULT_N_SAMPLES, Method, proposal_arguments
 from storch.method.reparameterization import Reparameterization
 from storch.method.score_function import ScoreFunction
 from storch.sampling.method import SamplingMethod
@@ -41,9 +41,10 @@ class Infer(Method):
         self,
         plate_name: str,
         sampling_method: SamplingMethod | None = None,
-        n_samples: int = 1,
+        n_samples: int = DEFAULT_N_SAMPLES,
         baseline_factory: BaselineFactory | str = _DEFAULT,
     ) -> None:
+        sampling_method, n_samples = proposal_arguments(f"Infer({plate_name!r})", sampling_method, n_samples)
         super().__init__(plate_name, sampling_method, n_samples)
         if baseline_factory == _DEFAULT:
             baseline_factory = "batch_average" if self.n_samples >= 2 else "moving_average"

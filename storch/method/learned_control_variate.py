@@ -113,7 +113,16 @@ class LearnedControlVariate(Method):
 
     # ------------------------------------------------------------------ draws
     def keep_draw(self, samples: torch.Tensor, draw: Draw) -> None:
-        """Remember ``draw`` for the node whose proposal returned ``samples`` (until they are freed)."""
+        """Remember ``draw`` for the node whose proposal returned ``samples`` (until they are freed).
+
+        ``draw`` must not hold ``samples`` itself: the entry would keep its own key alive (and with
+        it the draws' graphs) for ever.
+        """
+        if any(value is samples for value in draw.values.values()):
+            raise ValueError(
+                f"{type(self).__name__}({self.plate_name!r}): a Draw must not hold the samples tensor itself "
+                "(it would never be freed); read the samples back from the node (tensor._node.samples)."
+            )
         key = id(samples)
         self._draws[key] = (weakref.ref(samples), draw)
         weakref.finalize(samples, self._draws.pop, key, None)
@@ -129,6 +138,18 @@ class LearnedControlVariate(Method):
                 "on the distribution, with its default Monte Carlo proposal."
             )
         return entry[1]
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave out the per-node draws and snapshots of the current step.
+
+        They belong to the graph of one forward pass (relaxed samples and parameter snapshots with
+        their autograd history, weak references), which a copy cannot use, and non-leaf tensors
+        cannot be deep-copied. The control variate, its parameters and the optimizer state are kept.
+        """
+        state = super().__getstate__()
+        state["_draws"] = {}
+        state["_snapshots"] = []
+        return state
 
     # -------------------------------------------------------------- snapshots
     def snapshot(self, param: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,6 @@ from storch.method.groups import flatten_groups, group_plate, group_weights, spl
 from storch.method.method import Method
 from storch.plate import layout_of_plates
 from storch.registry import TypeRegistry
-from storch.sampling.method import MonteCarlo
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, wrap_new
 from storch.util import log_prob_of_own_samples, magic_box
 
@@ -259,7 +258,7 @@ class LocalExpectation(Method):
     """
 
     def __init__(self, plate_name: str, n_samples: int = 1) -> None:
-        super().__init__(plate_name, MonteCarlo(plate_name, n_samples))
+        super().__init__(plate_name, None, n_samples)
         self.sampling_method.set_mc_sample(self._sample)
         self.sampling_method.set_mc_weighting_function(self._weights)
 

@@ -40,18 +40,74 @@ through the surrogate once more.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import operator
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.distributions import Distribution
 
+from storch._step import note_sampled
 from storch.plate import Plate, layout_of_plates
-from storch.sampling.method import MonteCarlo, SamplingMethod
+from storch.sampling.method import MonteCarlo, SamplingMethod, _describe, check_count
 from storch.tensor import CostTensor, StochasticNode, StochasticTensor, Tensor, _alias, _Disable, wrap_new
-from storch.util import distribution_layout, log_prob_of_own_samples, magic_box
+from storch.util import (
+    distribution_layout, get_distr_parameters, log_prob_of_own_samples, magic_box, restore_lazy_plates,
+)
 
-__all__ = ["Method", "log_prob"]
+__all__ = ["Method", "log_prob", "DEFAULT_N_SAMPLES", "proposal_arguments"]
+
+
+class _DefaultCount(int):
+    """The default ``n_samples`` (1), told apart from an explicit ``n_samples=1`` by identity."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return int.__repr__(self)
+
+
+#: the default ``n_samples`` of methods whose second argument is ``sampling_method`` (equal to 1)
+DEFAULT_N_SAMPLES = _DefaultCount(1)
+
+
+def _is_index(value: Any) -> bool:
+    """Whether ``value`` is an integer (``operator.index`` works) other than a ``bool``."""
+    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def proposal_arguments(owner: str, sampling_method: Any, n_samples: Any) -> tuple[Optional[SamplingMethod], int]:
+    """Check the ``(sampling_method, n_samples)`` arguments of a method; ``(proposal or None, n)``.
+
+    ``sampling_method`` may also be the number of samples, the manual's (Storchastic's) spelling
+    ``ScoreFunction("z", 8)``: an ``int`` in that slot means ``n_samples`` (an error if
+    ``n_samples`` is also given with another value). Anything else there that is not a
+    :class:`storch.sampling.SamplingMethod` is a :class:`TypeError`; counts are checked by
+    :func:`storch.sampling.method.check_count`. Idempotent: its result passed again returns itself.
+    """
+    explicit = n_samples is not DEFAULT_N_SAMPLES
+    n = check_count(n_samples, "n_samples", owner)
+    if sampling_method is None or isinstance(sampling_method, SamplingMethod):
+        return sampling_method, n
+    if not (isinstance(sampling_method, float) or _is_index(sampling_method)):
+        raise TypeError(
+            f"{owner}: the second argument, sampling_method, must be a storch.sampling.SamplingMethod "
+            f"(or the number of samples as an int, as in {owner.split('(')[0]}('z', 8)); got "
+            f"{_describe(sampling_method)}."
+        )
+    count = check_count(sampling_method, "n_samples (given as the second argument)", owner)
+    if explicit and n != count:
+        raise ValueError(
+            f"{owner}: n_samples is given twice, as the second argument ({count}) and as "
+            f"n_samples={n}; give it once."
+        )
+    return None, count
 
 
 def log_prob(tensor: StochasticTensor) -> Tensor:
@@ -72,8 +128,9 @@ class Method(nn.Module):
     Args:
         plate_name: the name of the node and of its plate.
         sampling_method: the proposal; defaults to :class:`storch.sampling.MonteCarlo` with
-            ``n_samples``.
-        n_samples: the number of Monte Carlo samples when no ``sampling_method`` is given.
+            ``n_samples``. An ``int`` here is ``n_samples`` (the manual's ``ScoreFunction("z", 8)``).
+        n_samples: the number of Monte Carlo samples when no ``sampling_method`` is given: a
+            positive ``int`` (``2.5`` or ``2.0`` is an error, not truncated).
 
     Calling the method on a ``torch.distributions.Distribution`` returns a
     :class:`storch.StochasticTensor`. A method is an ``nn.Module``, so it can live inside a model.
@@ -86,7 +143,7 @@ class Method(nn.Module):
     needs_graph_after_backward: bool = False
 
     def __init__(
-        self, plate_name: str, sampling_method: SamplingMethod | None = None, n_samples: int = 1
+        self, plate_name: str, sampling_method: SamplingMethod | None = None, n_samples: int = DEFAULT_N_SAMPLES
     ) -> None:
         super().__init__()
         if not isinstance(plate_name, str) or not plate_name:
@@ -95,13 +152,23 @@ class Method(nn.Module):
                 f"{plate_name!r}. Call it as {type(self).__name__}('z', n_samples=8)(distribution)."
             )
         self.plate_name = plate_name
+        sampling_method, n_samples = proposal_arguments(
+            f"{type(self).__name__}({plate_name!r})", sampling_method, n_samples
+        )
         self.sampling_method = sampling_method if sampling_method is not None else MonteCarlo(plate_name, n_samples)
+        # bound methods, not lambdas: a method (and a model holding it) pickles and deep-copies
         if type(self).proposal_dist is not Method.proposal_dist:
-            self.sampling_method.set_mc_sample(lambda distr, plates, n: self.proposal_dist(distr, n))
+            self.sampling_method.set_mc_sample(self._mc_sample)
         if type(self).weighting_function is not Method.weighting_function:
-            self.sampling_method.set_mc_weighting_function(
-                lambda tensor, plate: self.weighting_function(tensor.distribution, plate.size)
-            )
+            self.sampling_method.set_mc_weighting_function(self._mc_weighting_function)
+
+    def _mc_sample(self, distr: Distribution, plates: Sequence[Plate], amt_samples: int) -> torch.Tensor:
+        """The proposal's Monte Carlo draw, delegated to :meth:`proposal_dist`."""
+        return self.proposal_dist(distr, amt_samples)
+
+    def _mc_weighting_function(self, tensor: StochasticTensor, plate: Plate) -> torch.Tensor | None:
+        """The proposal's Monte Carlo weights, delegated to :meth:`weighting_function`."""
+        return self.weighting_function(tensor.distribution, plate.size)
 
     @property
     def n_samples(self) -> int:
@@ -132,6 +199,9 @@ class Method(nn.Module):
         plate.node = node
         tensor = StochasticTensor._from_node(_alias(samples), node)
         plate.weight = self._plate_weight(tensor, plate)
+        restore_lazy_plates(distr)  # parameters computed while sampling with dispatch disabled
+        if not self.reparameterized and torch.is_grad_enabled() and get_distr_parameters(distr):
+            note_sampled(plate)  # its gradient needs a cost that carries its plate (see storch.backward)
         return tensor
 
     def _check_samples(self, distr: Distribution, samples: torch.Tensor, sizes: tuple[int, ...]) -> None:

@@ -28,7 +28,7 @@ from torch.distributions import Categorical, Distribution
 
 from storch.method.method import Method, log_prob
 from storch.plate import Plate
-from storch.sampling.method import SamplingMethod
+from storch.sampling.method import SamplingMethod, check_count
 from storch.tensor import StochasticTensor, wrap_new
 from storch.util import log_prob_of_own_samples
 
@@ -74,13 +74,9 @@ class SumAndSampleRest(SamplingMethod):
 
     def __init__(self, plate_name: str, k: int, n_sampled: int = 1) -> None:
         super().__init__(plate_name)
-        if int(k) < 1 or int(n_sampled) < 1:
-            raise ValueError(
-                f"RaoBlackwellSF({plate_name!r}): k and n_sampled must be at least 1, got k={k}, "
-                f"n_sampled={n_sampled}."
-            )
-        self.k = int(k)
-        self.n_sampled = int(n_sampled)
+        owner = f"{type(self).__name__}({plate_name!r})"
+        self.k = check_count(k, "k", owner)
+        self.n_sampled = check_count(n_sampled, "n_sampled", owner)
         self.n_samples = self.k - 1 + self.n_sampled
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -169,6 +165,8 @@ class RaoBlackwellSF(Method):
     """
 
     def __init__(self, plate_name: str, k: int, n_sampled: int = 1) -> None:
+        owner = f"RaoBlackwellSF({plate_name!r})"
+        k, n_sampled = check_count(k, "k", owner), check_count(n_sampled, "n_sampled", owner)
         super().__init__(plate_name, SumAndSampleRest(plate_name, k, n_sampled))
 
     def check_distribution(self, distr: Distribution) -> None:

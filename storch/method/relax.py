@@ -67,6 +67,13 @@ def _coupling_for(method: str, plate_name: str, distr: Distribution) -> GumbelCo
     return coupling
 
 
+def _n_samples_hint(method: str, given: object) -> str:
+    """A hint for ``RELAX("z", 8)``: the manual's count in the control variate's slot."""
+    if isinstance(given, (int, float)) and not isinstance(given, bool):
+        return f" The number of samples is the third argument: {method}('z', c_phi, n_samples={given!r})."
+    return ""
+
+
 def _control_variate_term(l: torch.Tensor, c_z: torch.Tensor, c_zt: torch.Tensor) -> torch.Tensor:  # noqa: E741
     """``(1 − □(l)) c(z̃) + [c(z) − c(z̃)] − stopgrad[c(z) − c(z̃)]``: forward value 0, gradient
     ``−c(z̃) ∇l + ∇c(z) − ∇c(z̃)``."""
@@ -147,8 +154,9 @@ class RELAX(LearnedControlVariate):
             )
         if control_variate is not None and not isinstance(control_variate, nn.Module):
             raise TypeError(
-                f"{type(self).__name__}({plate_name!r}): control_variate must be an nn.Module (its "
-                f"parameters are trained), got {type(control_variate).__name__}."
+                f"{type(self).__name__}({plate_name!r}): the second argument, control_variate, must be an "
+                f"nn.Module (its parameters are trained), got {type(control_variate).__name__}."
+                f"{_n_samples_hint(type(self).__name__, control_variate)}"
             )
         if initial_temperature <= 0:
             raise ValueError(f"{type(self).__name__}({plate_name!r}): initial_temperature must be positive.")
@@ -183,8 +191,10 @@ class RELAX(LearnedControlVariate):
             samples = flatten_groups(torch.stack([hard, relaxed, relaxed_cond], 1))
         else:
             samples = hard
-        draw = Draw((logits,), {"hard": hard, "relaxed": relaxed, "conditional": relaxed_cond})
-        self.keep_draw(samples, draw)
+        values = {"relaxed": relaxed, "conditional": relaxed_cond}
+        if self.rebar:  # without the REBAR term the samples are ``hard`` itself, read back from the node
+            values["hard"] = hard
+        self.keep_draw(samples, Draw((logits,), values))
         return samples
 
     def weighting_function(self, distr: Distribution, amt_samples: int) -> Optional[torch.Tensor]:
@@ -326,8 +336,9 @@ class LAX(LearnedControlVariate):
         super().__init__(plate_name, n_samples, optimizer_factory, lr, train_control_variate)
         if not isinstance(control_variate, nn.Module):
             raise TypeError(
-                f"LAX({plate_name!r}): control_variate must be an nn.Module (its parameters are trained), "
-                f"got {type(control_variate).__name__}."
+                f"LAX({plate_name!r}): the second argument, control_variate, must be an nn.Module (its "
+                f"parameters are trained), got {type(control_variate).__name__}."
+                f"{_n_samples_hint('LAX', control_variate)}"
             )
         self.network = control_variate
 

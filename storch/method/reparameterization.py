@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch.distributions import Distribution
 
-from storch.method.method import Method
+from storch.method.method import DEFAULT_N_SAMPLES, Method
 from storch.sampling.method import SamplingMethod
 
 __all__ = ["Reparameterization"]
@@ -29,7 +29,9 @@ class Reparameterization(Method):
 
     reparameterized = True
 
-    def __init__(self, plate_name: str, sampling_method: SamplingMethod | None = None, n_samples: int = 1) -> None:
+    def __init__(
+        self, plate_name: str, sampling_method: SamplingMethod | None = None, n_samples: int = DEFAULT_N_SAMPLES
+    ) -> None:
         super().__init__(plate_name, sampling_method, n_samples)
 
     def check_distribution(self, distr: Distribution) -> None:

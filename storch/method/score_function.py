@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from storch.method.baseline import BaselineFactory, make_baseline
-from storch.method.method import Method, log_prob
+from storch.method.method import DEFAULT_N_SAMPLES, Method, log_prob, proposal_arguments
 from storch.sampling.method import SamplingMethod
 from storch.tensor import CostTensor, StochasticTensor
 
@@ -47,9 +47,12 @@ class ScoreFunction(Method):
         self,
         plate_name: str,
         sampling_method: SamplingMethod | None = None,
-        n_samples: int = 1,
+        n_samples: int = DEFAULT_N_SAMPLES,
         baseline_factory: BaselineFactory = None,
     ) -> None:
+        sampling_method, n_samples = proposal_arguments(
+            f"{type(self).__name__}({plate_name!r})", sampling_method, n_samples
+        )
         super().__init__(plate_name, sampling_method, n_samples)
         self.baseline = make_baseline(baseline_factory)
         if self.baseline is not None and sampling_method is None:

@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch.distributions import Bernoulli, Distribution, OneHotCategorical
 
-from storch.method.method import Method
+from storch.method.method import DEFAULT_N_SAMPLES, Method
 from storch.method.relaxation import conditional_gumbel_rsample
 from storch.registry import TypeRegistry
-from storch.sampling.method import SamplingMethod
+from storch.sampling.method import SamplingMethod, check_count
 
 __all__ = [
     "StraightThrough", "GumbelRao", "ReinMax", "OneHotView", "register_one_hot_view", "one_hot_view_for",
@@ -217,7 +217,9 @@ class StraightThrough(_StraightThroughFamily):
         tensor([-0.3333,  0.0000,  0.3333])
     """
 
-    def __init__(self, plate_name: str, sampling_method: SamplingMethod | None = None, n_samples: int = 1) -> None:
+    def __init__(
+        self, plate_name: str, sampling_method: SamplingMethod | None = None, n_samples: int = DEFAULT_N_SAMPLES
+    ) -> None:
         super().__init__(plate_name, sampling_method, n_samples)
 
     def backward_pass(self, logits: torch.Tensor, hard: torch.Tensor) -> torch.Tensor:
@@ -259,15 +261,13 @@ class GumbelRao(_StraightThroughFamily):
         self,
         plate_name: str,
         sampling_method: SamplingMethod | None = None,
-        n_samples: int = 1,
+        n_samples: int = DEFAULT_N_SAMPLES,
         temperature: float = 1.0,
         n_relaxed: int = 10,
     ) -> None:
         super().__init__(plate_name, sampling_method, n_samples)
         self.temperature = _check_temperature(f"GumbelRao({plate_name!r})", temperature)
-        if int(n_relaxed) < 1:
-            raise ValueError(f"GumbelRao({plate_name!r}): n_relaxed must be at least 1, got {n_relaxed}.")
-        self.n_relaxed = int(n_relaxed)
+        self.n_relaxed = check_count(n_relaxed, "n_relaxed", f"GumbelRao({plate_name!r})")
 
     def backward_pass(self, logits: torch.Tensor, hard: torch.Tensor) -> torch.Tensor:
         return gumbel_rao(logits, hard, self.temperature, self.n_relaxed)
@@ -306,7 +306,7 @@ class ReinMax(_StraightThroughFamily):
         self,
         plate_name: str,
         sampling_method: SamplingMethod | None = None,
-        n_samples: int = 1,
+        n_samples: int = DEFAULT_N_SAMPLES,
         temperature: float = 1.0,
     ) -> None:
         super().__init__(plate_name, sampling_method, n_samples)

@@ -31,6 +31,7 @@ import torch
 from storch.method.method import Method
 from storch.method.wor import ScoreFunctionWOR
 from storch.plate import layout_of_plates
+from storch.sampling.method import check_count
 from storch.sampling.unordered import DEFAULT_STEP, GumbelSoftmaxWOR, UnorderedSet
 from storch.tensor import CostTensor, StochasticTensor, _Disable, wrap_new
 
@@ -77,6 +78,7 @@ class UnorderedSetEstimator(ScoreFunctionWOR):
         step: float = DEFAULT_STEP,
         eos: Optional[int] = None,
     ) -> None:
+        k = check_count(k, "k", f"UnorderedSetEstimator({plate_name!r})")
         super().__init__(plate_name, k, biased=False, eos=eos, sampling_method=UnorderedSet(plate_name, k, step, eos))
         self.use_baseline = bool(use_baseline)
 
@@ -167,11 +169,12 @@ class UnorderedSetGumbelSoftmax(Method):
         annealing_rate: float = 1e-5,
         straight_through: bool = False,
     ) -> None:
+        k = check_count(k, "k", f"UnorderedSetGumbelSoftmax({plate_name!r})")
         sampler = GumbelSoftmaxWOR(
             plate_name, k, initial_temperature, min_temperature, annealing_rate, straight_through
         )
         super().__init__(plate_name, sampler)
-        self.k = int(k)
+        self.k = k
 
     @property
     def temperature(self) -> torch.Tensor:

@@ -36,7 +36,7 @@ from storch.method.method import Method, log_prob
 from storch.plate import Plate
 from storch.reduce import reduce_plates
 from storch.reduce import sum as plate_sum
-from storch.sampling.method import MonteCarlo
+from storch.sampling.method import check_count
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout_of, wrap_new
 from storch.util import magic_box
 
@@ -100,11 +100,12 @@ class VIMCO(Method):
     """
 
     def __init__(self, plate_name: str, n_samples: int = 2, baseline: bool = True) -> None:
-        if baseline and int(n_samples) < 2:
+        n_samples = check_count(n_samples, "n_samples", f"VIMCO({plate_name!r})")
+        if baseline and n_samples < 2:
             raise ValueError(
                 f"VIMCO({plate_name!r}): the leave-one-out baselines need n_samples >= 2, got {n_samples}."
             )
-        super().__init__(plate_name, MonteCarlo(plate_name, n_samples))
+        super().__init__(plate_name, None, n_samples)
         self.baseline = bool(baseline)
         self._bounds: dict[str, _Bound] = {}
 

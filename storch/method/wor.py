@@ -38,6 +38,7 @@ from storch.method.method import Method
 from storch._dispatch import align_tensor
 from storch.plate import AncestralPlate, PlateLayout, layout_of_plates
 from storch.reduce import reduce_plate
+from storch.sampling.method import check_count
 from storch.sampling.swor import SampleWithoutReplacement, SequenceSampler, WORState, wor_support
 from storch.tensor import CostTensor, StochasticNode, StochasticTensor, Tensor, _alias, _Disable, wrap, wrap_new
 from storch.util import distribution_layout
@@ -109,6 +110,7 @@ class ScoreFunctionWOR(Method):
         eos: Optional[int] = None,
         sampling_method: Optional[SequenceSampler] = None,
     ) -> None:
+        k = check_count(k, "k", f"{type(self).__name__}({plate_name!r})")
         if sampling_method is None:
             sampling_method = SampleWithoutReplacement(plate_name, k, normalize=biased, eos=eos)
         elif not isinstance(sampling_method, SequenceSampler):
@@ -118,7 +120,7 @@ class ScoreFunctionWOR(Method):
                 f"got {type(sampling_method).__name__}."
             )
         super().__init__(plate_name, sampling_method)
-        self.k = int(k)
+        self.k = k
         self.biased = bool(biased)
 
     def check_distribution(self, distr: Distribution) -> None:

@@ -12,10 +12,10 @@ import math
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
-from torch.distributions import Distribution
+from torch.distributions import Bernoulli, Categorical, Distribution, OneHotCategorical
 
 from storch.plate import Plate
-from storch.sampling.method import SamplingMethod
+from storch.sampling.method import SamplingMethod, check_count
 from storch.tensor import _Disable, wrap_new
 from storch.util import log_prob_of_own_samples
 
@@ -41,7 +41,7 @@ class Enumerate(SamplingMethod):
 
     def __init__(self, plate_name: str, budget: int = 10000) -> None:
         super().__init__(plate_name)
-        self.budget = int(budget)
+        self.budget = check_count(budget, "budget", f"{type(self).__name__}({plate_name!r})")
 
     def sample(self, distr: Distribution, plates: Sequence[Plate], requires_grad: bool) -> torch.Tensor:
         if not distr.has_enumerate_support:
@@ -78,9 +78,31 @@ class Enumerate(SamplingMethod):
         """The joint probability ``p(x)`` of each configuration (differentiable)."""
         layout = tensor._layout
         with _Disable():
-            log_p = log_prob_of_own_samples(tensor.distribution, tensor)
-            extra = tuple(range(len(layout.sizes), log_p.dim()))
-            if extra:
-                log_p = log_p.sum(extra)
-            weight = log_p.exp()
+            p = probability_of_value(tensor.distribution, tensor)
+            if p is None:
+                p = log_prob_of_own_samples(tensor.distribution, tensor).exp()
+            n = len(layout.sizes)
+            weight = p.flatten(n).prod(-1) if p.dim() > n else p  # joint probability of the variables
         return wrap_new(weight, layout)
+
+
+def probability_of_value(distr: Distribution, value: torch.Tensor) -> Optional[torch.Tensor]:
+    """``p(value)`` read off the ``probs`` of a Bernoulli or (one-hot) categorical, else ``None``.
+
+    ``exp(log_prob)`` is not exact at the edges: torch clamps ``probs`` into ``[eps, 1 − eps]`` before
+    taking logarithms, so a value of probability 0 would get weight ``1.2e-7`` (an infinite cost there
+    would make the expectation infinite) and the gradient of the clamp at ``p = 0`` or ``1`` is 0
+    instead of ``f(1) − f(0)``. Reading ``probs`` gives exact zeros and the exact gradient.
+    """
+    holder = distr._categorical if isinstance(distr, OneHotCategorical) else distr
+    if "probs" not in vars(holder):
+        return None  # built from logits: exp(log_prob) is exact (logits of -inf give exactly 0)
+    probs = holder.probs
+    if isinstance(distr, Bernoulli):
+        return torch.where(value == 1, probs, 1 - probs)
+    if isinstance(distr, OneHotCategorical):
+        return (value * probs).sum(-1)
+    if isinstance(distr, Categorical):
+        index = value.long().unsqueeze(-1)
+        return probs.expand(index.shape[:-1] + probs.shape[-1:]).gather(-1, index).squeeze(-1)
+    return None

@@ -22,7 +22,7 @@ import torch
 from torch.distributions import Distribution
 
 from storch.plate import Plate
-from storch.sampling.method import SamplingMethod
+from storch.sampling.method import SamplingMethod, check_count
 from storch.tensor import wrap_new
 from storch.util import log_prob_of_own_samples
 
@@ -71,14 +71,13 @@ class ImportanceSampling(SamplingMethod):
 
     def __init__(self, plate_name: str, n_samples: int, proposal: Proposal) -> None:
         super().__init__(plate_name)
-        if int(n_samples) < 1:
-            raise ValueError(f"ImportanceSampling({plate_name!r}): n_samples must be at least 1, got {n_samples}.")
+        n_samples = check_count(n_samples, "n_samples", f"ImportanceSampling({plate_name!r})")
         if not (isinstance(proposal, Distribution) or callable(proposal)):
             raise TypeError(
                 f"ImportanceSampling({plate_name!r}): the proposal must be a torch Distribution or a "
                 f"function from the node's distribution to one, got {type(proposal).__name__}."
             )
-        self.n_samples = int(n_samples)
+        self.n_samples = n_samples
         self.proposal = proposal
         # the log-weights of the samples just drawn, until the method asks for them (same call)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None

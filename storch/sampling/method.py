@@ -11,8 +11,9 @@ distribution's parameters, its remaining batch dimensions and its event dimensio
 
 from __future__ import annotations
 
+import operator
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -23,10 +24,52 @@ from storch.plate import Plate
 if TYPE_CHECKING:  # pragma: no cover
     from storch.tensor import StochasticTensor
 
-__all__ = ["SamplingMethod", "MonteCarlo"]
+__all__ = ["SamplingMethod", "MonteCarlo", "check_count"]
 
 SampleFn = Callable[[Distribution, Sequence[Plate], int], torch.Tensor]
 WeightFn = Callable[["StochasticTensor", Plate], Optional[torch.Tensor]]
+
+
+def _describe(value: Any) -> str:
+    """``value`` for an error message: a short one-line repr and its type, e.g. ``2.5 (float)``."""
+    if isinstance(value, nn.Module):
+        text = f"a {type(value).__name__} module"
+    else:
+        text = " ".join(repr(value).split())
+        if len(text) > 60:
+            text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def check_count(value: Any, name: str, owner: str, minimum: int = 1) -> int:
+    """``value`` as a Python ``int`` of at least ``minimum``, for sample counts and the like.
+
+    Every method and sampler checks its counts (``n_samples``, ``k``, ``budget``, ...) here, so a
+    count is never silently truncated (``int(2.5) == 2``). Integers and integer-like values
+    (``operator.index``: NumPy integers, 0-dim integer tensors) are accepted; floats (also ``2.0``),
+    ``bool``, strings and ``None`` are a :class:`TypeError`, too small values a :class:`ValueError`.
+    Both name ``owner`` (e.g. ``"ScoreFunction('z')"``) and the argument.
+
+    Example:
+        >>> check_count(3, "n_samples", "ScoreFunction('z')")
+        3
+        >>> check_count(2.5, "n_samples", "ScoreFunction('z')")
+        Traceback (most recent call last):
+        ...
+        TypeError: ScoreFunction('z'): n_samples must be a positive int, got 2.5 (float).
+    """
+    kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    if isinstance(value, bool) or type(value).__name__ in ("bool_", "bool") or (
+        isinstance(value, torch.Tensor) and (value.dtype == torch.bool or value.dim() != 0)
+    ):
+        raise TypeError(f"{owner}: {name} must be {kind}, got {_describe(value)}.")
+    try:
+        count = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{owner}: {name} must be {kind}, got {_describe(value)}.") from None
+    if count < minimum:
+        raise ValueError(f"{owner}: {name} must be at least {minimum}, got {count}.")
+    return count
 
 
 class SamplingMethod(nn.Module, ABC):
@@ -100,9 +143,7 @@ class MonteCarlo(SamplingMethod):
 
     def __init__(self, plate_name: str, n_samples: int = 1) -> None:
         super().__init__(plate_name)
-        if int(n_samples) < 1:
-            raise ValueError(f"MonteCarlo({plate_name!r}): n_samples must be at least 1, got {n_samples}.")
-        self.n_samples = int(n_samples)
+        self.n_samples = check_count(n_samples, "n_samples", f"{type(self).__name__}({plate_name!r})")
 
     def sample(self, distr: Distribution, plates: Sequence[Plate], requires_grad: bool) -> torch.Tensor:
         if self.mc_sample is not None:

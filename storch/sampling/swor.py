@@ -50,7 +50,7 @@ from torch.distributions import Bernoulli, Categorical, Distribution, OneHotCate
 
 from storch.plate import Plate
 from storch.registry import TypeRegistry
-from storch.sampling.method import SamplingMethod
+from storch.sampling.method import SamplingMethod, check_count
 from storch.tensor import Tensor, _Disable, wrap_new
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -246,9 +246,7 @@ class SequenceSampler(SamplingMethod):
 
     def __init__(self, plate_name: str, k: int, eos: Optional[int] = None) -> None:
         super().__init__(plate_name)
-        if int(k) < 1:
-            raise ValueError(f"{type(self).__name__}({plate_name!r}): k must be at least 1, got {k}.")
-        self.k = int(k)
+        self.k = check_count(k, "k", f"{type(self).__name__}({plate_name!r})")
         self.eos = eos
         self._pending: Optional[WORState] = None
 
