@@ -14,7 +14,7 @@ SC_VENV := .venv-storchastic
 SC_PY := $(SC_VENV)/bin/python
 SC_STAMP := $(SC_VENV)/.installed
 
-.PHONY: venv test demo bench bench-storchastic bench-gsb bench-gsb-extra clean
+.PHONY: venv test test-seeds demo bench bench-storchastic bench-gsb bench-gsb-extra bench-memory clean
 
 venv: $(STAMP)
 
@@ -27,11 +27,20 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(VENV_PY) -m pytest
 
+# The tests again at base seeds 0..9 (STORCH_TEST_SEED, see tests/conftest.py), ~3 min: the
+# statistical tests must pass from any seed. Not part of `make test`.
+test-seeds: $(STAMP)
+	$(VENV_PY) scripts/test_seeds.py
+
 demo: $(STAMP)
 	$(VENV_PY) -m storch.demo
 
 bench: $(STAMP) $(SC_STAMP)
 	$(VENV_PY) benchmarks/run.py
+
+# Resident memory over 10 000 training steps (must stay flat; about 2 minutes).
+bench-memory: $(STAMP)
+	$(VENV_PY) benchmarks/memory_soak.py
 
 # The reproductions of the GSB paper's experiments (plots need matplotlib, the `bench` extra).
 bench-gsb: $(STAMP)

@@ -14,7 +14,7 @@ from torch.distributions import Bernoulli, Normal, OneHotCategorical
 import storch
 from storch.method import Expect, ScoreFunction
 from storch.method.arm import ARM, DisARM, bernoulli_logits
-from storch.testing import assert_unbiased, replicated_gradients, variance_with_stderr
+from storch.testing import assert_unbiased, replicated_gradients
 
 from problems import bernoulli, enumerate_bernoulli, exact_grads, minibatch_bernoulli, nested_bernoulli
 
@@ -132,18 +132,30 @@ def test_costs_that_depend_on_the_logits_directly_get_their_pathwise_gradient():
 
 # ---------------------------------------------------------------------------- variance
 def test_disarm_has_lower_variance_than_arm():
-    variances = {}
+    # Common random numbers: both estimators draw their uniforms the same way (one torch.rand in
+    # proposal_dist), so from the same seed they see the same u and the same pairs [b, b̃]. DisARM is
+    # E[ARM | b, b̃], hence Var ARM − Var DisARM = E Var(ARM | b, b̃) > 0, and the paired difference
+    # hᵢ = (Aᵢ − Ā)² − (Dᵢ − D̄)² estimates it with a far smaller standard error than two
+    # independent variance estimates: measured over seeds 0..9, mean(h) ≈ 0.020–0.026 at ≈ 12 (11–15)
+    # standard errors per coordinate (ARM ≈ 0.11, 0.14, 0.16; DisARM ≈ 0.086, 0.11, 0.14; n = 1).
+    seed = torch.randint(2**31, ()).item()  # from the test's seed (tests/conftest.py)
+    grads, samples = {}, {}
     for name, make in METHODS.items():
         method = make("x")
 
-        def model(phi, method=method):
-            storch.add_cost(cost(method(Bernoulli(logits=phi))), "f")
+        def model(phi, method=method, name=name):
+            x = method(Bernoulli(logits=phi))
+            samples[name] = x._tensor.detach().clone()
+            storch.add_cost(cost(x), "f")
 
-        (grads,) = replicated_gradients([PHI], 6000, model)
-        variances[name] = [variance_with_stderr(grads[:, i]) for i in range(3)]
-    # measured (seed 0): ARM (0.108, 0.135, 0.164), DisARM (0.085, 0.113, 0.137) per coordinate, n = 1
-    for (v_arm, se_arm), (v_dis, se_dis) in zip(variances["arm"], variances["disarm"]):
-        assert v_dis + 3 * (se_arm**2 + se_dis**2) ** 0.5 < v_arm, variances
+        torch.manual_seed(seed)
+        (grads[name],) = replicated_gradients([PHI], 6000, model)
+        storch.reset()
+    assert torch.equal(samples["arm"], samples["disarm"])  # the pairing holds: same u, same [b, b̃]
+    a, d = grads["arm"].double(), grads["disarm"].double()
+    h = (a - a.mean(0)) ** 2 - (d - d.mean(0)) ** 2
+    diff, se = h.mean(0), h.std(0) / h.shape[0] ** 0.5
+    assert (diff > 5 * se).all(), (diff, se, a.var(0), d.var(0))
 
 
 # ------------------------------------------------------------------------------ errors

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.distributions import Chi2, Exponential, Gamma, Independent, Laplace, Normal, Uniform
 
+from seeding import manual_seed
 from storch.distributions import Dirac
 from storch.method.cumulants import cumulant_terms, cumulants, register_cumulants, supported_distributions
 
@@ -55,7 +56,7 @@ def test_cumulants_are_cgf_derivatives(name):
 
 def test_cumulants_match_sample_moments():
     """A check independent of any formula: mean, variance and third central moment of samples."""
-    torch.manual_seed(0)
+    manual_seed(0)
     d = Gamma(torch.tensor(2.0, dtype=torch.float64), torch.tensor(3.0, dtype=torch.float64))
     x = d.sample((400_000,))
     k1, k2, k3 = cumulants(d, 3)

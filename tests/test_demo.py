@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import storch
+from seeding import generator, manual_seed
 from storch.demo import main, vae
 from storch.demo.intro import (
     ROWS,
@@ -41,7 +42,7 @@ def test_exact_variances_match_closed_forms_and_spec():
 
 def test_exact_variance_of_loo_matches_simulation():
     # brute-force check of the leave-one-out formula with n = 3 (vectorised, no storch involved)
-    g = torch.Generator().manual_seed(1)
+    g = generator(1)
     n, reps = 3, 400_000
     eps = torch.randn(reps, n, generator=g, dtype=torch.float64)
     f = 2.0 * (-2.77 + eps) ** 2
@@ -53,10 +54,11 @@ def test_exact_variance_of_loo_matches_simulation():
 
 
 def test_reparameterization_within_sampling_error():
-    torch.manual_seed(123)
-    r = run_row(ROWS[0], 400)
+    # 4.5 standard errors (mean and variance): passes at any seed with probability > 1 − 1e-4
+    manual_seed(123)
+    r = run_row(ROWS[0], 400, threshold=4.5)
     se = math.sqrt(16.0 / 400)
-    assert abs(r.mean - TRUE_GRADIENT) <= 3 * se
+    assert abs(r.mean - TRUE_GRADIENT) <= 4.5 * se
     assert r.true_variance == pytest.approx(16.0)
     assert r.within_error
 
@@ -162,7 +164,7 @@ def test_evaluated_gradient_is_the_gradient_wrt_the_encoder_logits():
 def test_unbiased_catalog_estimators_show_no_bias_in_the_demo_evaluation():
     # an unbiased estimator of the catalog, evaluated as in the demo, has bias² ≈ 0 against Expect
     le = pytest.importorskip("storch.method.local_expectation")
-    torch.manual_seed(0)
+    manual_seed(0)
     model = vae.DiscreteVAE(64, (32, 16), 2, 10)
     with torch.no_grad():
         model.fc3.bias[3] = -25.0  # a posterior probability below float32 eps

@@ -21,13 +21,7 @@ from storch.testing import assert_unbiased, check_unbiased, replicated_gradients
 
 R = 3000
 
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(4)
-    storch.reset()
-    yield
-    storch.reset()
+pytestmark = pytest.mark.seed(4)  # plus $STORCH_TEST_SEED (tests/conftest.py, which also resets storch)
 
 
 def exact_grads(expectation, params):

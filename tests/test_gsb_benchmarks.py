@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch.distributions import Gamma, Laplace
 
+from seeding import manual_seed
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gsb"))
 
 import bayes_logreg  # noqa: E402
@@ -16,7 +18,7 @@ import toy_problems  # noqa: E402
 
 
 def test_laplace_kl_matches_monte_carlo():
-    torch.manual_seed(0)
+    manual_seed(0)
     mu, b = torch.tensor([0.0, 0.7, -1.3]), torch.tensor([0.1, 0.5, 2.0])
     q, p = Laplace(mu, b), Laplace(torch.zeros(3), torch.full((3,), bayes_logreg.PRIOR_SCALE))
     w = q.sample((400_000,))
@@ -26,7 +28,7 @@ def test_laplace_kl_matches_monte_carlo():
 
 @pytest.mark.parametrize("problem", [1, 2])
 def test_toy_exact_losses_match_monte_carlo(problem):
-    torch.manual_seed(0)
+    manual_seed(0)
     a, m = torch.tensor([0.3, -0.4]), torch.tensor([0.1, 0.8])
     z = toy_problems.distribution(a, m).sample((400_000,))
     mc = toy_problems.cost(problem, z).mean()

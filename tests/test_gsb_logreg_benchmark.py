@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributions import Laplace
 
+from seeding import manual_seed
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gsb"))
 
 import logistic_regression as lr  # noqa: E402
@@ -18,7 +20,7 @@ from storch.method.derivatives import pure_derivatives  # noqa: E402
 
 
 def test_laplace_kl_matches_monte_carlo_for_several_prior_scales():
-    torch.manual_seed(0)
+    manual_seed(0)
     mu, b = torch.tensor([0.0, 0.7, -1.3, 0.05]), torch.tensor([0.1, 0.5, 2.0, 0.3])
     for s in (0.5, 1.0, 3.0):
         q, p = Laplace(mu, b), Laplace(torch.zeros(4), torch.full((4,), s))

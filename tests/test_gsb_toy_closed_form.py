@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from seeding import manual_seed
 from storch.method.gsb import GSB
 from storch.testing import assert_unbiased, check_unbiased, replicated_gradients
 
@@ -24,7 +25,7 @@ def _estimates(make, repeats=4000):
     def model(a, b):
         toy.model(a, b, make(), toy.cost2)
 
-    torch.manual_seed(0)
+    manual_seed(0)
     ga, gb = replicated_gradients([A, B], repeats, model)
     s = A.shape[0]  # the seed plate averages the runs: undo its 1/S
     return torch.cat([ga.flatten(1), gb.flatten(1)], 1) * s
