@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 
+from storch._dispatch import union_of_layouts
 from storch._step import forget_sampled, sampled_plates
 from storch.exceptions import NonFiniteCostError, StaleCostError, UnusedNodeWarning
 from storch.method.method import Method
-from storch.plate import Plate, PlateClashError, merge_layouts
+from storch.plate import Plate, PlateClashError
 from storch.reduce import reduce_plate
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout_of, plain, wrap
 from storch.util import get_distr_parameters, magic_box, restore_lazy_plates
@@ -215,7 +216,7 @@ def _check_one_step(costs: tuple[CostTensor, ...]) -> None:
     if len(costs) < 2:
         return
     try:
-        merge_layouts([layout_of(c) for c in costs])
+        union_of_layouts([layout_of(c) for c in costs])  # cached when the costs share plates
     except PlateClashError as clash:
         reset()
         names = ", ".join(repr(c.name) for c in costs)
