@@ -14,7 +14,7 @@ SC_VENV := .venv-storchastic
 SC_PY := $(SC_VENV)/bin/python
 SC_STAMP := $(SC_VENV)/.installed
 
-.PHONY: venv test test-seeds demo bench bench-storchastic bench-gsb bench-gsb-extra bench-memory clean
+.PHONY: venv test test-seeds demo bench bench-sbn bench-storchastic bench-gsb bench-gsb-extra bench-memory clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,10 @@ demo: $(STAMP)
 
 bench: $(STAMP) $(SC_STAMP)
 	$(VENV_PY) benchmarks/run.py
+
+# Linear SBN 784-[200] on binarized MNIST: storch vs hand-written REINFORCE/RLOO/ARM/DisARM (~1 min).
+bench-sbn: $(STAMP)
+	$(VENV_PY) benchmarks/sbn_step.py
 
 # Resident memory over 10 000 training steps (must stay flat; about 2 minutes).
 bench-memory: $(STAMP)
