@@ -28,6 +28,20 @@ def resident_mb() -> float:
         return int(f.read().split()[1]) * 4096 / 1e6
 
 
+def training_step(enc: torch.nn.Module, dec: torch.nn.Module, data: torch.Tensor, create_graph: bool) -> list[weakref.ref]:
+    """One step of the manual's pattern; weak references to what the step made (method, plate, q)."""
+    x = storch.denote_independent(data, 0, "data")
+    q = OneHotCategorical(logits=enc(x).reshape(-1, 4, 10))
+    method = storch.method.ScoreFunction("z", n_samples=4, baseline_factory="batch_average")
+    z = method(q)
+    rec = dec(z.reshape(z.shape[:-2] + (40,)))
+    storch.add_cost(((rec - x) ** 2).sum(-1), "reconstruction")
+    storch.backward(create_graph=create_graph)
+    for p in list(enc.parameters()) + list(dec.parameters()):
+        p.grad = None  # with create_graph, .grad holds a graph: drop it as the torch docs advise
+    return [weakref.ref(method), weakref.ref(z.plate), weakref.ref(q), weakref.ref(x.plates[0])]
+
+
 def soak(steps: int, create_graph: bool, warmup: int = 200) -> dict:
     torch.manual_seed(0)
     enc, dec = torch.nn.Linear(64, 40), torch.nn.Linear(40, 64)
@@ -36,21 +50,12 @@ def soak(steps: int, create_graph: bool, warmup: int = 200) -> dict:
     start_mb = None
     t0 = time.perf_counter()
     for i in range(steps + warmup):
-        x = storch.denote_independent(data, 0, "data")
-        q = OneHotCategorical(logits=enc(x).reshape(-1, 4, 10))
-        method = storch.method.ScoreFunction("z", n_samples=4, baseline_factory="batch_average")
-        z = method(q)
-        rec = dec(z.reshape(z.shape[:-2] + (40,)))
-        storch.add_cost(((rec - x) ** 2).sum(-1), "reconstruction")
-        storch.backward(create_graph=create_graph)
-        for p in list(enc.parameters()) + list(dec.parameters()):
-            p.grad = None  # with create_graph, .grad holds a graph: drop it as the torch docs advise
+        step_refs = training_step(enc, dec, data, create_graph)
         if i % 100 == 0:
-            refs += [weakref.ref(method), weakref.ref(z.plate), weakref.ref(q)]
+            refs += step_refs
         if i == warmup - 1:
             gc.collect()
             start_mb = resident_mb()
-        del x, q, method, z, rec
     gc.collect()
     end_mb = resident_mb()
     return {

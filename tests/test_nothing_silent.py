@@ -8,7 +8,8 @@ step into the next, plates reduced by dimension index, non-finite costs, bad arg
 from __future__ import annotations
 
 import gc
-import weakref
+import os
+import sys
 
 import pytest
 import torch
@@ -17,28 +18,18 @@ from torch.distributions import Bernoulli, Categorical, OneHotCategorical
 import storch
 from storch import _dispatch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import memory_soak  # noqa: E402  (benchmarks/memory_soak.py: the 10 000-step version of this test)
+
 
 # ------------------------------------------------------------------ 1. nothing of a step survives it
-def _vae_step(enc: torch.nn.Module, dec: torch.nn.Module, data: torch.Tensor, create_graph: bool):
-    x = storch.denote_independent(data, 0, "data")
-    q = OneHotCategorical(logits=enc(x).reshape(-1, 4, 10))
-    method = storch.method.ScoreFunction("z", n_samples=4, baseline_factory="batch_average")
-    z = method(q)
-    rec = dec(z.reshape(z.shape[:-2] + (40,)))
-    storch.add_cost(((rec - x) ** 2).sum(-1), "rec")
-    storch.backward(create_graph=create_graph)
-    for p in list(enc.parameters()) + list(dec.parameters()):
-        p.grad = None
-    return [weakref.ref(method), weakref.ref(z.plate), weakref.ref(z.distribution), weakref.ref(x.plates[0])]
-
-
 @pytest.mark.parametrize("create_graph", [False, True])
 def test_a_training_step_keeps_nothing_alive(create_graph):
     enc, dec = torch.nn.Linear(64, 40), torch.nn.Linear(40, 64)
     data = torch.rand(32, 64)
     gc.collect()
     cached = len(_dispatch._union_cache), len(_dispatch._plan_cache)
-    refs = [r for _ in range(20) for r in _vae_step(enc, dec, data, create_graph)]
+    refs = [r for _ in range(20) for r in memory_soak.training_step(enc, dec, data, create_graph)]
     gc.collect()
     alive = [r() for r in refs if r() is not None]
     assert not alive, f"{len(alive)} objects of finished steps are still alive: {alive[:4]}"
