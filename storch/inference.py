@@ -18,6 +18,7 @@ derivatives of any order are the gradient estimates.
 
 from __future__ import annotations
 
+import math
 import warnings
 from contextvars import ContextVar
 from typing import Any
@@ -266,11 +267,9 @@ def _retain_param_grads(record: _Record) -> list[Any]:
 
 def _check_finite(loss: torch.Tensor, costs: tuple[CostTensor, ...]) -> None:
     """Raise :class:`NonFiniteCostError`, naming the costs, if the surrogate loss is NaN or infinite."""
-    if loss.device.type == "meta":
-        return  # no values to check
+    if loss.device.type == "meta" or math.isfinite(loss.item()):  # meta tensors hold no values
+        return
     with _Disable():
-        if bool(torch.isfinite(loss)):
-            return
         found = []
         for cost in costs:
             bad = ~torch.isfinite(cost.detach())
