@@ -52,6 +52,13 @@ PASSTHROUGH: frozenset = frozenset(
     ]
 )
 
+# Operators below the Python API (``torch.ops.aten.*``, ``torch.ops.prims.*``) are called from inside
+# torch: kernels, decompositions and derivative formulas written in Python, such as the meta kernels
+# that compute shapes on the ``meta`` device, also in the backward pass, where autograd hands them the
+# saved storch tensors. They sum a broadcast gradient over a plate dimension on purpose, so they run on
+# the plain tensors and return plain tensors.
+_OPERATOR_TYPES: frozenset = frozenset([torch._ops.OpOverload, torch._ops.OpOverloadPacket])
+
 # Full reductions to a boolean are harmless (no gradient) and torch.distributions uses them for
 # argument validation: they may drop plates and then return a plain tensor.
 _MAY_DROP_PLATES: frozenset = frozenset(
@@ -140,7 +147,7 @@ def torch_function(cls: type, func: Callable, types: tuple, args: tuple = (), kw
     This runs for every operation on a storch tensor, so the common case (one plate layout shared by
     all plated arguments, one tensor returned) is kept short.
     """
-    if func in PASSTHROUGH:
+    if func in PASSTHROUGH or type(func) in _OPERATOR_TYPES:
         with _Disable():
             return func(*args, **kwargs) if kwargs else func(*args)
     with _Disable():

@@ -354,7 +354,8 @@ def backward(
         _warn_unused_nodes(costs)
         if print_costs:
             for cost in costs:
-                print(f"{cost.name}: {_cost_surrogate(cost, _Record()).item():.6g}")
+                estimate = _cost_surrogate(cost, _Record())
+                print(f"{cost.name}: {'(meta)' if estimate.is_meta else format(estimate.item(), '.6g')}")
         if not loss.requires_grad:
             raise ValueError(
                 "storch.backward: no registered cost depends on a tensor that requires grad, so there "

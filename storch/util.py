@@ -17,7 +17,7 @@ __all__ = [
     "magic_box", "get_distr_parameters", "distribution_layout", "has_differentiable_path",
     "has_backwards_path", "walk_backward_graph", "print_graph", "topological_sort", "split",
     "rsample_gumbel", "rsample_gumbel_softmax", "conditional_gumbel_rsample", "tensor_stats",
-    "reduce_mean", "log_prob_of_own_samples", "restore_lazy_plates",
+    "reduce_mean", "log_prob_of_own_samples", "restore_lazy_plates", "floating_dtype",
 ]
 
 
@@ -96,6 +96,28 @@ def _with_nested(d: Distribution) -> list[Distribution]:
         if isinstance(value, Distribution):
             found.extend(_with_nested(value))
     return found
+
+
+def floating_dtype(d: Distribution, samples: torch.Tensor) -> torch.dtype:
+    """The floating dtype of a node: its samples' dtype, else that of the distribution's parameters.
+
+    Tensors storch creates for a node (plate weights, constants) use it, so that float64 (or
+    half-precision) parameters are not mixed with float32 constants. Falls back to the default dtype
+    for a distribution with integer samples and no floating parameter.
+
+    Example:
+        >>> import torch
+        >>> from torch.distributions import Categorical
+        >>> q = Categorical(logits=torch.zeros(3, dtype=torch.float64))
+        >>> floating_dtype(q, q.sample((2,)))
+        torch.float64
+    """
+    if samples.is_floating_point():
+        return samples.dtype
+    for _, value in _named_parameters(d):
+        if value.is_floating_point():
+            return value.dtype
+    return torch.get_default_dtype()
 
 
 def restore_lazy_plates(d: Distribution) -> None:

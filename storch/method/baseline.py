@@ -59,7 +59,7 @@ class MovingAverageBaseline(Baseline):
         name = cost_node.name
         mean = plain(reduce_plates(cost_node.detach()))
         self._pending[name] = mean
-        return self.averages.get(name, torch.zeros((), dtype=mean.dtype))
+        return self.averages.get(name, mean.new_zeros(()))
 
     def update(self) -> None:
         """Fold the costs of the last step into the averages; a NaN or infinite mean is skipped.

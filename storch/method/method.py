@@ -52,7 +52,8 @@ from storch.plate import Plate, layout_of_plates
 from storch.sampling.method import MonteCarlo, SamplingMethod, _describe, check_count
 from storch.tensor import CostTensor, StochasticNode, StochasticTensor, Tensor, _alias, _Disable, wrap_new
 from storch.util import (
-    distribution_layout, get_distr_parameters, log_prob_of_own_samples, magic_box, restore_lazy_plates,
+    distribution_layout, floating_dtype, get_distr_parameters, log_prob_of_own_samples, magic_box,
+    restore_lazy_plates,
 )
 
 __all__ = ["Method", "log_prob", "DEFAULT_N_SAMPLES", "proposal_arguments"]
@@ -218,7 +219,10 @@ class Method(nn.Module):
             return plate.weight  # the uniform 1/n the plate was created with
         if isinstance(weight, Tensor):
             return weight
-        weight = torch.as_tensor(weight)
+        samples = tensor._node.samples  # a plain weight follows the node's device and floating dtype
+        weight = torch.as_tensor(weight, device=samples.device)
+        if weight.is_floating_point():
+            weight = weight.to(floating_dtype(tensor.distribution, samples))
         if weight.dim() == 0:
             return weight
         if tuple(weight.shape) != (plate.size,):

@@ -101,12 +101,12 @@ class SumAndSampleRest(SamplingMethod):
             log_rest_mass = rest.logsumexp(-1)  # log(1 − q)
             # no mass left outside C (values of probability 0): draw any value; its weight is 0
             rest = torch.where(torch.isneginf(log_rest_mass).unsqueeze(-1), torch.zeros_like(rest), rest)
-            sampled = Categorical(logits=rest).sample((self.n_sampled,)).movedim(0, -1)  # (*plates, m)
+            sampled = Categorical(logits=rest, validate_args=False).sample((self.n_sampled,)).movedim(0, -1)  # (*plates, m)
             index = torch.cat([summed, sampled], -1)
             log_w = torch.cat(
                 [
                     log_p.gather(-1, summed),
-                    (log_rest_mass - torch.log(torch.tensor(float(self.n_sampled), dtype=log_p.dtype)))
+                    (log_rest_mass - torch.log(torch.tensor(float(self.n_sampled), dtype=log_p.dtype, device=log_p.device)))
                     .unsqueeze(-1)
                     .expand(sampled.shape),
                 ],

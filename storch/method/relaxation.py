@@ -28,7 +28,10 @@ from torch.distributions import (
     OneHotCategorical,
     RelaxedBernoulli,
     RelaxedOneHotCategorical,
+    TransformedDistribution,
 )
+from torch.distributions.relaxed_bernoulli import LogitRelaxedBernoulli
+from torch.distributions.transforms import SigmoidTransform
 
 from storch.registry import TypeRegistry
 
@@ -153,10 +156,21 @@ _BERNOULLI_COUPLING = GumbelCoupling(
     soft=lambda z, tau: torch.sigmoid(z / tau),
 )
 
+
+def _relaxed_bernoulli(d: Distribution, tau: torch.Tensor) -> RelaxedBernoulli:
+    """``RelaxedBernoulli(tau, logits=d.logits)``, not validated again: ``d``'s parameters were (or
+    were not, by the user's choice) when ``d`` was built. (``RelaxedBernoulli`` does not pass
+    ``validate_args`` to its base, and validation reads values, which do not exist on ``meta``.)"""
+    relaxed = RelaxedBernoulli.__new__(RelaxedBernoulli)
+    base = LogitRelaxedBernoulli(tau, logits=d.logits, validate_args=False)
+    TransformedDistribution.__init__(relaxed, base, SigmoidTransform(), validate_args=False)
+    return relaxed
+
+
 register_relaxation(
     OneHotCategorical,
     Relaxation(
-        relaxed=lambda d, tau: RelaxedOneHotCategorical(tau, logits=d.logits),
+        relaxed=lambda d, tau: RelaxedOneHotCategorical(tau, logits=d.logits, validate_args=False),
         hard=_one_hot_argmax,
         coupling=_CATEGORICAL_COUPLING,
     ),
@@ -164,7 +178,7 @@ register_relaxation(
 register_relaxation(
     Bernoulli,
     Relaxation(
-        relaxed=lambda d, tau: RelaxedBernoulli(tau, logits=d.logits),
+        relaxed=_relaxed_bernoulli,
         hard=lambda x: (x > 0.5).to(x.dtype),
         coupling=_BERNOULLI_COUPLING,
     ),

@@ -88,7 +88,7 @@ register_one_hot_view(OneHotCategorical, OneHotView(logits=lambda d: d.logits, t
 # --------------------------------------------------------------------------- functions
 def sample_one_hot(logits: torch.Tensor, n: int) -> torch.Tensor:
     """``n`` one-hot samples ``(n, *logits.shape)`` of the categorical with these logits."""
-    index = torch.distributions.Categorical(logits=logits.detach()).sample((n,))
+    index = torch.distributions.Categorical(logits=logits.detach(), validate_args=False).sample((n,))
     return F.one_hot(index, logits.shape[-1]).to(logits.dtype)
 
 

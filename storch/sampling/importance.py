@@ -119,13 +119,13 @@ class ImportanceSampling(SamplingMethod):
             n_dims = 1 + len(plates)  # the new plate and the parents' plates; sum the rest
             log_p = _sum_to(log_prob_of_own_samples(distr, samples), n_dims).detach()
             log_r = _sum_to(r.log_prob(samples), n_dims)
-        if bool(torch.isneginf(log_p).any()):
+        if log_p.device.type != "meta" and bool(torch.isneginf(log_p).any()):  # meta: no values to check
             raise ValueError(
                 f"ImportanceSampling({self.plate_name!r}): the proposal drew a value that has "
                 f"probability 0 under the target {type(distr).__name__}; its score log p(x) is "
                 "-inf. Use a proposal whose support lies inside the target's."
             )
-        self._pending = (samples, log_p - log_r - torch.log(torch.tensor(float(self.n_samples), dtype=log_p.dtype)))
+        self._pending = (samples, log_p - log_r - torch.log(torch.tensor(float(self.n_samples), dtype=log_p.dtype, device=log_p.device)))
         return samples
 
     def weighting_function(self, tensor: "StochasticTensor", plate: Plate) -> Optional[torch.Tensor]:

@@ -101,8 +101,7 @@ def _log_factors(log_p: torch.Tensor, log_rest: Optional[torch.Tensor], step: fl
         small, z - 0.5 * torch.exp(z.clamp(max=-12.0)), torch.log(-torch.expm1(-torch.exp(z.clamp(min=-12.0, max=50.0))))
     )
     factors = torch.where(constant.unsqueeze(-1), torch.zeros_like(factors), factors)
-    h = (x[1] - x[0]).item()
-    base = x - torch.exp(x) + math.log(h)
+    base = x - torch.exp(x) + torch.log(x[1] - x[0])  # on the device: no sync, and shapes only on meta
     return factors, base
 
 
