@@ -197,12 +197,32 @@ def torch_function(cls: type, func: Callable, types: tuple, args: tuple = (), kw
                 _check_dim_args(func, spec, args, kwargs)
             if plain_ndim > first.dim() - len(layout.sizes):
                 ragged = True
-            if not same or (ragged and func in _ELEMENTWISE) or func in _SPECIAL:
+            if not same or (ragged and func in _ELEMENTWISE) or (func in _SPECIAL and _needs_special(func, args, kwargs)):
                 args, kwargs, layout = _align_call(func, args, kwargs)
         out = func(*args, **kwargs)
         if type(out) is _T:
             return _wrap_tensor(out, layout, func, args)
         return _wrap_output(out, layout, func, args)
+
+
+def _needs_special(func: Callable, args: tuple, kwargs: dict) -> bool:
+    """Whether a function of ``_SPECIAL`` needs aligning although its plated arguments share plates.
+
+    Losses that want equal shapes need it unless their tensor arguments already have one shape (as
+    in ``Distribution.log_prob`` after ``broadcast_all``); joins need it unless every member is a
+    storch tensor (a plain member gets the plates expanded).
+    """
+    if func in _BROADCAST_FIRST:
+        shape = None
+        for a in (args + tuple(kwargs.values())) if kwargs else args:
+            if isinstance(a, _T) and a.dim() > 0:
+                if shape is None:
+                    shape = a.shape
+                elif a.shape != shape:
+                    return True
+        return False
+    members = args[0] if args and (type(args[0]) is list or type(args[0]) is tuple) else args
+    return not all(isinstance(b, Tensor) and b._layout.sizes for b in members)
 
 
 def _dim_values(value: Any) -> list[int]:

@@ -428,3 +428,20 @@ def test_manual_evaluate_loop_gathers_param_grads():
     assert bias.plates == [] and torch.isfinite(bias._tensor)
     # 20 RLOO estimates of a gradient: the mean is in the right ballpark of the exact one
     assert float(bias) < float(storch.reduce_plates(expected_gradient ** 2).sum()) + float(var.sum())
+
+
+def test_param_grads_of_non_leaf_parameters_are_retained_and_released():
+    """A non-leaf parameter retains its gradient in autograd; storch moves it to param_grads."""
+    w = torch.tensor([0.3, -0.2], requires_grad=True)
+    logits = w * 2.0  # non-leaf, shared by two nodes
+    z1 = ScoreFunction("z1", n_samples=3)(torch.distributions.Bernoulli(logits=logits))
+    z2 = ScoreFunction("z2", n_samples=2)(torch.distributions.Bernoulli(logits=logits))
+    storch.add_cost((z1 * torch.tensor([1.0, 2.0])).sum(-1), "c1")
+    storch.add_cost((z2 * 3.0).sum(-1), "c2")
+    surrogate = storch.surrogate_loss()
+    (expected,) = torch.autograd.grad(surrogate, logits, retain_graph=True)
+    storch.backward()
+    torch.testing.assert_close(z1.param_grads["logits"], expected)
+    assert z2.param_grads["logits"] is z1.param_grads["logits"] or torch.equal(z1.param_grads["logits"], z2.param_grads["logits"])
+    assert logits.grad is None  # released: a later backward through logits starts from zero
+    torch.testing.assert_close(w.grad, 2.0 * expected)
