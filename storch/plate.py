@@ -212,12 +212,13 @@ class PlateLayout:
     reuses that layout object, which lets the dispatcher skip alignment by an identity check.
     """
 
-    __slots__ = ("plates", "sizes", "names", "__weakref__")
+    __slots__ = ("plates", "sizes", "names", "_dropped", "__weakref__")
 
     def __init__(self, plates: Sequence[Plate] = ()) -> None:
         self.plates: tuple[Plate, ...] = tuple(plates)
         self.sizes: tuple[int, ...] = tuple(p.size for p in self.plates)
         self.names: tuple[str, ...] = tuple(p.name for p in self.plates)
+        self._dropped: dict[int, PlateLayout] = {}  # position -> this layout without that plate
 
     def __len__(self) -> int:
         return len(self.plates)
@@ -248,6 +249,20 @@ class PlateLayout:
             if p == plate:
                 return i
         raise ValueError(f"Plate {plate!r} is not on this tensor; its plates are {list(self.names)}.")
+
+    def position(self, plate: Plate) -> int:
+        """Position of ``plate`` in this layout, found by identity first (see :meth:`index`)."""
+        for i, p in enumerate(self.plates):
+            if p is plate:
+                return i
+        return self.index(plate)
+
+    def without_position(self, i: int) -> "PlateLayout":
+        """This layout without its ``i``-th plate (cached: the surrogate reduces plates in a loop)."""
+        layout = self._dropped.get(i)
+        if layout is None:
+            layout = self._dropped[i] = layout_of_plates(self.plates[:i] + self.plates[i + 1:])
+        return layout
 
     def without(self, plates: Iterable[Plate]) -> "PlateLayout":
         """A layout with the given plates removed."""

@@ -197,9 +197,19 @@ def reduce_plate(tensor: Tensor, plate: Plate, detach_weights: bool = True) -> t
     """
     w = _plate_weight(plate, detach_weights)
     if w is None:
-        return _reduce_dims(tensor, plate, "mean")
+        return _reduce_one(tensor, plate, torch.mean)
     ignored = (w == 0) & ~torch.isfinite(tensor)
-    return _reduce_dims(torch.where(ignored, torch.zeros((), dtype=tensor.dtype, device=tensor.device), tensor) * w, plate, "sum")
+    weighted = torch.where(ignored, torch.zeros((), dtype=tensor.dtype, device=tensor.device), tensor) * w
+    return _reduce_one(weighted, plate, torch.sum)
+
+
+def _reduce_one(tensor: Tensor, plate: Plate, op) -> Tensor:
+    """``op`` (``torch.sum`` or ``torch.mean``) over one plate of a storch tensor."""
+    layout = tensor._layout
+    i = layout.position(plate)
+    with _Disable():
+        out = op(tensor, i)
+    return wrap_new(out, layout.without_position(i))
 
 
 def reduce_plates(
