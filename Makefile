@@ -14,7 +14,7 @@ SC_VENV := .venv-storchastic
 SC_PY := $(SC_VENV)/bin/python
 SC_STAMP := $(SC_VENV)/.installed
 
-.PHONY: venv test test-seeds demo bench bench-sbn bench-storchastic bench-gsb bench-gsb-extra bench-memory clean
+.PHONY: venv test test-seeds demo bench bench-quick bench-sbn bench-storchastic bench-gsb bench-gsb-extra bench-memory clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,11 @@ demo: $(STAMP)
 
 bench: $(STAMP) $(SC_STAMP)
 	$(VENV_PY) benchmarks/run.py
+
+# storch-bench smoke run: sbn-linear on scikit-learn's digits, DisARM, 300 steps (seconds; benchmarks/results/bench-quick).
+bench-quick: $(STAMP)
+	$(VENV_PY) -m storch.bench --model sbn-linear --data digits --estimator disarm --steps 300 \
+		--eval-size 250 --out benchmarks/results/bench-quick --overwrite --no-progress
 
 # Linear SBN 784-[200] on binarized MNIST: storch vs hand-written REINFORCE/RLOO/ARM/DisARM (~1 min).
 bench-sbn: $(STAMP)

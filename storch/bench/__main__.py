@@ -1,0 +1,8 @@
+"""``python -m storch.bench``: see :mod:`storch.bench.cli`."""
+
+import sys
+
+from storch.bench.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""One benchmark run: training loop, evaluation, gradient variance, checkpoints and output files.
+
+A run directory holds ``config.json`` (everything needed to rerun or resume it), ``metrics.csv``
+(one row per evaluation), ``summary.json`` (the final metrics), ``checkpoint.pt`` (with
+``--checkpoint-every``) and ``plots.png`` (when matplotlib is installed).
+
+Randomness: the global torch generator drives the model's initialisation and the estimators'
+samples; the minibatch order and the dynamic binarisation have generators of their own. Evaluations
+and gradient-variance probes run under :func:`torch.random.fork_rng` with seeds of their own, so they
+do not change the training trajectory, and a resumed run repeats an uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+import storch
+from storch.bench.data import Dataset, eval_subset, load_dataset
+from storch.bench.estimators import ESTIMATORS, BudgetError, applicable, build_methods, samples_for_budget
+from storch.bench.models import BenchModel, evaluate_bounds, make_model, storch_story
+
+__all__ = ["RunConfig", "run", "resume", "METRIC_FIELDS", "run_label"]
+
+METRIC_FIELDS = ["step", "seconds", "train_objective", "train_nelbo", "valid_nelbo", "test_nelbo", "grad_logvar",
+                 "ms_per_step"]
+
+# the fields of config.json; defaults for the CLI
+DEFAULTS: Dict[str, Any] = dict(
+    model="sbn-linear", data="digits", data_dir=None, estimator="score-function", objective="elbo",
+    n_samples=None, budget=None, baseline=None, temperature=None, spsa_c=None, latent_dim=None, categories=None,
+    batch_size=50, lr=1e-3, steps=1000, seed=0, eval_every=None, eval_size=1000, eval_k=200, eval_elbo_k=10,
+    var_every=None, var_reps=20, checkpoint_every=None, threads=None,
+)
+
+
+def run_label(cfg: Dict[str, Any]) -> str:
+    """``estimator(options)``: the name under which ``compare`` groups runs."""
+    est = ESTIMATORS[cfg["estimator"]]
+    opts = [f"{o}={cfg[o]}" for o in est.options if cfg.get(o) is not None]
+    opts.append(f"n={cfg['n_samples_resolved']}")
+    label = f"{est.name}({','.join(opts)})"
+    return label if cfg["objective"] == "elbo" else f"{label}/iwae"
+
+
+class Batches:
+    """Shuffled minibatches, cycled epoch after epoch; its state is part of a checkpoint."""
+
+    def __init__(self, n: int, batch: int, seed: int):
+        self.n, self.batch = n, batch
+        self.gen = torch.Generator().manual_seed(seed)
+        self.perm, self.pos = torch.randperm(n, generator=self.gen), 0
+
+    def next(self) -> torch.Tensor:
+        if self.pos + self.batch > self.n:
+            self.perm, self.pos = torch.randperm(self.n, generator=self.gen), 0
+        idx = self.perm[self.pos:self.pos + self.batch]
+        self.pos += self.batch
+        return idx
+
+    def state_dict(self):
+        return {"gen": self.gen.get_state(), "perm": self.perm.clone(), "pos": self.pos}
+
+    def load_state_dict(self, s):
+        self.gen.set_state(s["gen"])
+        self.perm, self.pos = s["perm"].clone(), s["pos"]
+
+
+class Run:
+    """A run being built, trained or resumed (see :func:`run` and :func:`resume`)."""
+
+    def __init__(self, cfg: Dict[str, Any], run_dir: Path, data: Optional[Dataset] = None, progress: bool = True,
+                 log=print):
+        self.cfg, self.dir, self.progress, self.log = cfg, Path(run_dir), progress, log
+        self.data = data if data is not None else load_dataset(cfg["data"], cfg.get("data_dir"))
+        torch.manual_seed(cfg["seed"])
+        self.model: BenchModel = make_model(cfg["model"], self.data.input_dim, self.data.train_mean,
+                                            cfg.get("latent_dim"), cfg.get("categories"))
+        est = ESTIMATORS[cfg["estimator"]]
+        if cfg["objective"] == "iwae" and not self.model.iwae_ok:
+            raise ValueError(f"--objective iwae: {cfg['model']} has several stochastic layers; the bound needs "
+                             "every later node reparameterized (use --objective elbo)")
+        reason = applicable(est, self.model.latents, cfg["objective"])
+        if reason:
+            raise ValueError(reason)
+        n, evals = samples_for_budget(est, self.model.latents, cfg.get("budget"), cfg.get("n_samples"))
+        cfg["n_samples_resolved"], cfg["evals_per_datum"] = n, evals
+        cfg["label"] = run_label(cfg)
+        self.methods = build_methods(est, self.model.latents, n, _Namespace(cfg))
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg["lr"])
+        self.batches = Batches(self.data.train.shape[0], cfg["batch_size"], cfg["seed"] + 1)
+        self.bin_gen = torch.Generator().manual_seed(cfg["seed"] + 2)
+        self.step, self.train_time, self.rows = 0, 0.0, []
+        self._acc, self._acc_n, self._acc_time = 0.0, 0, 0.0
+        # fixed evaluation subsets (dynamic data: binarised once) and the variance minibatch
+        k = cfg["eval_size"]
+        g = torch.Generator().manual_seed(12345)
+        self.eval_sets = {"train": self.data.binarize(eval_subset(self.data.train, k), g),
+                          "valid": eval_subset(self.data.valid, k), "test": eval_subset(self.data.test, k)}
+        self.var_batch = self.eval_sets["train"][: cfg["batch_size"]]
+
+    # ---------------------------------------------------------------- training
+    def train_step(self) -> float:
+        storch.reset()
+        self.opt.zero_grad(set_to_none=True)
+        x = self.data.binarize(self.data.train[self.batches.next()], self.bin_gen)
+        storch_story(self.model, x, self.methods, self.cfg["objective"])
+        loss = storch.backward()
+        self.opt.step()
+        return float(loss)
+
+    def grad_log_variance(self) -> float:
+        """log Σ_coordinates Var[ĝ] of the encoder's first layer weight over ``var_reps`` estimates on
+        one fixed minibatch (each with a fresh copy of the estimators, so none learns from the probes)."""
+        w = self.model.encoder_weight()
+        grads = []
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg["seed"] * 7919 + self.step + 1)
+            for _ in range(self.cfg["var_reps"]):
+                methods = copy.deepcopy(self.methods)
+                storch.reset()
+                self.model.zero_grad(set_to_none=True)
+                storch_story(self.model, self.var_batch, methods, self.cfg["objective"])
+                storch.backward()
+                grads.append(w.grad.detach().flatten().clone())
+        self.model.zero_grad(set_to_none=True)
+        total = float(torch.stack(grads).var(0).sum())
+        return math.log(total) if total > 0 else float("-inf")
+
+    def evaluate(self, final: bool = False) -> Dict[str, float]:
+        out = {}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg["seed"] * 104729 + self.step)
+            for split, x in self.eval_sets.items():
+                out[f"{split}_nelbo"], _ = evaluate_bounds(self.model, x, self.cfg["eval_elbo_k"])
+            if final:
+                out["test_nelbo_k"], out["test_nll"] = evaluate_bounds(self.model, self.eval_sets["test"],
+                                                                      self.cfg["eval_k"])
+        return out
+
+    def record(self, final: bool = False) -> Dict[str, float]:
+        cfg = self.cfg
+        row = {"step": self.step, "seconds": round(self.train_time, 4),
+               "train_objective": self._acc / self._acc_n if self._acc_n else "",
+               "ms_per_step": 1000.0 * self._acc_time / self._acc_n if self._acc_n else ""}
+        ev = self.evaluate(final)
+        row.update({k: ev[k] for k in ("train_nelbo", "valid_nelbo", "test_nelbo")})
+        var_every = cfg.get("var_every")
+        row["grad_logvar"] = (self.grad_log_variance()
+                              if var_every and (self.step % var_every == 0 or final) else "")
+        self.rows.append(row)
+        self._acc, self._acc_n, self._acc_time = 0.0, 0, 0.0
+        self.write_metrics()
+        return ev
+
+    def write_metrics(self):
+        with open(self.dir / "metrics.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=METRIC_FIELDS)
+            w.writeheader()
+            w.writerows(self.rows)
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_checkpoint(self):
+        state = {
+            "step": self.step, "train_time": self.train_time, "rows": self.rows,
+            "acc": (self._acc, self._acc_n, self._acc_time),
+            "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+            "method_state_dicts": {k: m.state_dict() for k, m in self.methods.items()},
+            "methods": self.methods,  # pickled whole: baselines' running values, RELAX's own optimiser
+            "rng": torch.get_rng_state(), "batches": self.batches.state_dict(), "bin_gen": self.bin_gen.get_state(),
+        }
+        tmp = self.dir / "checkpoint.pt.tmp"
+        torch.save(state, tmp)
+        tmp.replace(self.dir / "checkpoint.pt")
+
+    def load_checkpoint(self):
+        state = torch.load(self.dir / "checkpoint.pt", weights_only=False)
+        self.step, self.train_time, self.rows = state["step"], state["train_time"], state["rows"]
+        self._acc, self._acc_n, self._acc_time = state["acc"]
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.methods = state["methods"]
+        for k, m in self.methods.items():
+            m.load_state_dict(state["method_state_dicts"][k])
+        torch.set_rng_state(state["rng"])
+        self.batches.load_state_dict(state["batches"])
+        self.bin_gen.set_state(state["bin_gen"])
+
+    # ---------------------------------------------------------------- the loop
+    def train(self) -> Dict[str, Any]:
+        cfg = self.cfg
+        steps = cfg["steps"]
+        eval_every = cfg.get("eval_every") or max(1, steps // 10)
+        ckpt_every = cfg.get("checkpoint_every")
+        bar = None
+        if self.progress:
+            try:
+                from tqdm import tqdm
+
+                bar = tqdm(total=steps, initial=self.step, desc=cfg["label"], leave=False, dynamic_ncols=True)
+            except ImportError:
+                bar = None
+        if self.step == 0 and not self.rows:
+            self.record()
+        while self.step < steps:
+            t0 = time.perf_counter()
+            loss = self.train_step()
+            dt = time.perf_counter() - t0
+            self.step += 1
+            self.train_time += dt
+            self._acc += loss
+            self._acc_n += 1
+            self._acc_time += dt
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"step {self.step}: training objective {loss}")
+            if bar is not None:
+                bar.update(1)
+                if self.step % 10 == 0:
+                    bar.set_postfix(loss=f"{loss:.2f}")
+            if self.step % eval_every == 0 and self.step < steps:
+                self.record()
+            if ckpt_every and self.step % ckpt_every == 0:
+                self.save_checkpoint()
+        if bar is not None:
+            bar.close()
+        if self.rows and self.rows[-1]["step"] == self.step:
+            self.rows.pop()  # resumed at the end: the final evaluation replaces the last row
+        final = self.record(final=True)
+        if ckpt_every:
+            self.save_checkpoint()
+        last_var = [r["grad_logvar"] for r in self.rows if r["grad_logvar"] != ""]
+        summary = {
+            "model": cfg["model"], "data": cfg["data"], "estimator": cfg["estimator"], "label": cfg["label"],
+            "objective": cfg["objective"], "seed": cfg["seed"], "steps": self.step,
+            "n_samples": cfg["n_samples_resolved"], "evals_per_datum": cfg["evals_per_datum"],
+            "train_nelbo": final["train_nelbo"], "valid_nelbo": final["valid_nelbo"],
+            "test_nelbo": final["test_nelbo_k"], "test_nll": final["test_nll"], "eval_k": cfg["eval_k"],
+            "eval_size": len(self.eval_sets["test"]),
+            "grad_logvar": last_var[-1] if last_var else None,
+            "ms_per_step": 1000.0 * self.train_time / self.step if self.step else None,
+            "train_seconds": self.train_time,
+        }
+        with open(self.dir / "summary.json", "w") as f:
+            json.dump(summary, f, indent=2)
+        plot_run(self.dir, self.rows, cfg["label"], self.log)
+        return summary
+
+
+class _Namespace:
+    def __init__(self, d):
+        self.__dict__.update(d)
+
+
+def _prepare_dir(run_dir: Path, overwrite: bool) -> None:
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{run_dir} exists; pass --overwrite to replace it or --resume {run_dir} "
+                                  "to continue it")
+        for name in ("config.json", "metrics.csv", "summary.json", "checkpoint.pt", "plots.png"):
+            (run_dir / name).unlink(missing_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def run(cfg: Dict[str, Any], run_dir, progress: bool = True, overwrite: bool = False, data=None, log=print):
+    """Train one configuration into ``run_dir``; returns the summary."""
+    cfg = {**DEFAULTS, **cfg}
+    run_dir = Path(run_dir)
+    r = Run(cfg, run_dir, data=data, progress=progress, log=log)  # validates before touching the disk
+    _prepare_dir(run_dir, overwrite)
+    with open(run_dir / "config.json", "w") as f:
+        json.dump(cfg, f, indent=2)
+    return r.train()
+
+
+def resume(run_dir, steps: Optional[int] = None, progress: bool = True, log=print):
+    """Continue the run in ``run_dir`` from its checkpoint (to ``steps``, default the configured number)."""
+    run_dir = Path(run_dir)
+    with open(run_dir / "config.json") as f:
+        cfg = json.load(f)
+    if steps is not None:
+        cfg["steps"] = steps
+    if not (run_dir / "checkpoint.pt").is_file():
+        raise FileNotFoundError(f"{run_dir} has no checkpoint.pt (train with --checkpoint-every N)")
+    r = Run(cfg, run_dir, progress=progress, log=log)
+    r.load_checkpoint()
+    (run_dir / "summary.json").unlink(missing_ok=True)
+    with open(run_dir / "config.json", "w") as f:
+        json.dump(cfg, f, indent=2)
+    return r.train()
+
+
+def plot_run(run_dir: Path, rows: List[Dict[str, Any]], label: str, log=print) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log(f"(no plots for {run_dir.name}: matplotlib is not installed; pip install 'storch[bench]')")
+        return False
+    steps = [r["step"] for r in rows]
+    secs = [r["seconds"] for r in rows]
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    for split in ("train", "valid", "test"):
+        ys = [r[f"{split}_nelbo"] for r in rows]
+        ax[0].plot(steps, ys, label=split)
+        ax[1].plot(secs, ys, label=split)
+    ax[0].set(xlabel="step", ylabel="-ELBO (nats)", title=label)
+    ax[1].set(xlabel="training seconds", ylabel="-ELBO (nats)")
+    ax[0].legend()
+    var = [(r["step"], r["grad_logvar"]) for r in rows if r["grad_logvar"] not in ("", None)]
+    if var:
+        ax[2].plot(*zip(*var), marker="o")
+    ax[2].set(xlabel="step", ylabel="log total variance of encoder W grad")
+    fig.tight_layout()
+    fig.savefig(run_dir / "plots.png", dpi=80)
+    plt.close(fig)
+    return True

@@ -1,0 +1,177 @@
+"""storch-bench (storch/bench): catalog, budget arithmetic, loaders, end-to-end runs, resume."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from storch.bench import cli, train
+from storch.bench.data import DATASETS, load_dataset
+from storch.bench.estimators import ESTIMATORS, BudgetError, samples_for_budget
+from storch.bench.models import MODELS, Latent
+from storch.datasets import write_idx
+
+QUICK = dict(steps=6, eval_every=3, eval_size=40, eval_k=8, eval_elbo_k=2, var_every=3, var_reps=3,
+             batch_size=20, latent_dim=12)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+def test_help_and_list_name_the_catalog(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert cli.main(["list"]) == 0
+    listed = capsys.readouterr().out
+    for name in [*MODELS, *DATASETS, *ESTIMATORS]:
+        assert name in text and name in listed, name
+
+
+BERN = [Latent("z", "bernoulli", 200, 2)]
+CAT = [Latent("z", "categorical", 20, 10)]
+TWO = [Latent("z1", "bernoulli", 200, 2), Latent("z2", "bernoulli", 200, 2)]
+
+
+@pytest.mark.parametrize("est, latents, budget, n, evals", [
+    ("score-function", BERN, 10, 10, 10),
+    ("rloo", BERN, 7, 7, 7),
+    ("arm", BERN, 10, 5, 10),
+    ("disarm", BERN, 5, 2, 4),
+    ("rebar", BERN, 10, 3, 9),
+    ("spsa", CAT, 6, 2, 6),
+    ("local-expectation", BERN, 900, 2, 802),    # 1 + D*K = 401
+    ("local-expectation", CAT, 201, 1, 201),     # 1 + 20*10
+    ("mvd", BERN, 201, 1, 201),                  # 1 + D
+    ("mvd", CAT, 400, 2, 362),                   # 1 + D*(K-1) = 181
+    ("arm", TWO, 8, 2, 8),                       # 2 per pair on each layer
+    ("rloo", TWO, 8, 4, 8),                      # the lower layer takes 2 samples per upper sample
+    ("expect", [Latent("z", "bernoulli", 6, 2)], 64, 1, 64),
+    ("vimco", BERN, 5, 5, 5),
+])
+def test_budget_arithmetic(est, latents, budget, n, evals):
+    assert samples_for_budget(ESTIMATORS[est], latents, budget) == (n, evals)
+
+
+@pytest.mark.parametrize("est, latents, budget", [
+    ("rloo", BERN, 1), ("arm", BERN, 1), ("local-expectation", BERN, 400), ("mvd", CAT, 180),
+    ("expect", [Latent("z", "bernoulli", 6, 2)], 63), ("expect", BERN, None), ("rebar", TWO, 8),
+])
+def test_budget_too_small(est, latents, budget):
+    with pytest.raises(BudgetError):
+        samples_for_budget(ESTIMATORS[est], latents, budget)
+
+
+def test_cli_reports_small_budget(tmp_path, capsys):
+    assert cli.main(["--estimator", "arm", "--budget", "1", "--out", str(tmp_path), "--no-progress"]) == 2
+    assert "too small for arm" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ loaders on fixtures
+
+
+def _mnist_idx(d, n_train=30, n_test=10, gz=True):
+    ext = ".gz" if gz else ""
+    rng = np.random.default_rng(0)
+    write_idx(d / f"train-images-idx3-ubyte{ext}", rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8))
+    write_idx(d / f"train-labels-idx1-ubyte{ext}", rng.integers(0, 10, n_train, dtype=np.uint8))
+    write_idx(d / f"t10k-images-idx3-ubyte{ext}", rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8))
+    write_idx(d / f"t10k-labels-idx1-ubyte{ext}", rng.integers(0, 10, n_test, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("name, gz", [("mnist", True), ("fashion-mnist", False)])
+def test_idx_loaders(tmp_path, name, gz):
+    _mnist_idx(tmp_path, gz=gz)
+    ds = load_dataset(name, tmp_path)
+    assert ds.dynamic and ds.input_dim == 784
+    assert (ds.train.shape[0], ds.valid.shape[0], ds.test.shape[0]) == (25, 5, 10)  # last sixth = valid
+    assert 0 <= float(ds.train.min()) and float(ds.train.max()) <= 1
+    assert set(ds.valid.unique().tolist()) <= {0.0, 1.0} and set(ds.test.unique().tolist()) <= {0.0, 1.0}
+    batch = ds.binarize(ds.train[:4], torch.Generator().manual_seed(0))
+    assert set(batch.unique().tolist()) <= {0.0, 1.0}
+
+
+def test_npz_loaders(tmp_path):
+    rng = np.random.default_rng(1)
+    np.savez(tmp_path / "mnist_uint8.npz", x_train=rng.integers(0, 256, (24, 784), dtype=np.uint8),
+             y_train=np.zeros(24, np.uint8), x_test=rng.integers(0, 256, (6, 784), dtype=np.uint8),
+             y_test=np.zeros(6, np.uint8))
+    ds = load_dataset("mnist", tmp_path)
+    assert (ds.train.shape[0], ds.valid.shape[0], ds.test.shape[0]) == (20, 4, 6)
+    with pytest.raises(FileNotFoundError, match="IDX"):  # Fashion-MNIST is never read from MNIST's npz
+        load_dataset("fashion-mnist", tmp_path)
+    pixels = {s: rng.integers(0, 2, (n, 784), dtype=np.uint8) for s, n in (("train", 8), ("valid", 3), ("test", 2))}
+    np.savez(tmp_path / "binarized_mnist_packed.npz", **{s: np.packbits(p, axis=1) for s, p in pixels.items()})
+    ds = load_dataset("binarized-mnist", tmp_path)
+    assert not ds.dynamic
+    assert torch.equal(ds.valid, torch.from_numpy(pixels["valid"]).float())
+    assert ds.test.shape == (2, 784)
+
+
+# ------------------------------------------------------------------ end to end
+
+
+def _rows(run_dir):
+    with open(run_dir / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(estimator="score-function", n_samples=2, baseline="batch_average"),
+    dict(estimator="disarm", budget=4),
+    dict(estimator="gumbel-softmax", temperature=0.5),
+    dict(model="categorical-vae", estimator="rloo", budget=2, latent_dim=3, categories=4),
+    dict(model="sbn-two-layer", estimator="arm"),
+    dict(estimator="vimco", objective="iwae", n_samples=3),
+    dict(estimator="expect", latent_dim=4),
+])
+def test_end_to_end(tmp_path, digits, cfg):
+    run_dir = tmp_path / "run"
+    s = train.run({**QUICK, **cfg}, run_dir, progress=False, data=digits, log=lambda *_: None)
+    for f in ("config.json", "metrics.csv", "summary.json"):
+        assert (run_dir / f).is_file(), f
+    assert s == json.loads((run_dir / "summary.json").read_text())
+    for k in ("train_nelbo", "valid_nelbo", "test_nelbo", "test_nll", "ms_per_step"):
+        assert math.isfinite(s[k]), k
+    assert s["test_nll"] <= s["test_nelbo"] + 1e-4  # the K-sample bound is tighter than the ELBO
+    rows = _rows(run_dir)
+    assert [int(r["step"]) for r in rows] == [0, 3, 6]
+    assert all(r["grad_logvar"] != "" for r in rows)
+
+
+def test_cli_seeds_compare_and_plots(tmp_path, capsys):
+    args = ["--estimator", "disarm", "--steps", "4", "--eval-every", "2", "--eval-size", "30", "--eval-k", "5",
+            "--var-reps", "2", "--latent-dim", "10", "--seed", "0", "1", "--out", str(tmp_path), "--no-progress"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "test -log p(x)" in out and "±" in out
+    dirs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    assert [d.name[-5:] for d in dirs] == ["seed0", "seed1"]
+    assert all((d / "plots.png").is_file() for d in dirs)  # matplotlib is in the test extra
+    assert cli.main(["compare", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert "disarm(n=1)" in table and "    2 " in table  # one group of two seeds
+    assert cli.main(args) == 2  # the folders exist: refused without --overwrite
+
+
+def test_resume_repeats_an_uninterrupted_run(tmp_path, digits):
+    cfg = {**QUICK, "steps": 8, "eval_every": 2, "var_every": 4, "checkpoint_every": 4,
+           "estimator": "score-function", "baseline": "moving_average", "n_samples": 2}
+    full = train.run(cfg, tmp_path / "full", progress=False, data=digits, log=lambda *_: None)
+    train.run({**cfg, "steps": 4}, tmp_path / "part", progress=False, data=digits, log=lambda *_: None)
+    assert (tmp_path / "part" / "checkpoint.pt").is_file()
+    resumed = train.resume(tmp_path / "part", steps=8, progress=False, log=lambda *_: None)
+    timing = {"seconds", "ms_per_step"}
+    a, b = _rows(tmp_path / "full"), _rows(tmp_path / "part")
+    assert [{k: v for k, v in r.items() if k not in timing} for r in a] == \
+           [{k: v for k, v in r.items() if k not in timing} for r in b]
+    for k in ("train_nelbo", "valid_nelbo", "test_nelbo", "test_nll", "grad_logvar", "steps"):
+        assert full[k] == resumed[k], k
