@@ -29,6 +29,7 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/sbn_step.py --check      # hand-written == storch on the same draws
     .venv/bin/python benchmarks/sbn_step.py              # interleaved timing table (~1 min)
     .venv/bin/python benchmarks/sbn_step.py --blocks 4 --steps 5 --warmup 5   # smoke run
+    .venv/bin/python benchmarks/sbn_step.py --train 3000 --seeds 0 1 2   # same test -ELBO within 1 nat?
 
 ``--check`` seeds both versions identically: storch draws its samples with the same torch calls
 (``Bernoulli.sample((n,))`` for the score function, ``torch.rand((n, *logits.shape))`` for
@@ -312,6 +313,61 @@ def make_runners(train: torch.Tensor, name: str, batch: int):
     return runners
 
 
+def load_split(data_dir: Path, split: str) -> torch.Tensor:
+    from storch.datasets import load_binarized_mnist
+
+    return load_binarized_mnist(data_dir, split)[0]
+
+
+@torch.no_grad()
+def test_neg_elbo(model: LinearSBN, x: torch.Tensor, samples: int = 10, seed: int = 0) -> float:
+    """The test negative ELBO in nats: mean over ``x`` and ``samples`` draws of ``z ~ q(z|x)``."""
+    gen = torch.Generator().manual_seed(seed)
+    q = Bernoulli(logits=model.encoder(x))
+    total = 0.0
+    for _ in range(samples):
+        z = torch.bernoulli(q.probs, generator=gen)
+        total += _neg_elbo(model, x, z, q)[0].mean().item()
+    return total / samples
+
+
+def train_both(train: torch.Tensor, test: torch.Tensor, name: str, steps: int, batch: int, seed: int) -> Dict[str, float]:
+    """Train the storch and the hand-written model from one initialisation on the same minibatches
+    and the same random stream; their test negative ELBOs."""
+    result = {}
+    for variant in ("storch", "hand-written"):
+        model, opt = make_model(0, train_mean=train.mean(0))
+        batches = Batches(train, batch, seed=1)
+        method, hw = make_method(name), hw_grad(name)
+        torch.manual_seed(seed)
+        for _ in range(steps):
+            x = batches.next()
+            if variant == "storch":
+                storch_grad(model, x, method)
+            else:
+                hw(model, x)
+            opt.step()
+        result[variant] = test_neg_elbo(model, test)
+    return result
+
+
+def print_training(train: torch.Tensor, test: torch.Tensor, steps: int, batch: int, seeds: List[int]) -> bool:
+    """Test -ELBO of storch and hand-written training side by side; True if within 1 nat."""
+    print(
+        f"sbn-linear 784-[200] trained {steps} steps (batch {batch}, Adam {LR}) from one initialisation, same "
+        f"minibatches and random stream; test -ELBO (nats, {test.shape[0]} test images x 10 samples)"
+    )
+    print(f"{'estimator':<10} | {'seed':>4} | {'storch':>8} | {'hand-written':>12} | difference")
+    ok = True
+    for name in ESTIMATORS:
+        for seed in seeds:
+            r = train_both(train, test, name, steps, batch, seed)
+            diff = r["storch"] - r["hand-written"]
+            ok &= abs(diff) <= 1.0
+            print(f"{name:<10} | {seed:>4} | {r['storch']:8.2f} | {r['hand-written']:12.2f} | {diff:+.3f}")
+    return ok
+
+
 def bench(train: torch.Tensor, blocks: int, steps: int, warmup: int, batch: int):
     runners = {name: make_runners(train, name, batch) for name in ESTIMATORS}
     for r in runners.values():  # warm-up
@@ -346,8 +402,14 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--batch", type=int, default=BATCH)
+    p.add_argument("--train", type=int, metavar="STEPS", help="train both versions STEPS steps and compare test -ELBO")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="random streams for --train")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+
+    if args.train:
+        ok = print_training(load_train(args.data), load_split(args.data, "test"), args.train, args.batch, args.seeds)
+        return 0 if ok else 1
 
     if args.check:
         try:
