@@ -37,6 +37,7 @@ _PROPERTIES = (
     "shape", "dtype", "device", "requires_grad", "grad", "grad_fn", "is_leaf", "ndim", "layout",
     "is_cuda", "is_sparse", "is_quantized", "is_meta", "names", "_version", "output_nr", "_base",
     "itemsize", "nbytes", "_backward_hooks", "_grad", "_grad_fn", "is_nested", "_post_accumulate_grad_hooks",
+    "retains_grad",
 )
 PASSTHROUGH: frozenset = frozenset(
     [getattr(_T, name).__get__ for name in _PROPERTIES if hasattr(_T, name)]
