@@ -26,6 +26,7 @@ The decoder's output bias starts at the logit of the training pixel means.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
@@ -90,19 +91,19 @@ def _init_output_bias(layer: nn.Linear, train_mean: Optional[torch.Tensor]) -> N
             layer.bias.copy_(torch.log(m) - torch.log1p(-m))
 
 
-class BenchModel(nn.Module):
+class BenchModel(nn.Module, ABC):
     """Base class: ``latents`` (top first, in sampling order), :meth:`story` and its helpers."""
 
     latents: List[Latent]
     iwae_ok = True  # one stochastic layer: the importance-weighted bound applies
 
+    @abstractmethod
     def story(self, x: torch.Tensor, sample: Sampler) -> Dict[str, torch.Tensor]:
         """The negative ELBO as named terms (one value per sample and datum); ``−Σ terms = log w``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def encoder_weight(self) -> torch.Tensor:
         """The encoder's first layer weight (its gradient's variance is reported)."""
-        raise NotImplementedError
 
     # -------------------------------------------------------------- shared pieces
     def _one_layer(self, x, sample, q_logits, prior_logits, decode) -> Dict[str, torch.Tensor]:
