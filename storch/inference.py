@@ -32,7 +32,7 @@ from storch.exceptions import NonFiniteCostError, StaleCostError, UnusedNodeWarn
 from storch.method.method import Method
 from storch.plate import Plate, PlateClashError
 from storch.reduce import reduce_plate
-from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout_of, plain, wrap
+from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout_of, plain, wrap, wrap_new
 from storch.util import get_distr_parameters, magic_box, restore_lazy_plates
 
 __all__ = ["add_cost", "backward", "surrogate_loss", "reset", "registered_costs", "MAX_PLATES"]
@@ -166,8 +166,11 @@ def _node_step(S: Tensor, plate: Plate, cost_name: str, record: _Record) -> torc
     """One step of the surrogate recursion for the stochastic node that owns ``plate``."""
     node = plate.node
     tensor = record.node_tensor(plate)
-    downstream = wrap(S, S._layout, CostTensor)
-    downstream._name = cost_name  # type: ignore[attr-defined]
+    if type(S) is CostTensor:  # the registered cost itself (storch's own view of the user's tensor)
+        downstream = S
+    else:  # a reduction storch made in this recursion: retyped in place (no view, no autograd node)
+        downstream = wrap_new(S, S._layout, CostTensor)
+        downstream._name = cost_name  # type: ignore[attr-defined]
     l, cv = node.method.estimator(tensor, downstream)  # type: ignore[union-attr]  # noqa: E741
     term: torch.Tensor = S
     if l is not None:
@@ -190,7 +193,10 @@ def _cost_surrogate(cost: CostTensor, record: _Record) -> torch.Tensor:
             S = reduce_plate(S, plate, detach_weights=False)
         else:
             S = _node_step(S, plate, cost.name, record)  # type: ignore[arg-type]
-    return plain(S)
+    if S is cost or not isinstance(S, Tensor):
+        return plain(S)
+    S.__class__ = torch.Tensor  # a reduction storch made: retyped in place (no view, no autograd node)
+    return S
 
 
 def _surrogate(costs: tuple[CostTensor, ...], record: _Record) -> torch.Tensor:
