@@ -254,43 +254,22 @@ def surrogate_loss(costs: tuple[CostTensor, ...] | None = None) -> torch.Tensor:
     return _surrogate(_COSTS.get() if costs is None else tuple(costs), _Record())
 
 
-class _ParamGrads:
-    """Fills each node's ``param_grads`` with the gradient of its distribution's parameters.
+def _retain_param_grads(record: _Record) -> list[Any]:
+    """Hooks that store, for each node in this surrogate, the gradient of each distribution
+    parameter in ``node.param_grads``; removed again right after the backward pass.
 
-    A non-leaf parameter (the usual case: the output of an encoder) retains its gradient inside
-    autograd (``retain_grad``: no Python call during the backward pass), read and released right
-    after it. Leaves, and tensors the user retains already, get a hook that is removed afterwards.
+    (Not ``retain_grad``: it cannot be undone, and a later ``autograd.grad(create_graph=True)``
+    through the parameter, as in RELAX's variance step or a user's Hessian, would store a gradient
+    whose graph holds the parameter itself: a reference cycle through autograd that ``gc`` cannot
+    free, leaking the whole step.)
     """
-
-    def __init__(self, record: _Record) -> None:
-        self.handles: list[Any] = []
-        self.retained: list[tuple[dict, str, torch.Tensor]] = []
-        for tensor in record.nodes.values():
-            grads = tensor.param_grads
-            grads.clear()
-            for name, param in get_distr_parameters(tensor.distribution).items():
-                if param.is_leaf or param.retains_grad:
-                    self.handles.append(param.register_hook(functools.partial(_keep_grad, grads, name, layout_of(param))))
-                else:
-                    param.retain_grad()
-                    self.retained.append((grads, name, param))
-
-    def collect(self) -> None:
-        """Move the retained gradients into ``param_grads`` (after a successful backward pass)."""
-        seen: dict[int, torch.Tensor | None] = {}
-        for grads, name, param in self.retained:
-            key = id(param)
-            if key not in seen:  # one tensor may parametrise several nodes
-                seen[key] = param.grad
-                param.grad = None
-            grad = seen[key]
-            if grad is not None:  # autograd made this tensor for us: no copy needed
-                layout = layout_of(param)
-                grads[name] = wrap(grad.detach(), layout) if layout.plates else grad.detach()
-
-    def remove_hooks(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+    handles = []
+    for tensor in record.nodes.values():
+        grads = tensor.param_grads
+        grads.clear()
+        for name, param in get_distr_parameters(tensor.distribution).items():
+            handles.append(param.register_hook(functools.partial(_keep_grad, grads, name, layout_of(param))))
+    return handles
 
 
 def _keep_grad(grads: dict, name: str, layout: Any, grad: torch.Tensor) -> None:
@@ -396,7 +375,7 @@ def backward(
                 "that the costs were not computed under torch.no_grad(), or use "
                 "storch.surrogate_loss() to only estimate the cost."
             )
-        param_grads = _ParamGrads(record)
+        handles = _retain_param_grads(record)
         # methods that learn from the gradient estimate (RELAX's control variate) differentiate
         # through the surrogate again in update_parameters, so its graph must outlive backward
         keep_graph = update_parameters and any(
@@ -405,8 +384,8 @@ def backward(
         try:
             loss.backward(create_graph=create_graph, retain_graph=retain_graph or create_graph or keep_graph)
         finally:
-            param_grads.remove_hooks()
-        param_grads.collect()
+            for handle in handles:
+                handle.remove()
         if update_parameters:
             for method, triples in record.triples.values():
                 method.update_parameters(triples)

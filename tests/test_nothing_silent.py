@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import weakref
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from storch import _dispatch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import memory_soak  # noqa: E402  (benchmarks/memory_soak.py: the 10 000-step version of this test)
+import test_construction  # noqa: E402  (every method class, built as a model would build it)
 
 
 # ------------------------------------------------------------------ 1. nothing of a step survives it
@@ -35,6 +37,48 @@ def test_a_training_step_keeps_nothing_alive(create_graph):
     assert not alive, f"{len(alive)} objects of finished steps are still alive: {alive[:4]}"
     # the dispatcher's layout caches drop their entries with the layouts they were keyed by
     assert (len(_dispatch._union_cache), len(_dispatch._plan_cache)) <= cached
+
+
+def _non_leaf(distr_factory):
+    """The distribution of ``distr_factory`` with parameters computed from leaves (an encoder's output)."""
+    d = distr_factory()
+    kind = type(d)
+    if kind is Bernoulli or kind is OneHotCategorical:
+        return kind(logits=d.logits * 1.0)
+    return kind(d.loc * 1.0, d.scale)
+
+
+@pytest.mark.parametrize("name", sorted(test_construction.METHODS))
+def test_no_method_keeps_a_finished_step_alive(name):
+    """Every estimator, with non-leaf parameters: nothing of a finished step survives it, also when
+    the step is differentiated again afterwards (RELAX's variance step, a user's second derivative)."""
+    build, distr_factory = test_construction.METHODS[name]
+    model = test_construction.Model(build())
+    refs = []
+    for _ in range(3):
+        z, cost = model(_non_leaf(distr_factory))
+        storch.add_cost(cost, "f")
+        storch.backward()
+        refs.append(weakref.ref(z.plate))
+        del z, cost
+    gc.collect()
+    alive = [r() for r in refs if r() is not None]
+    assert not alive, f"{name}: {len(alive)} of 3 finished steps are still alive"
+
+
+def test_a_second_derivative_after_backward_keeps_nothing_alive():
+    w = torch.tensor([0.3, -0.2], requires_grad=True)
+    refs = []
+    for _ in range(3):
+        z = storch.method.ScoreFunction("z", n_samples=4)(Bernoulli(logits=w * 2.0))
+        storch.add_cost((z * torch.tensor([1.0, 2.0])).sum(-1), "f")
+        storch.backward(create_graph=True)
+        torch.autograd.grad(w.grad.sum(), w)  # the README's Hessian pattern
+        w.grad = None
+        refs.append(weakref.ref(z.plate))
+        del z
+    gc.collect()
+    assert all(r() is None for r in refs)
 
 
 def test_layout_caches_still_hit_while_layouts_live():
