@@ -221,6 +221,9 @@ class LearnedControlVariate(Method):
         finally:
             for p in params:
                 p.grad = None
+            # this step's snapshots are spent: the next variance step differentiates only with
+            # respect to its own (a finished step may linger until the cyclic collector runs)
+            self._snapshots = []
 
     def _variance_step(self, result_triples: Sequence[tuple[Any, ...]], params: list[nn.Parameter]) -> None:
         loss = self.squared_gradient_norm(result_triples)
