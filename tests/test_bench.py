@@ -129,6 +129,7 @@ def _rows(run_dir):
     dict(estimator="disarm", budget=4),
     dict(estimator="gumbel-softmax", temperature=0.5),
     dict(model="categorical-vae", estimator="rloo", budget=2, latent_dim=3, categories=4),
+    dict(model="sbn-categorical", estimator="local-expectation", latent_dim=3, categories=4),
     dict(model="sbn-two-layer", estimator="arm"),
     dict(estimator="vimco", objective="iwae", n_samples=3),
     dict(estimator="expect", latent_dim=4),

@@ -17,6 +17,8 @@ Models (``x`` of dimension ``D`` taken from the data; latent sizes by default as
 * ``sbn-linear``: D-[200], q(z|x) = Bern(Linear(x)), p(x|z) = Bern(Linear(z)), learned prior logits.
 * ``sbn-nonlinear``: D-200-200-[200], tanh hidden layers in encoder and decoder.
 * ``sbn-two-layer``: D-[200]-[200], q(z1|x), q(z2|z1), p(z1|z2), p(x|z1), learned prior on z2.
+* ``sbn-categorical``: D-[20 x 10 one-hot], the GSB paper's "one layer" belief network with
+  categorical latents (Table 2): linear encoder and decoder, learned prior logits.
 * ``bernoulli-vae``: MLP D-512-256-[200 Bernoulli]-256-512-D (ReLU), uniform prior Bern(1/2).
 * ``categorical-vae``: MLP D-512-256-[20 x 10 one-hot]-256-512-D (ReLU), uniform categorical prior.
 
@@ -43,6 +45,7 @@ MODELS = {
     "sbn-linear": "D-[200] linear sigmoid belief network (ARM/DisARM), learned prior",
     "sbn-nonlinear": "D-200-200-[200] sigmoid belief network, tanh hidden layers",
     "sbn-two-layer": "D-[200]-[200] two stochastic layers (ELBO only)",
+    "sbn-categorical": "D-[20 x 10 one-hot] linear belief network with categorical latents (GSB Table 2), learned prior",
     "bernoulli-vae": "MLP D-512-256-[200 Bernoulli], uniform prior",
     "categorical-vae": "MLP D-512-256-[20 x 10 one-hot categorical] (GSB paper), uniform prior",
 }
@@ -141,6 +144,24 @@ class SBNLinear(BenchModel):
         return self.encoder.weight
 
 
+class SBNCategorical(BenchModel):
+    """The GSB paper's one-layer categorical belief network: D-[d x K], linear maps, learned prior."""
+
+    def __init__(self, input_dim: int, latent_dim: int = 20, categories: int = 10, train_mean=None, **_):
+        super().__init__()
+        self.latents = [Latent("z", "categorical", latent_dim, categories)]
+        self.encoder = nn.Linear(input_dim, latent_dim * categories)
+        self.decoder = nn.Linear(latent_dim * categories, input_dim)
+        self.prior_logits = nn.Parameter(torch.zeros(latent_dim, categories))
+        _init_output_bias(self.decoder, train_mean)
+
+    def story(self, x, sample):
+        return self._one_layer(x, sample, self.encoder(x), self.prior_logits, self.decoder)
+
+    def encoder_weight(self):
+        return self.encoder.weight
+
+
 class SBNNonlinear(BenchModel):
     def __init__(self, input_dim: int, latent_dim: int = 200, hidden: int = 200, train_mean=None, **_):
         super().__init__()
@@ -218,7 +239,7 @@ class CategoricalVAE(_MLPVAE):
 
 
 _CLASSES = {"sbn-linear": SBNLinear, "sbn-nonlinear": SBNNonlinear, "sbn-two-layer": SBNTwoLayer,
-            "bernoulli-vae": BernoulliVAE, "categorical-vae": CategoricalVAE}
+            "sbn-categorical": SBNCategorical, "bernoulli-vae": BernoulliVAE, "categorical-vae": CategoricalVAE}
 
 
 def make_model(name: str, input_dim: int, train_mean=None, latent_dim: Optional[int] = None,
@@ -231,8 +252,8 @@ def make_model(name: str, input_dim: int, train_mean=None, latent_dim: Optional[
     if latent_dim is not None:
         kw["latent_dim"] = latent_dim
     if categories is not None:
-        if name != "categorical-vae":
-            raise ValueError("--categories applies to categorical-vae only")
+        if name not in ("categorical-vae", "sbn-categorical"):
+            raise ValueError("--categories applies to the categorical models (sbn-categorical, categorical-vae) only")
         kw["categories"] = categories
     return _CLASSES[name](input_dim, **kw)
 
