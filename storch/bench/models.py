@@ -129,12 +129,18 @@ class BenchModel(nn.Module, ABC):
 
 
 class SBNLinear(BenchModel):
-    def __init__(self, input_dim: int, latent_dim: int = 200, train_mean=None, **_):
+    """One stochastic layer with linear maps and learned prior logits: Bernoulli latents
+    (``sbn-linear``, D-[200]) or, with ``categories``, one-hot categorical ones (``sbn-categorical``,
+    D-[20 x 10], the GSB paper's one-layer categorical model)."""
+
+    def __init__(self, input_dim: int, latent_dim: int = 200, categories: Optional[int] = None, train_mean=None, **_):
         super().__init__()
-        self.latents = [Latent("z", "bernoulli", latent_dim, 2)]
-        self.encoder = nn.Linear(input_dim, latent_dim)
-        self.decoder = nn.Linear(latent_dim, input_dim)
-        self.prior_logits = nn.Parameter(torch.zeros(latent_dim))
+        lat = Latent("z", "bernoulli", latent_dim, 2) if categories is None else Latent("z", "categorical", latent_dim, categories)
+        self.latents = [lat]
+        width = math.prod(lat.shape)
+        self.encoder = nn.Linear(input_dim, width)
+        self.decoder = nn.Linear(width, input_dim)
+        self.prior_logits = nn.Parameter(torch.zeros(lat.shape))
         _init_output_bias(self.decoder, train_mean)
 
     def story(self, x, sample):
@@ -144,22 +150,8 @@ class SBNLinear(BenchModel):
         return self.encoder.weight
 
 
-class SBNCategorical(BenchModel):
-    """The GSB paper's one-layer categorical belief network: D-[d x K], linear maps, learned prior."""
-
-    def __init__(self, input_dim: int, latent_dim: int = 20, categories: int = 10, train_mean=None, **_):
-        super().__init__()
-        self.latents = [Latent("z", "categorical", latent_dim, categories)]
-        self.encoder = nn.Linear(input_dim, latent_dim * categories)
-        self.decoder = nn.Linear(latent_dim * categories, input_dim)
-        self.prior_logits = nn.Parameter(torch.zeros(latent_dim, categories))
-        _init_output_bias(self.decoder, train_mean)
-
-    def story(self, x, sample):
-        return self._one_layer(x, sample, self.encoder(x), self.prior_logits, self.decoder)
-
-    def encoder_weight(self):
-        return self.encoder.weight
+def _sbn_categorical(input_dim: int, latent_dim: int = 20, categories: int = 10, train_mean=None, **_) -> SBNLinear:
+    return SBNLinear(input_dim, latent_dim, categories, train_mean=train_mean)
 
 
 class SBNNonlinear(BenchModel):
@@ -239,7 +231,7 @@ class CategoricalVAE(_MLPVAE):
 
 
 _CLASSES = {"sbn-linear": SBNLinear, "sbn-nonlinear": SBNNonlinear, "sbn-two-layer": SBNTwoLayer,
-            "sbn-categorical": SBNCategorical, "bernoulli-vae": BernoulliVAE, "categorical-vae": CategoricalVAE}
+            "sbn-categorical": _sbn_categorical, "bernoulli-vae": BernoulliVAE, "categorical-vae": CategoricalVAE}
 
 
 def make_model(name: str, input_dim: int, train_mean=None, latent_dim: Optional[int] = None,

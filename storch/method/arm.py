@@ -27,6 +27,8 @@ Unbiased for first-order derivatives only.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from typing import Optional
 
 import torch
@@ -58,7 +60,7 @@ def bernoulli_logits(d: Bernoulli) -> torch.Tensor:
     return probs_to_logits(d.probs, is_binary=True)
 
 
-class _AntitheticBernoulli(Method):
+class _AntitheticBernoulli(Method, ABC):
     """Shared sampling of ARM and DisARM: per uniform vector ``u``, the group ``[b, b̃]``."""
 
     def __init__(self, plate_name: str, n_samples: int = 1) -> None:
@@ -93,8 +95,9 @@ class _AntitheticBernoulli(Method):
         groups = group_plate(tensor.plate, 2)
         return wrap(values, layout_of_plates((groups,) + node_layout.plates[1:]))
 
+    @abstractmethod
     def _gradient(self, tensor: StochasticTensor, f_b: Tensor, f_b_tilde: Tensor, phi: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The per-variable gradient estimate ``g_φ`` from the costs at ``b`` and ``b̃`` (ARM, DisARM)."""
 
     def estimator(
         self, tensor: StochasticTensor, cost: CostTensor

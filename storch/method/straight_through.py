@@ -22,6 +22,8 @@ Bernoulli variables are handled as two-class categoricals over ``(1 − x, x)`` 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -158,7 +160,7 @@ def reinmax(logits: torch.Tensor, hard: torch.Tensor, temperature: float | torch
 
 
 # --------------------------------------------------------------------------- methods
-class _StraightThroughFamily(Method):
+class _StraightThroughFamily(Method, ABC):
     """Shared sampling: hard one-hot samples of the distribution's one-hot view, a method-specific
     backward pass, then back to the distribution's sample space."""
 
@@ -179,8 +181,9 @@ class _StraightThroughFamily(Method):
         hard = sample_one_hot(logits, amt_samples)
         return view.to_sample(self.backward_pass(logits, hard))  # type: ignore[union-attr]
 
+    @abstractmethod
     def backward_pass(self, logits: torch.Tensor, hard: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The sample whose forward value is ``hard`` and whose gradient is the family member's."""
 
 
 def _check_temperature(name: str, temperature: float) -> float:

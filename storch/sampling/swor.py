@@ -41,6 +41,7 @@ Extension points (for estimators built on this proposal, e.g. the unordered set 
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
@@ -254,14 +255,15 @@ class SequenceSampler(SamplingMethod):
     def n_samples(self) -> int:
         return self.k
 
+    @abstractmethod
     def draw(self, distr: Distribution, n_plates: int) -> tuple[torch.Tensor, WORState]:
         """The set of one call: samples ``(n, *batch_shape, *event_shape)`` and their state.
 
         ``distr``'s first ``n_plates`` batch dimensions are plates, the others independent
         variables sampled jointly.
         """
-        raise NotImplementedError
 
+    @abstractmethod
     def extend(self, distr: Distribution, parent: WORState, beam_dim: int) -> tuple[torch.Tensor, WORState]:
         """Extend the previous step's set by one token.
 
@@ -276,11 +278,10 @@ class SequenceSampler(SamplingMethod):
             the samples ``(n', *other plates, *event_shape)`` and the step's :class:`WORState`
             (``log_prob`` is that of the whole prefix, differentiable).
         """
-        raise NotImplementedError
 
+    @abstractmethod
     def weights(self, state: WORState) -> Optional[torch.Tensor]:
         """The plate weight of each element ``(n, *B)`` (detached), or ``None`` for ``1/n``."""
-        raise NotImplementedError
 
     def sample(self, distr: Distribution, plates: Sequence[Plate], requires_grad: bool) -> torch.Tensor:
         if requires_grad:
