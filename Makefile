@@ -14,7 +14,7 @@ SC_VENV := .venv-storchastic
 SC_PY := $(SC_VENV)/bin/python
 SC_STAMP := $(SC_VENV)/.installed
 
-.PHONY: venv test test-seeds demo bench bench-quick bench-sbn bench-storchastic bench-gsb bench-gsb-extra bench-memory clean
+.PHONY: venv docs docs-serve test test-seeds demo bench bench-quick bench-sbn bench-storchastic bench-gsb bench-gsb-extra bench-memory clean
 
 venv: $(STAMP)
 
@@ -26,6 +26,21 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(VENV_PY) -m pytest
+
+DOCS_STAMP := $(VENV)/.docs-installed
+
+$(DOCS_STAMP): $(STAMP)
+	$(VENV_PY) -m pip install -e ".[docs]"
+	touch $@
+
+# The documentation site into site/ (--strict: a broken link or reference fails), then screenshots
+# of two pages with headless Chromium, checked for blank or unstyled pages (scripts/docs_screenshot.py).
+docs: $(DOCS_STAMP)
+	$(VENV_PY) -m mkdocs build --strict --site-dir site
+	$(VENV_PY) scripts/docs_screenshot.py site site/_screenshots
+
+docs-serve: $(DOCS_STAMP)
+	$(VENV_PY) -m mkdocs serve
 
 # The tests again at base seeds 0..9 (STORCH_TEST_SEED, see tests/conftest.py), ~3 min: the
 # statistical tests must pass from any seed. Not part of `make test`.
