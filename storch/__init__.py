@@ -16,7 +16,7 @@ Example:
 
 from storch import distributions, exceptions, method, nn, sampling, util
 from storch.inference import add_cost, backward, registered_costs, reset, surrogate_loss
-from storch.method.relaxation import conditional_gumbel_rsample
+from storch.distributions.relaxation import conditional_gumbel_rsample
 from storch.ops import cat, expand_as, gather, grad
 from storch.plate import Plate, order_plates
 from storch.reduce import denote_independent, gather_samples, logsumexp, mean, reduce_plates, sum, variance

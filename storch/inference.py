@@ -22,18 +22,20 @@ import functools
 import math
 import warnings
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from storch._dispatch import union_of_layouts
 from storch._step import forget_sampled, sampled_plates
 from storch.exceptions import NonFiniteCostError, StaleCostError, UnusedNodeWarning
-from storch.method.method import Method
 from storch.plate import Plate, PlateClashError
 from storch.reduce import reduce_plate
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout_of, plain, wrap, wrap_new
 from storch.util import get_distr_parameters, magic_box, restore_lazy_plates
+
+if TYPE_CHECKING:  # pragma: no cover  (methods import this module: add_cost, backward)
+    from storch.method.method import Method
 
 __all__ = ["add_cost", "backward", "surrogate_loss", "reset", "registered_costs", "MAX_PLATES"]
 

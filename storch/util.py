@@ -8,7 +8,7 @@ import torch
 from torch.distributions import Distribution
 from torch.distributions.utils import lazy_property
 
-from storch.method.relaxation import conditional_gumbel_rsample, relaxation_for
+from storch.distributions.relaxation import conditional_gumbel_rsample, relaxation_for
 from storch._dispatch import union_of_layouts
 from storch.plate import EMPTY_LAYOUT, Plate, PlateLayout, layout_of_plates, order_plates
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _alias, _Disable, layout_of, wrap_new
@@ -297,7 +297,7 @@ def rsample_gumbel_softmax(
     if relaxation is None:
         raise ValueError(
             f"No Gumbel-softmax relaxation is registered for {type(distr).__name__}; supported: "
-            "OneHotCategorical, Bernoulli (register one with storch.method.relaxation.register_relaxation)."
+            "OneHotCategorical, Bernoulli (register one with storch.distributions.relaxation.register_relaxation)."
         )
     t = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))
     soft = relaxation.relaxed(distr, t).rsample((n,))

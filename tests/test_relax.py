@@ -22,7 +22,7 @@ from torch.distributions import Bernoulli, Categorical, Normal, OneHotCategorica
 import storch
 from storch.method import ScoreFunction
 from storch.method.relax import LAX, REBAR, RELAX
-from storch.method.relaxation import conditional_gumbel_rsample, relaxation_for
+from storch.distributions.relaxation import conditional_gumbel_rsample, relaxation_for
 from storch.testing import assert_unbiased, check_unbiased, replicated_gradients
 
 from problems import bernoulli, minibatch_bernoulli, nested_categorical, one_categorical, replicated_hessians, two_costs

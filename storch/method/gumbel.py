@@ -5,7 +5,7 @@ The discrete sample is replaced by a relaxed, reparameterised sample at temperat
 ``straight_through`` the forward value is the discrete sample and the backward pass uses the
 relaxed one (Bengio et al. 2013). The gradient is biased; the bias vanishes as ``τ → 0`` while the
 variance grows. Relaxations are registered per distribution type in
-:mod:`storch.method.relaxation`.
+:mod:`storch.distributions.relaxation`.
 
 Components: n i.i.d. relaxed ``rsample`` draws, weight ``1/n``, no gradient function, no control
 variate. The temperature follows ``τ_t = max(τ_min, τ_0 · exp(−r · t))`` after ``t`` backward passes.
@@ -19,7 +19,7 @@ import torch
 from torch.distributions import Distribution
 
 from storch.method.method import DEFAULT_N_SAMPLES, Method
-from storch.method.relaxation import relaxation_for
+from storch.distributions.relaxation import relaxation_for
 from storch.sampling.method import SamplingMethod
 from storch.util import rsample_gumbel_softmax
 

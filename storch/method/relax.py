@@ -4,7 +4,7 @@ Tucker et al. 2017, "REBAR: Low-variance, unbiased gradient estimates for discre
 models"; Grathwohl et al. 2018, "Backpropagation through the Void" (LAX, RELAX).
 
 For a discrete node ``b = H(z)`` with reparameterised noise ``z`` (Gumbel / logistic perturbed
-logits, :mod:`storch.method.relaxation`), ``z̃ ~ p(z | b)`` and any control variate ``c``:
+logits, :mod:`storch.distributions.relaxation`), ``z̃ ~ p(z | b)`` and any control variate ``c``:
 
     ĝ = [f(b) − c(z̃)] ∇log p(b) + ∇c(z) − ∇c(z̃)                                    (RELAX)
 
@@ -45,7 +45,7 @@ from torch.distributions import Distribution
 from storch.method.groups import flatten_groups, group_plate, group_weights, spread_groups, split_groups
 from storch.method.learned_control_variate import Draw, LearnedControlVariate, OptimizerFactory
 from storch.method.method import log_prob
-from storch.method.relaxation import GumbelCoupling, relaxation_for
+from storch.distributions.relaxation import GumbelCoupling, relaxation_for
 from storch.plate import layout_of_plates
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, wrap, wrap_new
 from storch.util import get_distr_parameters, log_prob_of_own_samples, magic_box
@@ -62,7 +62,7 @@ def _coupling_for(method: str, plate_name: str, distr: Distribution) -> GumbelCo
         raise ValueError(
             f"{method}({plate_name!r}) needs the Gumbel coupling of {type(distr).__name__} (its noise z, "
             "b = H(z) and z̃ ~ p(z | b)); one is registered for OneHotCategorical and Bernoulli "
-            f"(storch.method.relaxation.register_relaxation).{hint}{cont}"
+            f"(storch.distributions.relaxation.register_relaxation).{hint}{cont}"
         )
     return coupling
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.distributions import Bernoulli, Distribution, OneHotCategorical
 
 from storch.method.method import DEFAULT_N_SAMPLES, Method
-from storch.method.relaxation import conditional_gumbel_rsample
+from storch.distributions.relaxation import conditional_gumbel_rsample
 from storch.registry import TypeRegistry
 from storch.sampling.method import SamplingMethod, check_count
 
