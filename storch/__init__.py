@@ -3,7 +3,7 @@
 Write the model as a generative story, choose a gradient estimator at each sampling step
 (``storch.method``), register costs with :func:`add_cost`, and call :func:`backward`.
 
-Example:
+Examples:
     >>> import torch, storch
     >>> from torch.distributions import Normal
     >>> c = torch.tensor(0.23, requires_grad=True)

@@ -515,7 +515,7 @@ def reindex_ancestral(t: torch.Tensor, src: PlateLayout, union: PlateLayout) -> 
     indices. Returns a plain tensor and its new layout (a subset of ``union``'s plates). Must run with
     torch functions disabled.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from storch.plate import AncestralPlate, layout_of_plates
         >>> first = AncestralPlate("seq", 2)

@@ -92,7 +92,7 @@ def read_idx(path: PathLike) -> np.ndarray:
     dimension; the data follow, big-endian, in C order. Compression is detected from the content,
     not the file name.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> import numpy as np
         >>> from storch.datasets import read_idx, write_idx
@@ -131,7 +131,7 @@ def write_idx(path: PathLike, array: np.ndarray) -> None:
 
     Supported dtypes: uint8, int8, int16, int32, float32, float64 (see :func:`read_idx`).
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> import numpy as np
         >>> from storch.datasets import read_idx, write_idx
@@ -200,7 +200,7 @@ def load_digits_binarized(threshold: float = 8.0) -> Tuple[torch.Tensor, torch.T
     Returns:
         ``(images, labels)``: float32 tensor of 0/1 of shape (1797, 64) and int64 labels 0..9.
 
-    Example:
+    Examples:
         >>> from storch.datasets import load_digits_binarized
         >>> x, y = load_digits_binarized()
         >>> x.shape, x.dtype, y.shape, y.dtype
@@ -431,7 +431,7 @@ def dynamic_binarize(
 ) -> torch.Tensor:
     """Dynamic binarization: independent Bernoulli(pixel) draws, to be redrawn for each minibatch.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from storch.datasets import dynamic_binarize
         >>> g = torch.Generator().manual_seed(0)
@@ -455,7 +455,7 @@ def minibatches(
     ``shuffle=True`` the order is a fresh random permutation drawn from ``generator``.
     The last, smaller batch is kept unless ``drop_last=True``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from storch.datasets import minibatches
         >>> x, y = torch.arange(10.0), torch.arange(10)

@@ -55,7 +55,7 @@ def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
         cost: the cost, a storch tensor (or a plain tensor / number for a deterministic cost).
         name: a unique name in this graph; defaults to ``"cost_<i>"``.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> x = storch.denote_independent(torch.tensor([1.0, 3.0]), 0, "data")
         >>> storch.add_cost(x * 2, "double")
@@ -244,7 +244,7 @@ def surrogate_loss(costs: tuple[CostTensor, ...] | None = None) -> torch.Tensor:
     Its value is the estimate of the expected total cost; its derivatives are the gradient
     estimates. Unlike :func:`backward` this keeps the registry and updates no method state.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import Normal
         >>> x = storch.method.Reparameterization("x", n_samples=3)(Normal(torch.tensor(1.0), 1.0))
@@ -345,7 +345,7 @@ def backward(
     Returns:
         The estimate of the expected total cost (a plain, detached 0-dim tensor).
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import Bernoulli
         >>> p = torch.tensor(0.3, requires_grad=True)

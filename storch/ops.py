@@ -19,7 +19,7 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
     ``dim`` counts event dimensions from the left when non-negative (``dim=0`` is the first event
     dimension), and from the right when negative, so code written for one sample keeps working.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> x = storch.denote_independent(torch.zeros(3, 2), 0, "data")
         >>> storch.cat([x, torch.ones(1)], 0).shape
@@ -67,7 +67,7 @@ def gather(input: torch.Tensor, dim: str, index: torch.Tensor) -> torch.Tensor: 
 def expand_as(tensor: torch.Tensor, expand_as: torch.Tensor) -> torch.Tensor:
     """Expand ``tensor`` to the plates and shape of ``expand_as``.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> x = storch.denote_independent(torch.zeros(3, 2), 0, "data")
         >>> storch.expand_as(torch.ones(2), x).plates[0].name

@@ -61,7 +61,7 @@ class Plate:
             parameters of a stochastic node).
         node: the stochastic node that owns this plate, or ``None`` for an independent plate.
 
-    Example:
+    Examples:
         >>> p = Plate("gradients", 1000)
         >>> p
         ('gradients', 1000, tensor(0.0010))
@@ -146,7 +146,7 @@ class AncestralPlate(Plate):
             order; ``index_layout`` is this plate followed by them.
         info: anything the sampling method keeps about this step (e.g. beam scores).
 
-    Example:
+    Examples:
         >>> import torch
         >>> first = AncestralPlate("seq", 2)
         >>> second = AncestralPlate("seq", 3, ancestor=first, parent_index=torch.tensor([1, 1, 0]))
@@ -379,7 +379,7 @@ def order_plates(plates: Sequence[Plate], reverse: bool = False) -> list[Plate]:
 
     Plates are created after their parents, so creation order is a topological order.
 
-    Example:
+    Examples:
         >>> a = Plate("data", 4); b = Plate("z", 2, parents=[a])
         >>> [p.name for p in order_plates([b, a])]
         ['data', 'z']

@@ -33,7 +33,7 @@ def denote_independent(tensor: torch.Tensor, dim: int, plate_name: str) -> Indep
     The dimension moves to the left of the event dimensions and becomes the newest plate; its
     weight is ``1/size``, so :func:`reduce_plates` averages over it.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> x = storch.denote_independent(torch.zeros(5, 784), 0, "data")
         >>> type(x).__name__, x.plates, tuple(x.shape)
@@ -66,7 +66,7 @@ def gather_samples(
     Plates of the samples are aligned first. The new plate has weight ``1/len(samples)`` unless
     ``weight`` is given.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> g = storch.gather_samples([torch.tensor(1.0), torch.tensor(3.0)], "gradients")
         >>> g.plates, storch.reduce_plates(g, "gradients").item()
@@ -139,7 +139,7 @@ def _reduce_dims(tensor: torch.Tensor, dims: PlateRef | Sequence[PlateRef], op: 
 def sum(tensor: torch.Tensor, dims: PlateRef | Sequence[PlateRef]) -> torch.Tensor:  # noqa: A001
     """Sum over plates (by name or :class:`Plate`) and/or dimensions, ignoring plate weights.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> x = storch.denote_independent(torch.arange(6.).reshape(3, 2), 0, "data")
         >>> storch.sum(x, "data").tolist()
@@ -151,7 +151,7 @@ def sum(tensor: torch.Tensor, dims: PlateRef | Sequence[PlateRef]) -> torch.Tens
 def mean(tensor: torch.Tensor, dims: PlateRef | Sequence[PlateRef]) -> torch.Tensor:
     """Unweighted mean over plates and/or dimensions. For estimates use :func:`reduce_plates`.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> x = storch.denote_independent(torch.arange(6.).reshape(3, 2), 0, "data")
         >>> storch.mean(x, ["data", -1]).item()
@@ -163,7 +163,7 @@ def mean(tensor: torch.Tensor, dims: PlateRef | Sequence[PlateRef]) -> torch.Ten
 def logsumexp(tensor: torch.Tensor, dims: PlateRef | Sequence[PlateRef]) -> torch.Tensor:
     """``log Σ exp`` over plates and/or dimensions (e.g. importance-weighted bounds).
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> x = storch.denote_independent(torch.zeros(4), 0, "k")
         >>> round(storch.logsumexp(x, "k").item(), 4)   # log 4
@@ -224,7 +224,7 @@ def reduce_plates(
         plates: plate names or :class:`Plate` objects; ``None`` reduces all plates.
         detach_weights: detach weights that require grad (e.g. enumeration weights ``p(x)``).
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> x = storch.denote_independent(torch.tensor([1., 2., 6.]), 0, "data")
         >>> storch.reduce_plates(x)
@@ -258,7 +258,7 @@ def variance(
     reduced (``None``: all remaining plates). For a vector-valued quantity, ``.sum()`` of the result
     is the total variance (the trace of the covariance).
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> g = storch.gather_samples([torch.tensor(x) for x in (1., 2., 3., 4.)], "gradients")
         >>> round(storch.variance(g, "gradients").item(), 4)

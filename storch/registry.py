@@ -19,7 +19,7 @@ V = TypeVar("V")
 class TypeRegistry(dict, Generic[V]):
     """A ``dict`` from types to values whose :meth:`lookup` also accepts instances and subclasses.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.distributions import Chi2, Gamma, Normal
         >>> shapes = TypeRegistry()

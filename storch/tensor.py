@@ -9,7 +9,7 @@
 * :class:`IndependentTensor` — a tensor with a new independent plate
   (:func:`storch.denote_independent`, :func:`storch.gather_samples`).
 
-Example:
+Examples:
     >>> import torch, storch
     >>> x = storch.denote_independent(torch.ones(3, 2), 0, "data")
     >>> y = x * 2 + 1
@@ -203,7 +203,7 @@ class StochasticTensor(Tensor):
         param_grads: after :func:`storch.backward`, the gradient of the surrogate loss with respect
             to each distribution parameter that requires grad, by parameter name.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import Normal
         >>> mu = torch.tensor(0.5, requires_grad=True)

@@ -14,7 +14,7 @@ estimates::
     build_model(theta); storch.backward()
     estimates = leaf.grad * 2000
 
-Example:
+Examples:
     >>> import torch
     >>> rng = torch.Generator().manual_seed(0)
     >>> estimates = 1.0 + torch.randn(4000, 2, generator=rng)

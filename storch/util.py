@@ -27,7 +27,7 @@ def magic_box(l: torch.Tensor) -> torch.Tensor:  # noqa: E741
     Foerster et al. 2018, "DiCE: The Infinitely Differentiable Monte-Carlo Estimator". Derivatives of
     any order of ``□(l) · f`` are score-function estimates of the derivatives of ``E[f]``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> l = torch.tensor(0.3, requires_grad=True)
         >>> m = magic_box(l); m.item()
@@ -65,7 +65,7 @@ def _named_parameters(d: Distribution) -> Iterator[tuple[str, torch.Tensor]]:
 def get_distr_parameters(d: Distribution, filter_requires_grad: bool = True) -> dict[str, torch.Tensor]:
     """The parameter tensors of a distribution, by name (e.g. ``{"loc": ..., "scale": ...}``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.distributions import Normal
         >>> mu = torch.zeros(2, requires_grad=True)
@@ -109,7 +109,7 @@ def floating_dtype(d: Distribution, samples: torch.Tensor) -> torch.dtype:
     half-precision) parameters are not mixed with float32 constants. Falls back to the default dtype
     for a distribution with integer samples and no floating parameter.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.distributions import Categorical
         >>> q = Categorical(logits=torch.zeros(3, dtype=torch.float64))
@@ -186,7 +186,7 @@ def walk_backward_graph(tensor: torch.Tensor) -> Iterator[object]:
 def has_differentiable_path(output: torch.Tensor, input: torch.Tensor) -> bool:  # noqa: A002
     """True if gradients flow from ``output`` back to ``input`` through the autograd graph.
 
-    Example:
+    Examples:
         >>> import torch
         >>> a = torch.ones(2, requires_grad=True); b = torch.ones(2, requires_grad=True)
         >>> has_differentiable_path((a * 2).sum(), a), has_differentiable_path((a * 2).sum(), b)

@@ -150,7 +150,7 @@ def deterministic(
         dim: a plate name passed to ``fn`` as its ``dim`` keyword (the plate's dimension index).
         dims: plate names passed to ``fn`` as its ``dims`` keyword.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> x = storch.denote_independent(torch.tensor([[1., 2.], [3., 4.]]), 0, "data")
         >>> softmax_over_data = storch.deterministic(torch.softmax, dim="data")
@@ -178,7 +178,7 @@ def reduce(fn: Callable, plates: str | Sequence[str]) -> Callable:
 
     The plate's dimension index is passed as ``fn``'s ``dim`` keyword (``dims`` for several).
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> x = storch.denote_independent(torch.tensor([[1., 2.], [3., 4.]]), 0, "data")
         >>> storch.reduce(torch.logsumexp, "data")(x).plates
@@ -213,7 +213,7 @@ def make_left_broadcastable(fn: Callable | None = None, *, batch_dims: int = 0) 
             every tensor argument must then have the same ``N`` after its plates (a plain ``(N, H)``
             state is expanded over the plates).
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> conv = storch.make_left_broadcastable(torch.nn.Conv2d(1, 2, 3))
         >>> x = storch.denote_independent(torch.randn(4, 1, 8, 8), 0, "data")
@@ -254,7 +254,7 @@ def stochastic(fn: Callable) -> Callable:
     Raises:
         IllegalStorchExposeError: if a tensor output is a plain ``torch.Tensor`` or lost an input plate.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import Normal
         >>> @storch.stochastic

@@ -39,7 +39,7 @@ def _method_keys() -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m storch.demo``.
 
-    Example:
+    Examples:
         >>> build_parser().parse_args(["--part", "intro", "--quick"]).part
         'intro'
     """

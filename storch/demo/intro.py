@@ -63,7 +63,7 @@ def compute_f(method: Method):
 
     Returns ``(f, c)``, with ``c`` the leaf whose ``.grad`` holds the gradient estimate.
 
-    Example:
+    Examples:
         >>> import storch
         >>> f, c = compute_f(storch.method.Reparameterization("e", n_samples=3))
         >>> f.plates[0].name, tuple(f.shape)
@@ -88,7 +88,7 @@ def estimate_gradients(
 ) -> storch.IndependentTensor:
     """``repetitions`` independent estimates of ``∂E[f]/∂c``, gathered into the plate ``"gradients"``.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> _ = torch.manual_seed(0)
         >>> g = estimate_gradients(storch.method.Reparameterization("e"), 100)
@@ -127,7 +127,7 @@ def exact_variance(estimator: str, n: int) -> float:
             (``batch_average`` baseline, needs ``n >= 2``).
         n: the number of samples of ``e`` per estimate.
 
-    Example:
+    Examples:
         >>> [round(exact_variance(k, n), 2) for k, n in
         ...  [("reparameterization", 1), ("reparameterization", 10), ("score", 1), ("score", 45), ("score_loo", 20)]]
         [16.0, 1.6, 725.18, 16.12, 14.94]
@@ -154,7 +154,7 @@ def exact_variance(estimator: str, n: int) -> float:
 def closed_form_variance(estimator: str, n: int) -> float:
     """The same variances from the closed forms in the module docstring (a cross-check).
 
-    Example:
+    Examples:
         >>> abs(closed_form_variance("score_loo", 20) - exact_variance("score_loo", 20)) < 1e-9
         True
     """
@@ -227,7 +227,7 @@ def run_row(row: Row, repetitions: int, threshold: float = 3.0,
     The standard error of the mean uses the exact variance; that of the sample variance uses the
     sample fourth central moment, ``sqrt((m₄ − s⁴)/R)``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> _ = torch.manual_seed(0)
         >>> r = run_row(ROWS[0], 400)
@@ -280,7 +280,7 @@ def run_intro(
         progress_bar: show a tqdm bar on ``sys.stderr``.
         threshold: a row is "within error" when both ``|z|`` are at most this.
 
-    Example:
+    Examples:
         >>> import io
         >>> buf = io.StringIO()
         >>> res = run_intro(repetitions=20, rows=ROWS[:1], out=buf, progress_bar=False)

@@ -82,7 +82,7 @@ class DiscreteVAE(nn.Module):
 
     The manual's model is ``DiscreteVAE(784, (512, 256), 2, 10)``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> model = DiscreteVAE(64, (256, 128), 2, 10)
         >>> model.encode(torch.zeros(3, 64)).shape, model.decode(torch.zeros(3, 20)).shape
@@ -115,7 +115,7 @@ class DiscreteVAE(nn.Module):
 def generative_story(method: Method, model: DiscreteVAE, data: torch.Tensor) -> storch.StochasticTensor:
     """The manual's generative story; registers the costs ``"kl-div"`` and ``"reconstruction"``.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> model = DiscreteVAE(64, (32, 16), 2, 10)
         >>> z = generative_story(storch.method.ScoreFunction("z", n_samples=3), model, torch.zeros(5, 64))
@@ -208,7 +208,7 @@ def _importance_rloo() -> Method:
 class LatentMLP(nn.Module):
     """A control variate ``c_φ`` for RELAX: the (relaxed) ``L × K`` sample flattened, 32 tanh units, one output.
 
-    Example:
+    Examples:
         >>> import torch
         >>> LatentMLP(2, 10)(torch.zeros(3, 5, 2, 10)).shape
         torch.Size([3, 5, 1])
@@ -386,7 +386,7 @@ def evaluate(method: Method, model: DiscreteVAE, data: torch.Tensor, grad_sample
     Returns ``(elbo, grad_variance, bias_raw)`` where ``elbo`` is the (negative ELBO) value of the
     last ``storch.backward()``. Leaves the model's ``.grad`` zeroed.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> _ = torch.manual_seed(0)
         >>> model = DiscreteVAE(64, (32, 16), 2, 10)
@@ -420,7 +420,7 @@ def evaluate(method: Method, model: DiscreteVAE, data: torch.Tensor, grad_sample
 def exact_nelbo(model: DiscreteVAE, data: torch.Tensor, chunk: int = 500) -> float:
     """The negative ELBO averaged over ``data``, exactly (``Expect`` over all K^L configurations).
 
-    Example:
+    Examples:
         >>> import torch
         >>> model = DiscreteVAE(64, (32, 16), 2, 10)
         >>> 0 < exact_nelbo(model, torch.zeros(10, 64), chunk=4) < 100
@@ -568,7 +568,7 @@ def format_summary(results: Sequence[RunResult], missing: dict[str, str] | None 
 def available(keys: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     """Split method keys into those that can be built and those that cannot (with the reason).
 
-    Example:
+    Examples:
         >>> available(["score", "expect"])
         (['score', 'expect'], {})
     """
@@ -585,7 +585,7 @@ def available(keys: Sequence[str]) -> tuple[list[str], dict[str, str]]:
 def run_vae(config: VAEConfig, out: TextIO | None = None, progress_bar: bool = True) -> list[RunResult]:
     """Train the discrete VAE with each method in ``config.methods`` and print the tables.
 
-    Example:
+    Examples:
         >>> import io
         >>> buf = io.StringIO()
         >>> res = run_vae(quick_config(methods=("score-rloo",), epochs=1), out=buf, progress_bar=False)

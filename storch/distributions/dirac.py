@@ -21,7 +21,7 @@ class Dirac(Distribution):
     Args:
         value: the location ``a`` of the point mass.
 
-    Example:
+    Examples:
         >>> import torch
         >>> d = Dirac(torch.tensor([1.0, -2.0]))
         >>> d.sample((3,)).shape, d.log_prob(torch.tensor([1.0, 0.0])).tolist()

@@ -199,7 +199,7 @@ def conditional_gumbel_rsample(
     own noise. Estimators that own the distribution use its :class:`GumbelCoupling` instead, which
     works on the logits.
 
-    Example:
+    Examples:
         >>> import torch
         >>> b = torch.tensor([[0., 1., 0.]])
         >>> z = conditional_gumbel_rsample(b, torch.tensor([[0.2, 0.5, 0.3]]), False, 0.1)

@@ -49,7 +49,7 @@ def bernoulli_logits(d: Bernoulli) -> torch.Tensor:
     The lazily cached attribute ``d.logits`` is not used: torch caches it on first use, possibly
     while storch dispatch is disabled, without the plates of the parameters.
 
-    Example:
+    Examples:
         >>> import torch
         >>> bernoulli_logits(Bernoulli(probs=torch.tensor([0.5, 0.75]))).tolist()
         [0.0, 1.0986123085021973]
@@ -127,7 +127,7 @@ class ARM(_AntitheticBernoulli):
         plate_name: node / plate name.
         n_samples: the number of uniform draws ``u`` (evaluation groups).
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import Bernoulli
         >>> phi = torch.tensor([0.3, -0.5], requires_grad=True)
@@ -164,7 +164,7 @@ class DisARM(_AntitheticBernoulli):
         plate_name: node / plate name.
         n_samples: the number of antithetic pairs (evaluation groups).
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import Bernoulli
         >>> phi = torch.tensor([0.3, -0.5], requires_grad=True)

@@ -81,7 +81,7 @@ class MovingAverageBaseline(Baseline):
 class BatchAverageBaseline(Baseline):
     """Leave-one-out average of the other samples' costs (RLOO); needs at least two samples.
 
-    Example:
+    Examples:
         >>> BatchAverageBaseline().check_samples(1, "z")
         Traceback (most recent call last):
         ...

@@ -53,7 +53,7 @@ def register_cumulants(dist_type: type) -> Callable[[CumulantFn], CumulantFn]:
     to the shape of one sample (``batch_shape + event_shape``), or ``None`` where a cumulant is
     identically zero (so that its derivative need not be computed).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.distributions import Uniform
         >>> @register_cumulants(Uniform)   # κ₁ = (a+b)/2, κ₂ = (b−a)²/12, odd ones above 1 vanish
@@ -108,7 +108,7 @@ def cumulants(distr: Distribution, order: int) -> list[torch.Tensor]:
 
     Differentiable in the distribution's parameters.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.distributions import Gamma
         >>> [k.item() for k in cumulants(Gamma(torch.tensor(3.0), torch.tensor(2.0)), 3)]   # k (n−1)!/βⁿ

@@ -21,7 +21,7 @@ therefore *estimated*: with a fresh random-sign vector ``s`` (independent per or
 (``E[s_l s_j] = δ_{lj}``), so by induction ``E ĝ_n = ∂ⁿf/∂z_jⁿ``: unbiased, with extra variance from the
 mixed partials. Everything is then ``N`` backward passes, each at most ``D`` times one VJP.
 
-Example:
+Examples:
     >>> import torch
     >>> z = torch.tensor([[1.0, 2.0], [0.5, -1.0]], requires_grad=True)   # 2 samples × 2 coordinates
     >>> f = (z**3).sum(-1) + z[:, 0] * z[:, 1]

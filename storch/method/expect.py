@@ -25,7 +25,7 @@ class Expect(Method):
         plate_name: node / plate name.
         budget: the most joint configurations to enumerate; more is an error.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import Bernoulli
         >>> p = torch.tensor([0.2, 0.6], requires_grad=True)

@@ -18,7 +18,7 @@ dimension), computes one term per group with ordinary storch arithmetic, and han
 with :func:`spread_groups`. A term spread over a group counts once per group, since the group's
 weights sum to ``1/n``.
 
-Example:
+Examples:
     >>> import torch, storch
     >>> from storch.plate import Plate, layout_of_plates
     >>> plate = Plate("z", 6)                             # n = 3 groups of M = 2 points
@@ -48,7 +48,7 @@ __all__ = ["group_weights", "flatten_groups", "split_groups", "spread_groups", "
 def group_weights(n_groups: int, point_weights: torch.Tensor | list[float]) -> torch.Tensor:
     """Plate weights for ``n_groups`` groups whose points weigh ``point_weights`` (summing to 1).
 
-    Example:
+    Examples:
         >>> group_weights(2, [1.0, 0.0, 0.0]).tolist()
         [0.5, 0.0, 0.0, 0.5, 0.0, 0.0]
     """
@@ -142,7 +142,7 @@ class GroupRecords:
         method: the method's name for errors, e.g. ``"MVD"``.
         what: what is recorded, for errors, e.g. ``"evaluation layout"``.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import Normal
         >>> records = GroupRecords("MyMethod", "evaluation layout")

@@ -68,7 +68,7 @@ not depend on each other's samples (true for costs built from storch operations)
 lacks (a minibatch shared by one posterior sample) is weighted by its plate weights, normalised, so that
 the term counts once when that plate is reduced.
 
-Example:
+Examples:
     >>> import torch, storch
     >>> from torch.distributions import Gamma
     >>> k, rate = torch.tensor(3.0, requires_grad=True), torch.tensor(2.0, requires_grad=True)
@@ -149,7 +149,7 @@ def register_representation(dist_type: type, representation: Representation) -> 
 def representation_for(distr: Distribution) -> Optional[Representation]:
     """The :class:`Representation` registered for ``type(distr)`` or a base class, else ``None``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.distributions import Beta
         >>> rep = representation_for(Beta(torch.tensor(2.0), torch.tensor(3.0)))
@@ -329,7 +329,7 @@ def gsb_supported() -> list[str]:
 def gsb_rule_for(distr: Distribution, who: str = "GSB") -> GSBRule:
     """The rule GSB uses for ``distr``; a ``ValueError`` listing the supported types if none.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.distributions import Bernoulli, Laplace
         >>> type(gsb_rule_for(Bernoulli(torch.tensor(0.3)))).__name__
@@ -368,7 +368,7 @@ class GSB(Method):
         max_exact_batch: orders ``n`` with ``D^{n−1}`` above this are estimated by random-sign probes
             (unbiased, more variance) instead of exact batched VJPs (:mod:`storch.method.derivatives`).
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import Laplace
         >>> mu = torch.tensor([0.2, -0.3], requires_grad=True)

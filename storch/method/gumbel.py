@@ -38,7 +38,7 @@ class GumbelSoftmax(Method):
         min_temperature: ``τ_min``.
         annealing_rate: ``r`` in ``τ_t = max(τ_min, τ_0 exp(−r t))``; 0 keeps the temperature fixed.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.distributions import OneHotCategorical
         >>> z = GumbelSoftmax("z", n_samples=3, initial_temperature=0.5)(OneHotCategorical(logits=torch.zeros(4)))

@@ -27,7 +27,7 @@ class Infer(Method):
         baseline_factory: baseline of the score-function branch; by default ``"batch_average"``
             with two or more samples and ``"moving_average"`` with one.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.distributions import Bernoulli, Normal
         >>> infer = Infer("z", n_samples=2)

@@ -80,7 +80,7 @@ def register_coordinates(dist_type: type, coordinates: Coordinates) -> None:
 def coordinates_for(distr: Distribution) -> Optional[Coordinates]:
     """The :class:`Coordinates` registered for ``type(distr)`` or its nearest base class, else ``None``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.distributions import Bernoulli
         >>> coordinates_for(Bernoulli(torch.tensor([0.25]))).probs(Bernoulli(torch.tensor([0.25]))).tolist()
@@ -139,7 +139,7 @@ def local_expectation_group_size(distr: Distribution, n_plate_dims: int = 0) -> 
     ``D`` is the number of independent variables in the batch dimensions after the first
     ``n_plate_dims`` (those belong to plates), ``K`` the number of values of each.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.distributions import OneHotCategorical
         >>> local_expectation_group_size(OneHotCategorical(logits=torch.zeros(5, 2, 3)), n_plate_dims=1)
@@ -157,7 +157,7 @@ def local_expectation_points(distr: Distribution, n_samples: int, n_plate_dims: 
     (in row-major order over the non-plate batch dimensions) set to value ``k``. Call it on plain
     tensors (storch dispatch disabled), as proposals are.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.distributions import Bernoulli
         >>> points = local_expectation_points(Bernoulli(torch.tensor([1.0, 0.0])), 1)
@@ -187,7 +187,7 @@ def local_expectation_points(distr: Distribution, n_samples: int, n_plate_dims: 
 def local_expectation_weights(n_samples: int, group_size: int) -> torch.Tensor:
     """Plate weights of the points: ``1/n`` on each sample, 0 on the changed points.
 
-    Example:
+    Examples:
         >>> local_expectation_weights(2, 3).tolist()
         [0.5, 0.0, 0.0, 0.5, 0.0, 0.0]
     """
@@ -244,7 +244,7 @@ class LocalExpectation(Method):
         plate_name: node / plate name.
         n_samples: the number of samples ``n`` (the plate has ``n·(1 + D·K)`` points).
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import Bernoulli
         >>> logits = torch.tensor([0.3, -0.5], requires_grad=True)

@@ -111,7 +111,7 @@ def register_measure_valued(dist_type: type, decomposition: MeasureValuedDecompo
 def measure_valued_for(distr: Distribution) -> MeasureValuedDecomposition | None:
     """The decomposition registered for ``type(distr)`` or its nearest base class, else ``None``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.distributions import Normal, Gamma
         >>> sorted(measure_valued_for(Normal(0.0, 1.0)).parts)

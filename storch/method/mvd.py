@@ -100,7 +100,7 @@ class MVD(Method):
         plate_name: node / plate name.
         n_samples: the number of real samples ``x ~ p`` (evaluation groups).
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import Normal
         >>> mu = torch.tensor([0.5, -1.0], requires_grad=True)

@@ -65,7 +65,7 @@ class SumAndSampleRest(SamplingMethod):
         k: the number of values summed plus one (the plate holds ``k − 1 + n_sampled`` points).
         n_sampled: the number of i.i.d. samples drawn from the values outside the summed set.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.distributions import Categorical
         >>> SumAndSampleRest("z", 3).sample(Categorical(probs=torch.tensor([0.1, 0.5, 0.3, 0.1])), (), False)[:2]

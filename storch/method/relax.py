@@ -121,7 +121,7 @@ class RELAX(LearnedControlVariate):
           uses each cost's own values.
         * The method is an ``nn.Module``: move it with ``.to(device)`` together with the model.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import Bernoulli
         >>> logits = torch.zeros(3, requires_grad=True)
@@ -313,7 +313,7 @@ class LAX(LearnedControlVariate):
         lr: learning rate of the default optimizer.
         train_control_variate: ``False`` keeps ``φ`` fixed.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import Normal
         >>> mu = torch.tensor([0.5, -1.0], requires_grad=True)

@@ -18,7 +18,7 @@ __all__ = ["Reparameterization"]
 class Reparameterization(Method):
     """Pathwise gradients through ``rsample``.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import Normal
         >>> mu = torch.tensor(1.0, requires_grad=True)

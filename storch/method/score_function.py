@@ -32,7 +32,7 @@ class ScoreFunction(Method):
             ``"batch_average"`` (leave-one-out, needs ``n_samples >= 2``), a
             :class:`storch.method.baseline.Baseline`, or a zero-argument callable returning one.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import Bernoulli
         >>> p = torch.tensor(0.3, requires_grad=True)

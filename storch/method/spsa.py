@@ -141,7 +141,7 @@ def _coordinate(d: Distribution, name: str) -> _Coordinate:
 def perturbable_parameters(d: Distribution) -> list[str]:
     """Constructor parameters of ``d`` that SPSA perturbs: given, requiring grad, not discrete.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.distributions import Normal, Bernoulli
         >>> loc = torch.zeros(2, requires_grad=True)
@@ -206,7 +206,7 @@ class SPSA(Method):
         n_samples: the number of perturbation draws (evaluation groups).
         c: the perturbation size in unconstrained parameter space.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import Normal
         >>> mu = torch.tensor([0.5, -1.0], requires_grad=True)

@@ -69,7 +69,7 @@ def register_one_hot_view(dist_type: type, view: OneHotView) -> None:
 def one_hot_view_for(distr: Distribution) -> Optional[OneHotView]:
     """The :class:`OneHotView` registered for ``type(distr)`` or its nearest base class, else ``None``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.distributions import Bernoulli
         >>> one_hot_view_for(Bernoulli(logits=torch.tensor([0.0]))).logits(Bernoulli(logits=torch.tensor([0.0]))).exp()
@@ -97,7 +97,7 @@ def sample_one_hot(logits: torch.Tensor, n: int) -> torch.Tensor:
 def straight_through(logits: torch.Tensor, hard: torch.Tensor) -> torch.Tensor:
     """``D + π − stopgrad(π)`` with ``π = softmax(logits)``: forward ``D``, backward through ``π``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> theta = torch.zeros(3, requires_grad=True)
         >>> y = straight_through(theta, torch.tensor([0., 1., 0.]))
@@ -121,7 +121,7 @@ def gumbel_rao(
     expectation of the straight-through Gumbel-softmax Jacobian. (Differentiating through the
     conditional sampler's own reparameterisation, as REBAR does, has another expectation.)
 
-    Example:
+    Examples:
         >>> import torch
         >>> theta = torch.zeros(3, requires_grad=True)
         >>> y = gumbel_rao(theta, torch.tensor([0., 0., 1.]), temperature=0.5, n_relaxed=4)
@@ -143,7 +143,7 @@ def reinmax(logits: torch.Tensor, hard: torch.Tensor, temperature: float | torch
     ``π₀ = softmax(θ)``, ``π₁ = (D + softmax(θ/τ))/2``, ``π₁ ← softmax(stopgrad(log π₁ − θ) + θ)``,
     ``π₂ = 2π₁ − π₀/2``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> theta = torch.zeros(2, requires_grad=True)
         >>> y = reinmax(theta, torch.tensor([1., 0.]))
@@ -207,7 +207,7 @@ class StraightThrough(_StraightThroughFamily):
         sampling_method: proposal (default: Monte Carlo with ``n_samples``).
         n_samples: number of samples.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import OneHotCategorical
         >>> theta = torch.zeros(3, requires_grad=True)
@@ -249,7 +249,7 @@ class GumbelRao(_StraightThroughFamily):
         n_relaxed: ``K``, the conditional relaxed samples averaged per sample (no extra cost
             evaluations).
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import Bernoulli
         >>> phi = torch.zeros(2, requires_grad=True)
@@ -294,7 +294,7 @@ class ReinMax(_StraightThroughFamily):
         n_samples: number of samples.
         temperature: ``τ`` (1 gives the second-order accuracy above).
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import OneHotCategorical
         >>> theta = torch.zeros(3, requires_grad=True)

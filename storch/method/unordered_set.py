@@ -58,7 +58,7 @@ class UnorderedSetEstimator(ScoreFunctionWOR):
     estimated with the unordered set weights and baseline of those prefixes (``p`` = the prefix
     probability, ``p(D∖S) = 1 − Σ_S p``).
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import OneHotCategorical
         >>> theta = torch.tensor([1.0, 0.0, -1.0, 0.5, 0.2], requires_grad=True)
@@ -148,7 +148,7 @@ class UnorderedSetGumbelSoftmax(Method):
 
     One OneHotCategorical or Bernoulli variable per plate element.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import OneHotCategorical
         >>> theta = torch.tensor([1.0, 0.0, -1.0, 0.5], requires_grad=True)

@@ -48,7 +48,7 @@ def leave_one_out_bounds(log_w: torch.Tensor, dim: int = 0) -> torch.Tensor:
 
     Plain tensors; ``K ≥ 2``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> log_w = torch.log(torch.tensor([1.0, 4.0, 16.0]))
         >>> leave_one_out_bounds(log_w).exp()     # k = 0: (8 + 4 + 16)/3; k = 2: (1 + 4 + 2)/3
@@ -85,7 +85,7 @@ class VIMCO(Method):
         baseline: use the leave-one-out baselines (``False``: the plain score function of the joint
             sample, for comparison).
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import Bernoulli, Normal
         >>> phi = torch.zeros(2, requires_grad=True)                      # q(z) encoder logits
@@ -194,7 +194,7 @@ def iwae_bound(
             sampled after it on which ``log_w`` depends) uses a per-sample score-function estimator,
             which would credit each sample with only ``1/K`` of the joint bound's score.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import Normal
         >>> mu = torch.tensor(0.5, requires_grad=True)

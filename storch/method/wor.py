@@ -74,7 +74,7 @@ class ScoreFunctionWOR(Method):
     The ``distribution`` of a sequence step's node has the previous step's beams as batch
     dimension; the step's own log-probabilities are in ``sampling_method.state_of(tensor)``.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import OneHotCategorical
         >>> theta = torch.zeros(5, requires_grad=True)

@@ -29,7 +29,7 @@ def b_binary_cross_entropy(
 ) -> torch.Tensor:
     """Binary cross entropy that keeps the plates: ``reduction`` sums/averages event dimensions only.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> x = storch.denote_independent(torch.tensor([[1., 0.], [0., 1.]]), 0, "data")
         >>> p = storch.denote_independent(torch.full((2, 2), 0.5), 0, "data")

@@ -35,7 +35,7 @@ class MCDecoder(SequenceSampler):
         k: the number of sequences.
         eos: the end-of-sequence value index (``None``: fixed-length sequences).
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import Categorical
         >>> from storch.method.wor import ScoreFunctionWOR

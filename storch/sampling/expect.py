@@ -32,7 +32,7 @@ class Enumerate(SamplingMethod):
         plate_name: the name of the plate holding the configurations.
         budget: the largest number of configurations allowed; more is an error.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.distributions import Bernoulli
         >>> Enumerate("z").sample(Bernoulli(torch.tensor([0.2, 0.7])), (), False).tolist()

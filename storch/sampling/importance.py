@@ -54,7 +54,7 @@ class ImportanceSampling(SamplingMethod):
             e.g. ``lambda p: OneHotCategorical(logits=p.logits / 2)``). Its batch shape must
             broadcast to that of ``p`` and its event shape must equal that of ``p``.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import OneHotCategorical
         >>> from storch.method import ScoreFunction

@@ -50,7 +50,7 @@ def check_count(value: Any, name: str, owner: str, minimum: int = 1) -> int:
     ``bool``, strings and ``None`` are a :class:`TypeError`, too small values a :class:`ValueError`.
     Both name ``owner`` (e.g. ``"ScoreFunction('z')"``) and the argument.
 
-    Example:
+    Examples:
         >>> check_count(3, "n_samples", "ScoreFunction('z')")
         3
         >>> check_count(2.5, "n_samples", "ScoreFunction('z')")
@@ -134,7 +134,7 @@ class SamplingMethod(nn.Module, ABC):
 class MonteCarlo(SamplingMethod):
     """``n`` independent samples, each with weight ``1/n``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.distributions import Normal
         >>> MonteCarlo("z", 4).sample(Normal(torch.zeros(3), 1.0), (), False).shape

@@ -136,7 +136,7 @@ def log_inclusion_probability(log_p: torch.Tensor, kappa: torch.Tensor) -> torch
 
     ``κ = −∞`` gives ``0`` (the set holds the whole support).
 
-    Example:
+    Examples:
         >>> import torch
         >>> log_inclusion_probability(torch.tensor([0.0, -1.0]), torch.tensor(float("-inf"))).exp().tolist()
         [1.0, 1.0]
@@ -367,7 +367,7 @@ class SampleWithoutReplacement(SequenceSampler):
         normalize: divide the weights by their sum ``W = Σ_S p(s)/q_κ(s)`` (consistent, biased).
         eos: the end-of-sequence value index, for sequences decoded step by step.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.distributions import Categorical
         >>> swor = SampleWithoutReplacement("z", k=3)

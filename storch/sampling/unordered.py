@@ -60,7 +60,7 @@ def log_complement_mass(log_p: torch.Tensor, dim: int = 0) -> torch.Tensor:
 
     ``−∞`` when the set holds (up to rounding) all the probability mass.
 
-    Example:
+    Examples:
         >>> import torch
         >>> round(log_complement_mass(torch.tensor([0.5, 0.25]).log()).exp().item(), 6)
         0.25
@@ -116,7 +116,7 @@ def log_set_probability(log_p: torch.Tensor, log_rest: Optional[torch.Tensor] = 
     Returns:
         ``(*B)``, in float64.
 
-    Example:
+    Examples:
         >>> import torch
         >>> p = torch.tensor([0.5, 0.3, 0.2])
         >>> # {0, 1}: orders (0, 1) and (1, 0): 0.5·0.3/0.5 + 0.3·0.5/0.7
@@ -132,7 +132,7 @@ def log_leave_one_out_ratio(
 ) -> torch.Tensor:
     """``log R(S, s) = log P^{D∖{s}}(S∖{s}) − log P^D(S)`` for each element ``s``: ``(k, *B)``, float64.
 
-    Example:
+    Examples:
         >>> import torch
         >>> p = torch.tensor([0.5, 0.3, 0.2])
         >>> r = log_leave_one_out_ratio(p[:2].log()).exp()
@@ -151,7 +151,7 @@ def log_leave_two_out_ratio(
     """``log R^{D∖{s}}(S, s') = log P^{D∖{s,s'}}(S∖{s,s'}) − log P^{D∖{s}}(S∖{s})``: ``(k, k, *B)``
     indexed ``[s, s']``, float64, with ``0`` on the diagonal (``R^{D∖{s}}(S, s) = 1``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> r2 = log_leave_two_out_ratio(torch.tensor([0.5, 0.3]).log()).exp()
         >>> # R^{D∖0}(S, 1) = P(∅) / P^{D∖0}({1}) = 1 / (0.3/0.5); R^{D∖1}(S, 0) = 1 / (0.5/0.7)
@@ -181,7 +181,7 @@ def unordered_set_log_weights(
     """``log(p(s) R(S, s))``, the log-weights of the unordered set estimator: ``(k, *B)``, in the
     dtype of ``log_p``; ``−∞`` for elements of probability 0.
 
-    Example:
+    Examples:
         >>> import torch
         >>> p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
         >>> # the whole support: weights p(s)
@@ -220,7 +220,7 @@ class UnorderedSet(SampleWithoutReplacement):
         step: the trapezoid step of the numerical integration (see the module docstring).
         eos: the end-of-sequence value index, for sequences decoded step by step.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.distributions import Categorical
         >>> from storch.method.score_function import ScoreFunction
@@ -321,7 +321,7 @@ class GumbelSoftmaxWOR(UnorderedSet):
         eos: the end-of-sequence value index (kept for API compatibility; sequences are not
             relaxed).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.distributions import OneHotCategorical
         >>> theta = torch.tensor([1.0, 0.0, -1.0, 0.5], requires_grad=True)
