@@ -3,11 +3,16 @@
     storch-bench [options]              train (one run per --seed) and print a table
     storch-bench list                   models, data sets and estimators
     storch-bench compare RUN_DIR ...    mean ± std over seeds, grouped by (model, data, estimator)
+
+Data parallel on N processes (gloo, CPU; rank 0 prints and writes the run folder)::
+
+    torchrun --standalone --nproc-per-node N -m storch.bench --distributed [options]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import re
@@ -77,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--overwrite", action="store_true", help="replace existing run folders")
     a("--threads", type=int, default=None, help="torch.set_num_threads")
     a("--no-progress", action="store_true", help="no tqdm progress bar")
+    a("--distributed", action="store_true",
+      help="data parallel: join the process group that torchrun sets up (gloo), wrap the model in DDP, give "
+           "each rank its slice of every minibatch; start with `torchrun --standalone --nproc-per-node N "
+           "-m storch.bench --distributed ...` (--batch-size: the whole minibatch, a multiple of N)")
     return p
 
 
@@ -170,21 +179,49 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
-    from storch.bench import train
+    from storch import distributed
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not args.distributed:
+        return _main(args)
+    try:
+        distributed.init_process_group_from_env(backend="gloo")  # storch-bench trains on the CPU
+    except RuntimeError as e:
+        print(f"storch-bench: --distributed: {e}", file=sys.stderr)
+        return 2
+    try:
+        code = _main(args)
+        gc.collect()  # free the DDP wrappers (their reducers hold the process group) before teardown:
+        # a gloo process group destroyed under a live reducer can abort the process at exit
+        torch.distributed.barrier()  # rank 0 has written its files: leave together
+        return code
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _main(args) -> int:
+    from storch import distributed
+    from storch.bench import train
+
+    main_rank = distributed.is_main_process()
+    out = print if main_rank else (lambda *a, **k: None)  # rank 0 alone prints
     progress = not args.no_progress
     if args.resume:
-        summary = train.resume(args.resume, steps=args.steps, progress=progress)
-        print(run_table([summary]))
-        print(f"\nrun folder: {args.resume}")
+        try:
+            summary = train.resume(args.resume, steps=args.steps, progress=progress)
+        except (ValueError, FileNotFoundError) as e:
+            out(f"storch-bench: {e}", file=sys.stderr)
+            return 2
+        if main_rank:
+            out(run_table([summary]))
+            out(f"\nrun folder: {args.resume}")
         return 0
     cfg = _config(args)
     est = ESTIMATORS[args.estimator]
     for opt in ("baseline", "temperature", "spsa_c"):
         if cfg.get(opt) is not None and opt not in est.options:
-            print(f"storch-bench: --{opt.replace('_', '-')} does not apply to {est.name}", file=sys.stderr)
+            out(f"storch-bench: --{opt.replace('_', '-')} does not apply to {est.name}", file=sys.stderr)
             return 2
     summaries, dirs = [], []
     for seed in args.seed:
@@ -202,14 +239,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             summaries.append(train.run(c, run_dir, progress=progress, overwrite=args.overwrite))
         except (BudgetError, ValueError, FileNotFoundError, FileExistsError) as e:
-            print(f"storch-bench: {e}", file=sys.stderr)
+            out(f"storch-bench: {e}", file=sys.stderr)
             return 2
         dirs.append(run_dir)
-    print(run_table(summaries))
-    print("\nrun folders: " + " ".join(str(d) for d in dirs))
+    if not main_rank:
+        return 0
+    out(run_table(summaries))
+    out("\nrun folders: " + " ".join(str(d) for d in dirs))
     if len(summaries) > 1:
-        print()
-        print(compare_table(summaries))
+        out()
+        out(compare_table(summaries))
     return 0
 
 

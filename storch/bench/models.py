@@ -104,6 +104,10 @@ class BenchModel(nn.Module, ABC):
     def story(self, x: torch.Tensor, sample: Sampler) -> Dict[str, torch.Tensor]:
         """The negative ELBO as named terms (one value per sample and datum); ``−Σ terms = log w``."""
 
+    def forward(self, x: torch.Tensor, sample: Sampler) -> Dict[str, torch.Tensor]:
+        """:meth:`story`, so that a ``DistributedDataParallel`` wrapper sees the forward pass."""
+        return self.story(x, sample)
+
     @abstractmethod
     def encoder_weight(self) -> torch.Tensor:
         """The encoder's first layer weight (its gradient's variance is reported)."""
@@ -253,8 +257,13 @@ def make_model(name: str, input_dim: int, train_mean=None, latent_dim: Optional[
 # ------------------------------------------------------------------ the two uses of the story
 
 
-def storch_story(model: BenchModel, batch: torch.Tensor, methods, objective: str = "elbo"):
-    """Register the training costs of one minibatch; returns the bound (iwae) or None."""
+def storch_story(model: nn.Module, batch: torch.Tensor, methods, objective: str = "elbo"):
+    """Register the training costs of one minibatch; returns the bound (iwae) or None.
+
+    ``model`` is a :class:`BenchModel` or a ``DistributedDataParallel`` wrapping one (called, so that
+    DDP prepares its gradient all-reduce).
+    """
+    inner: BenchModel = getattr(model, "module", model)
     x = storch.denote_independent(batch, 0, "data")
     nodes = {}
 
@@ -263,10 +272,10 @@ def storch_story(model: BenchModel, batch: torch.Tensor, methods, objective: str
         nodes[name] = z
         return z
 
-    terms = model.story(x, sample)
+    terms = model(x, sample)
     if objective == "iwae":
         log_w = -sum(terms.values())
-        return storch.method.iwae_bound(log_w, nodes[model.latents[0].name])
+        return storch.method.iwae_bound(log_w, nodes[inner.latents[0].name])
     for name, t in terms.items():
         storch.add_cost(t, name)
     return None

@@ -8,6 +8,18 @@ Randomness: the global torch generator drives the model's initialisation and the
 samples; the minibatch order and the dynamic binarisation have generators of their own. Evaluations
 and gradient-variance probes run under :func:`torch.random.fork_rng` with seeds of their own, so they
 do not change the training trajectory, and a resumed run repeats an uninterrupted one exactly.
+
+Checkpoints hold state dicts only (model, optimizer, each method's ``state_dict`` with its own
+optimizer state and baselines, generator states), so they load with ``torch.load(weights_only=True)``.
+
+Data parallel (``torchrun --nproc-per-node N -m storch.bench --distributed ...``, gloo on CPU): every
+rank builds the same model (same seed), wrapped in ``DistributedDataParallel``; every rank draws the
+same minibatch of ``--batch-size`` data and trains on its own contiguous slice of ``batch-size / N``
+of them, with a random stream of its own for the estimators' samples. DDP averages the model's
+gradients, so one step is the step of one process on the whole minibatch with ``N`` times as many
+independent samples drawn. The methods keep their own state in sync (:mod:`storch.distributed`).
+Rank 0 alone evaluates, prints and writes files; a checkpoint holds every rank's random state and
+method state, and resumes with the same number of ranks.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 import storch
+from storch import distributed
 from storch.bench.data import Dataset, eval_subset, load_dataset
 from storch.bench.estimators import ESTIMATORS, BudgetError, applicable, build_methods, samples_for_budget
 from storch.bench.models import BenchModel, evaluate_bounds, make_model, storch_story
@@ -73,12 +86,35 @@ class Batches:
         self.perm, self.pos = s["perm"].clone(), s["pos"]
 
 
+def _from_main(fn):
+    """``fn()`` run on rank 0 alone; every rank gets its result, or raises its exception."""
+    if not distributed.syncing():
+        return fn()
+    box: List[Any] = [None]
+    if distributed.is_main_process():
+        try:
+            box[0] = ("ok", fn())
+        except Exception as error:  # noqa: BLE001  (handed to every rank, raised there)
+            box[0] = ("error", error)
+    torch.distributed.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
+
+
 class Run:
     """A run being built, trained or resumed (see :func:`run` and :func:`resume`)."""
 
     def __init__(self, cfg: Dict[str, Any], run_dir: Path, data: Optional[Dataset] = None, progress: bool = True,
                  log=print):
-        self.cfg, self.dir, self.progress, self.log = cfg, Path(run_dir), progress, log
+        self.cfg, self.dir, self.log = cfg, Path(run_dir), log
+        self.world, self.rank = distributed.world_size(), distributed.rank()
+        self.main = self.rank == 0
+        self.progress = progress and self.main
+        if cfg["batch_size"] % self.world:
+            raise ValueError(f"--batch-size {cfg['batch_size']} does not split evenly over {self.world} ranks; "
+                             f"use a multiple of {self.world}")
         self.data = data if data is not None else load_dataset(cfg["data"], cfg.get("data_dir"))
         torch.manual_seed(cfg["seed"])
         self.model: BenchModel = make_model(cfg["model"], self.data.input_dim, self.data.train_mean,
@@ -95,6 +131,11 @@ class Run:
         cfg["label"] = run_label(cfg)
         self.methods = build_methods(est, self.model.latents, n, _Namespace(cfg))
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg["lr"])
+        # the module the training steps call: DDP averages its gradients over the ranks
+        self.train_module: torch.nn.Module = self.model
+        if self.world > 1:
+            self.train_module = torch.nn.parallel.DistributedDataParallel(self.model)
+            torch.manual_seed((cfg["seed"] + 1) * 1_000_003 + self.rank)  # each rank its own samples
         self.batches = Batches(self.data.train.shape[0], cfg["batch_size"], cfg["seed"] + 1)
         self.bin_gen = torch.Generator().manual_seed(cfg["seed"] + 2)
         self.step, self.train_time, self.rows = 0, 0.0, []
@@ -110,10 +151,16 @@ class Run:
     def train_step(self) -> float:
         storch.reset()
         self.opt.zero_grad(set_to_none=True)
+        # every rank draws (and binarises) the same minibatch, then keeps its own slice of it
         x = self.data.binarize(self.data.train[self.batches.next()], self.bin_gen)
-        storch_story(self.model, x, self.methods, self.cfg["objective"])
+        if self.world > 1:
+            size = x.shape[0] // self.world
+            x = x[self.rank * size:(self.rank + 1) * size]
+        storch_story(self.train_module, x, self.methods, self.cfg["objective"])
         loss = storch.backward()
         self.opt.step()
+        if self.world > 1:
+            distributed.all_reduce_mean_([loss])  # the objective on the whole minibatch
         return float(loss)
 
     def grad_log_variance(self) -> float:
@@ -121,7 +168,8 @@ class Run:
         one fixed minibatch (each with a fresh copy of the estimators, so none learns from the probes)."""
         w = self.model.encoder_weight()
         grads = []
-        with torch.random.fork_rng(devices=[]):
+        # rank 0 alone probes: the methods' collectives must not run (local_only)
+        with torch.random.fork_rng(devices=[]), distributed.local_only():
             torch.manual_seed(self.cfg["seed"] * 7919 + self.step + 1)
             for _ in range(self.cfg["var_reps"]):
                 methods = copy.deepcopy(self.methods)
@@ -167,34 +215,54 @@ class Run:
             w.writerows(self.rows)
 
     # ---------------------------------------------------------------- checkpoints
+    def _rank_state(self) -> Dict[str, Any]:
+        """What differs between ranks: the random stream and the methods' state (e.g. per-rank baselines)."""
+        return {"rng": torch.get_rng_state(), "methods": {k: m.state_dict() for k, m in self.methods.items()}}
+
     def save_checkpoint(self):
+        """Write ``checkpoint.pt`` (state dicts only; every rank takes part, rank 0 writes)."""
+        ranks = [self._rank_state()]
+        if self.world > 1:
+            gathered: Optional[List[Any]] = [None] * self.world if self.main else None
+            torch.distributed.gather_object(ranks[0], gathered, dst=0)
+            ranks = gathered  # type: ignore[assignment]
+        if not self.main:
+            return
         state = {
             "step": self.step, "train_time": self.train_time, "rows": self.rows,
             "acc": (self._acc, self._acc_n, self._acc_time),
             "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-            "method_state_dicts": {k: m.state_dict() for k, m in self.methods.items()},
-            "methods": self.methods,  # pickled whole: baselines' running values, RELAX's own optimiser
-            "rng": torch.get_rng_state(), "batches": self.batches.state_dict(), "bin_gen": self.bin_gen.get_state(),
+            "world_size": self.world, "ranks": ranks,
+            "batches": self.batches.state_dict(), "bin_gen": self.bin_gen.get_state(),
         }
         tmp = self.dir / "checkpoint.pt.tmp"
         torch.save(state, tmp)
         tmp.replace(self.dir / "checkpoint.pt")
 
     def load_checkpoint(self):
-        state = torch.load(self.dir / "checkpoint.pt", weights_only=False)
+        """Restore ``checkpoint.pt`` (read by rank 0, handed to every rank)."""
+        state = _from_main(lambda: torch.load(self.dir / "checkpoint.pt", weights_only=True))
+        if "ranks" not in state:
+            raise ValueError(f"{self.dir / 'checkpoint.pt'} was written by an older storch-bench (methods pickled "
+                             "whole); rerun it")
+        if state["world_size"] != self.world:
+            raise ValueError(f"{self.dir / 'checkpoint.pt'} was written by {state['world_size']} rank(s); resume it "
+                             f"with as many (this run has {self.world}: torchrun --nproc-per-node "
+                             f"{state['world_size']} ... --distributed)")
         self.step, self.train_time, self.rows = state["step"], state["train_time"], state["rows"]
         self._acc, self._acc_n, self._acc_time = state["acc"]
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
-        self.methods = state["methods"]
+        mine = state["ranks"][self.rank]
         for k, m in self.methods.items():
-            m.load_state_dict(state["method_state_dicts"][k])
-        torch.set_rng_state(state["rng"])
+            m.load_state_dict(mine["methods"][k])
+        torch.set_rng_state(mine["rng"])
         self.batches.load_state_dict(state["batches"])
         self.bin_gen.set_state(state["bin_gen"])
 
     # ---------------------------------------------------------------- the loop
-    def train(self) -> Dict[str, Any]:
+    def train(self) -> Optional[Dict[str, Any]]:
+        """Train to ``cfg["steps"]``; the summary (``None`` on ranks other than 0)."""
         cfg = self.cfg
         steps = cfg["steps"]
         eval_every = cfg.get("eval_every") or max(1, steps // 10)
@@ -207,7 +275,7 @@ class Run:
                 bar = tqdm(total=steps, initial=self.step, desc=cfg["label"], leave=False, dynamic_ncols=True)
             except ImportError:
                 bar = None
-        if self.step == 0 and not self.rows:
+        if self.main and self.step == 0 and not self.rows:
             self.record()
         while self.step < steps:
             t0 = time.perf_counter()
@@ -224,12 +292,16 @@ class Run:
                 bar.update(1)
                 if self.step % 10 == 0:
                     bar.set_postfix(loss=f"{loss:.2f}")
-            if self.step % eval_every == 0 and self.step < steps:
+            if self.main and self.step % eval_every == 0 and self.step < steps:
                 self.record()
             if ckpt_every and self.step % ckpt_every == 0:
                 self.save_checkpoint()
         if bar is not None:
             bar.close()
+        if not self.main:
+            if ckpt_every:
+                self.save_checkpoint()  # a collective: rank 0 gathers every rank's state
+            return None
         if self.rows and self.rows[-1]["step"] == self.step:
             self.rows.pop()  # resumed at the end: the final evaluation replaces the last row
         final = self.record(final=True)
@@ -268,31 +340,50 @@ def _prepare_dir(run_dir: Path, overwrite: bool) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
-def run(cfg: Dict[str, Any], run_dir, progress: bool = True, overwrite: bool = False, data=None, log=print):
-    """Train one configuration into ``run_dir``; returns the summary."""
-    cfg = {**DEFAULTS, **cfg}
-    run_dir = Path(run_dir)
-    r = Run(cfg, run_dir, data=data, progress=progress, log=log)  # validates before touching the disk
-    _prepare_dir(run_dir, overwrite)
+def _write_config(run_dir: Path, cfg: Dict[str, Any]) -> None:
     with open(run_dir / "config.json", "w") as f:
         json.dump(cfg, f, indent=2)
+
+
+def run(cfg: Dict[str, Any], run_dir, progress: bool = True, overwrite: bool = False, data=None, log=print):
+    """Train one configuration into ``run_dir``; returns the summary (``None`` on ranks other than 0).
+
+    Under ``torch.distributed`` every rank calls it with the same arguments (see the module docstring).
+    """
+    cfg = {**DEFAULTS, **cfg}
+    if distributed.world_size() > 1:
+        cfg["world_size"] = distributed.world_size()
+    run_dir = Path(run_dir)
+    r = Run(cfg, run_dir, data=data, progress=progress, log=log)  # validates before touching the disk
+    _from_main(lambda: (_prepare_dir(run_dir, overwrite), _write_config(run_dir, cfg)))
     return r.train()
 
 
-def resume(run_dir, steps: Optional[int] = None, progress: bool = True, log=print):
-    """Continue the run in ``run_dir`` from its checkpoint (to ``steps``, default the configured number)."""
-    run_dir = Path(run_dir)
+def _read_config(run_dir: Path, steps: Optional[int]) -> Dict[str, Any]:
     with open(run_dir / "config.json") as f:
         cfg = json.load(f)
     if steps is not None:
         cfg["steps"] = steps
     if not (run_dir / "checkpoint.pt").is_file():
         raise FileNotFoundError(f"{run_dir} has no checkpoint.pt (train with --checkpoint-every N)")
+    return cfg
+
+
+def resume(run_dir, steps: Optional[int] = None, progress: bool = True, log=print):
+    """Continue the run in ``run_dir`` from its checkpoint (to ``steps``, default the configured number).
+
+    A run trained on ``N`` ranks resumes on ``N`` ranks (each takes back its own random state).
+    """
+    run_dir = Path(run_dir)
+    cfg = _from_main(lambda: _read_config(run_dir, steps))
     r = Run(cfg, run_dir, progress=progress, log=log)
     r.load_checkpoint()
-    (run_dir / "summary.json").unlink(missing_ok=True)
-    with open(run_dir / "config.json", "w") as f:
-        json.dump(cfg, f, indent=2)
+
+    def refresh():
+        (run_dir / "summary.json").unlink(missing_ok=True)
+        _write_config(run_dir, cfg)
+
+    _from_main(refresh)
     return r.train()
 
 

@@ -5,23 +5,27 @@ derivatives of every order, through the term ``(1 − □(l(x))) · a(x)`` (Stor
 
 * :class:`MovingAverageBaseline` — ``b ← β b + (1 − β) mean(f)``, updated *after* each backward
   pass, so the value used for a batch never depends on that batch (Williams 1992).
-* :class:`BatchAverageBaseline` — leave-one-out: ``b_j = Σ_{m≠j} f_m / (n − 1)``, needs ``n ≥ 2``
+* :class:`BatchAverageBaseline` (the manual's ``BatchAverage``) — leave-one-out:
+  ``b_j = Σ_{m≠j} f_m / (n − 1)``, needs ``n ≥ 2``
   (Mnih & Rezende 2016; Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for free!").
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
 
+from storch import distributed
 from storch.reduce import reduce_plates
 from storch.reduce import sum as plate_sum
 from storch.tensor import CostTensor, StochasticTensor, plain
 
-__all__ = ["Baseline", "MovingAverageBaseline", "BatchAverageBaseline", "make_baseline", "BaselineFactory"]
+__all__ = [
+    "Baseline", "MovingAverageBaseline", "BatchAverageBaseline", "BatchAverage", "make_baseline", "BaselineFactory",
+]
 
 
 class Baseline(nn.Module, ABC):
@@ -37,21 +41,55 @@ class Baseline(nn.Module, ABC):
     def update(self) -> None:
         """Called once after each backward pass."""
 
+    def correction(self, tensor: StochasticTensor, cost_node: CostTensor) -> Optional[torch.Tensor]:
+        """An extra surrogate term beside ``(1 − □(l)) · b``, of forward value 0; ``None`` (default): none.
+
+        A baseline that depends on the node's own sample ``x`` (a Q-function critic,
+        :class:`storch.method.critic.QCritic`) is biased by ``E[b(x) ∇log p(x)] = ∇E_p[b]``; its
+        correction ``E_p[b] − stopgrad(E_p[b])`` adds that gradient back. Methods that use baselines
+        add it to their control-variate term, after :meth:`compute_baseline`.
+        """
+        return None
+
 
 class MovingAverageBaseline(Baseline):
     """Exponential moving average of the cost, one per registered cost name.
 
-    Example:
+    After each backward pass ``b ← β b + (1 − β) m``, with ``m`` the batch mean of the cost (every
+    plate reduced with its weight); the value used for a batch never depends on that batch.
+
+    **Data-parallel training** (``torch.distributed`` with more than one rank): with ``sync=True``
+    (the default) the baseline is *global*: ``m`` is the mean of the ranks' batch means (one
+    all-reduce of a scalar per cost name and step, :func:`storch.distributed.all_reduce_mean_`),
+    so every rank holds the same average, equal to the one a single process would track over the
+    whole minibatch (ranks with equal shard sizes), and a checkpoint written by rank 0 holds it all.
+    With ``sync=False`` it is *per rank*: each rank averages its own shard's costs (no
+    communication; the replicas' baselines differ). Both keep the estimator unbiased; the global one
+    is the default because the run then does not depend on the number of ranks, and its cost is
+    negligible next to DDP's gradient all-reduce. Every rank must register the same cost names.
+    In a single process ``sync`` changes nothing.
+
+    ``state_dict()`` holds the averages (key ``_extra_state``), so a checkpoint resumes exactly.
+
+    Args:
+        exponential_decay: ``β`` in ``[0, 1)``.
+        sync: average the batch means across ranks before each update (see above).
+
+    Examples:
         >>> b = MovingAverageBaseline(exponential_decay=0.9)
-        >>> b.exponential_decay
-        0.9
+        >>> b.exponential_decay, b.sync
+        (0.9, True)
     """
 
-    def __init__(self, exponential_decay: float = 0.95) -> None:
+    #: class default, also for baselines pickled before the attribute existed
+    sync: bool = True
+
+    def __init__(self, exponential_decay: float = 0.95, sync: bool = True) -> None:
         super().__init__()
         if not 0.0 <= exponential_decay < 1.0:
             raise ValueError(f"exponential_decay must be in [0, 1), got {exponential_decay}.")
         self.exponential_decay = exponential_decay
+        self.sync = bool(sync)
         self.averages: dict[str, torch.Tensor] = {}
         self._pending: dict[str, torch.Tensor] = {}
 
@@ -66,8 +104,15 @@ class MovingAverageBaseline(Baseline):
 
         (:func:`storch.backward` refuses non-finite costs before this runs; the guard also covers
         a surrogate differentiated by hand.) No value is read back, so this never syncs a GPU.
+        With ``sync`` under ``torch.distributed``, the means are first averaged across the ranks
+        (sorted by cost name, one collective per device and dtype).
         """
         beta = self.exponential_decay
+        if self.sync and distributed.syncing() and self._pending:
+            names = sorted(self._pending)
+            means = [self._pending[name].detach().clone() for name in names]
+            distributed.all_reduce_mean_(means)
+            self._pending = dict(zip(names, means))
         for name, mean in self._pending.items():
             old = self.averages.get(name)
             finite = torch.isfinite(mean)
@@ -76,6 +121,31 @@ class MovingAverageBaseline(Baseline):
             else:
                 self.averages[name] = torch.where(finite, beta * old + (1 - beta) * mean, old)
         self._pending.clear()
+
+    def get_extra_state(self) -> dict:
+        """The averages (copies), for ``state_dict`` (key ``_extra_state``)."""
+        return {"averages": {name: value.detach().clone() for name, value in self.averages.items()}}
+
+    def set_extra_state(self, state: Any) -> None:
+        """Restore the averages saved by :meth:`get_extra_state` (``load_state_dict`` calls it)."""
+        if not isinstance(state, dict) or not isinstance(state.get("averages"), dict):
+            raise ValueError(
+                "MovingAverageBaseline.load_state_dict: the '_extra_state' entry must be a dict with a dict "
+                f"'averages' (written by get_extra_state), got {type(state).__name__}."
+            )
+        self.averages = {str(name): torch.as_tensor(value).detach().clone() for name, value in state["averages"].items()}
+        self._pending.clear()
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+        """``.to(device)``, ``.double()``, ...: the averages move and convert with the module."""
+        super()._apply(fn, recurse)
+        self.averages = {name: fn(value) for name, value in self.averages.items()}
+        self._pending = {name: fn(value) for name, value in self._pending.items()}
+        return self
+
+    def extra_repr(self) -> str:
+        sync = "" if self.sync else ", sync=False"
+        return f"exponential_decay={self.exponential_decay}{sync}"
 
 
 class BatchAverageBaseline(Baseline):
@@ -103,10 +173,31 @@ class BatchAverageBaseline(Baseline):
         return (plate_sum(costs, tensor.plate) - costs) / (n - 1)
 
 
+#: The manual's name for :class:`BatchAverageBaseline` (its tutorial calls the leave-one-out baseline
+#: ``storch.method.baseline.BatchAverage``); the same class, e.g.
+#: ``ScoreFunction("z", 8, baseline_factory=BatchAverage)``.
+BatchAverage = BatchAverageBaseline
+
 BaselineFactory = Union[None, str, Baseline, Callable[[], Baseline]]
+
+
+def _critic() -> Baseline:
+    from storch.method.critic import Critic  # imported here: storch.method.critic builds on this module
+
+    return Critic()
+
+
+def _q_critic() -> Baseline:
+    from storch.method.critic import QCritic
+
+    return QCritic()
+
+
 _BY_NAME: dict[str, Callable[[], Baseline]] = {
     "moving_average": MovingAverageBaseline,
     "batch_average": BatchAverageBaseline,
+    "critic": _critic,  # a learned value function of the node's non-descendants (storch.method.critic)
+    "q_critic": _q_critic,  # a learned Q-function with its exact expectation correction
 }
 
 

@@ -84,3 +84,16 @@ class GumbelSoftmax(Method):
         self.steps += 1
         tau = max(self.min_temperature, self.initial_temperature * math.exp(-self.annealing_rate * self.steps))
         self.temperature.fill_(tau)
+
+    def get_extra_state(self) -> dict:
+        """The annealing step count (the temperature itself is a buffer), for ``state_dict``."""
+        return {"steps": self.steps}
+
+    def set_extra_state(self, state) -> None:
+        """Restore the step count saved by :meth:`get_extra_state`, so annealing resumes where it was."""
+        if not isinstance(state, dict) or "steps" not in state:
+            raise ValueError(
+                "GumbelSoftmax.load_state_dict: the '_extra_state' entry must be a dict with key 'steps' "
+                f"(written by get_extra_state), got {type(state).__name__}."
+            )
+        self.steps = int(state["steps"])

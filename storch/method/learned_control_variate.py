@@ -25,10 +25,21 @@ and the in-place optimizer step leaves the graph valid for higher-order derivati
 
 The draws that the estimator needs besides the samples (relaxed samples with their graph) are kept
 per node from the proposal to the estimator; see :meth:`LearnedControlVariate.keep_draw`.
+
+Data-parallel training (:mod:`storch.distributed`): with a process group of more than one rank,
+step 3 first averages ``φ.grad`` across the ranks (one all-reduce per step; a rank where a
+parameter got no gradient contributes zeros), and the first training step broadcasts ``φ`` from
+rank 0, so that every replica holds the same ``φ`` and optimizer state. ``sync=False`` trains
+``φ`` on each rank alone (the replicas then drift apart).
+
+Checkpoints: :meth:`LearnedControlVariate.state_dict` holds ``φ`` and, under the key
+``_extra_state``, the state of the method's own optimizer (made lazily at the first step), so
+``load_state_dict`` into a freshly built method resumes training exactly.
 """
 
 from __future__ import annotations
 
+import copy
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -36,6 +47,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
+from storch import distributed
 from storch.method.method import Method
 from storch.reduce import reduce_plates
 from storch.tensor import StochasticTensor, Tensor, layout_of, plain
@@ -88,9 +100,16 @@ class LearnedControlVariate(Method):
         lr: learning rate of the default optimizer.
         train_control_variate: take a variance step after every ``storch.backward()``; ``False``
             keeps ``φ`` fixed (``φ.grad`` is still cleared after each backward).
+        sync: under ``torch.distributed`` with more than one rank, average ``φ.grad`` across the
+            ranks before each optimizer step and broadcast ``φ`` from rank 0 at the first one, so
+            that the replicas stay identical (:mod:`storch.distributed`); ``False``: each rank
+            trains its own ``φ``. No effect in a single process.
     """
 
     needs_graph_after_backward = True
+    #: class defaults, also for methods pickled before these attributes existed
+    sync: bool = True
+    _broadcast_done: bool = False
 
     def __init__(
         self,
@@ -99,11 +118,14 @@ class LearnedControlVariate(Method):
         optimizer_factory: Optional[OptimizerFactory] = None,
         lr: float = 1e-3,
         train_control_variate: bool = True,
+        sync: bool = True,
     ) -> None:
         super().__init__(plate_name, None, n_samples)
         self.optimizer_factory = optimizer_factory
         self.lr = float(lr)
         self.train_control_variate = bool(train_control_variate)
+        self.sync = bool(sync)
+        self._broadcast_done = False
         self.needs_graph_after_backward = self.train_control_variate
         self._optimizer: Optional[torch.optim.Optimizer] = None
         self._draws: dict[int, tuple[weakref.ref, Draw]] = {}
@@ -226,6 +248,22 @@ class LearnedControlVariate(Method):
             self._snapshots = []
 
     def _variance_step(self, result_triples: Sequence[tuple[Any, ...]], params: list[nn.Parameter]) -> None:
+        for p in params:
+            p.grad = None
+        self._local_variance_gradients(result_triples, params)
+        if self.sync and distributed.syncing():
+            # every rank gets here once per backward, whatever its local gradients, so the
+            # collectives match; a parameter without gradient on every rank stays None everywhere
+            if not self._broadcast_done:
+                distributed.broadcast_(params)
+                self._broadcast_done = True
+            distributed.all_reduce_gradients_(params)
+        if all(p.grad is None for p in params):
+            return
+        self.optimizer.step()
+
+    def _local_variance_gradients(self, result_triples: Sequence[tuple[Any, ...]], params: list[nn.Parameter]) -> None:
+        """``φ.grad ← ∇_φ Σ_nodes ‖ĝ‖²`` from this process's own samples (left ``None`` where none)."""
         loss = self.squared_gradient_norm(result_triples)
         if loss is None:
             return
@@ -233,19 +271,41 @@ class LearnedControlVariate(Method):
         if not loss.requires_grad:
             return
         self._prune_snapshots()
-        live = [(p, copy) for p, ref in self._snapshots if (copy := ref()) is not None]
+        live = [(p, snap) for p, ref in self._snapshots if (snap := ref()) is not None]
         if not live:
             return
         # keep the graph: after backward(create_graph=True) the caller may still differentiate it
-        grads = torch.autograd.grad(loss, [copy for _, copy in live], allow_unused=True, retain_graph=True)
-        for p in params:
-            p.grad = None
+        grads = torch.autograd.grad(loss, [snap for _, snap in live], allow_unused=True, retain_graph=True)
         for (param, _), g in zip(live, grads):
             if g is not None:
                 param.grad = g.detach() if param.grad is None else param.grad + g.detach()
-        if all(p.grad is None for p in params):
-            return
-        self.optimizer.step()
+
+    # ------------------------------------------------------------- checkpoints
+    def get_extra_state(self) -> dict:
+        """The state of the method's own optimizer (``None`` before its first step), for ``state_dict``.
+
+        Stored under the key ``_extra_state`` of :meth:`state_dict`; a deep copy, so that a
+        state dict kept in memory does not change with later steps.
+        """
+        opt = None if self._optimizer is None else copy.deepcopy(self._optimizer.state_dict())
+        return {"optimizer": opt}
+
+    def set_extra_state(self, state: Any) -> None:
+        """Restore the optimizer state saved by :meth:`get_extra_state` (``load_state_dict`` calls it).
+
+        The optimizer is built with ``optimizer_factory`` if it does not exist yet; its state tensors
+        follow the device and dtype of ``φ`` (``torch.optim.Optimizer.load_state_dict``).
+        """
+        if not isinstance(state, dict) or "optimizer" not in state:
+            raise ValueError(
+                f"{type(self).__name__}({self.plate_name!r}).load_state_dict: the '_extra_state' entry must be "
+                f"a dict with key 'optimizer' (written by get_extra_state), got {type(state).__name__}."
+            )
+        if state["optimizer"] is None:
+            self._optimizer = None  # built afresh at the next training step
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, train_control_variate={self.train_control_variate}"
+        sync = "" if self.sync else ", sync=False"
+        return f"{super().extra_repr()}, train_control_variate={self.train_control_variate}{sync}"

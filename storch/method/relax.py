@@ -36,7 +36,7 @@ derivatives by ``−E[∇log p ∇cᵀ + ∇c ∇log pᵀ]``).
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -50,7 +50,7 @@ from storch.plate import layout_of_plates
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, wrap, wrap_new
 from storch.util import get_distr_parameters, log_prob_of_own_samples, magic_box
 
-__all__ = ["LAX", "RELAX", "REBAR"]
+__all__ = ["LAX", "RELAX", "REBAR", "ControlVariateNetwork"]
 
 
 def _coupling_for(method: str, plate_name: str, distr: Distribution) -> GumbelCoupling:
@@ -81,6 +81,67 @@ def _control_variate_term(l: torch.Tensor, c_z: torch.Tensor, c_zt: torch.Tensor
     return (1.0 - magic_box(l)) * c_zt + (difference - difference.detach())
 
 
+class ControlVariateNetwork(nn.Module):
+    """The default control variate ``c_φ`` built from ``in_dim`` (the manual's ``RELAX("z", in_dim=…)``).
+
+    A two-layer perceptron, ``Linear(D, hidden) → tanh → Linear(hidden, 1)``, applied to the last
+    ``len(in_dim)`` dimensions of its input (flattened into ``D = prod(in_dim)``), returning one
+    value per remaining element. As in Storchastic 0.3.7 (50 hidden units), but with ``tanh``
+    instead of ``ReLU``: the estimators differentiate ``c_φ`` at reparameterised points, and a
+    smooth ``c_φ`` keeps their higher-order derivatives unbiased too.
+
+    Args:
+        in_dim: the size of the last dimension of the input (an ``int``), or the sizes of its last
+            dimensions (a sequence), e.g. ``(2, 10)`` for two one-hot variables of 10 values.
+        hidden: the number of hidden units.
+
+    Examples:
+        >>> import torch
+        >>> ControlVariateNetwork((2, 3))(torch.zeros(5, 2, 3)).shape
+        torch.Size([5])
+    """
+
+    def __init__(self, in_dim: Union[int, Sequence[int]], hidden: int = 50) -> None:
+        super().__init__()
+        dims = (in_dim,) if not isinstance(in_dim, Sequence) else tuple(in_dim)
+        if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
+            raise ValueError(f"ControlVariateNetwork: in_dim must be a positive int or a sequence of them, got {in_dim!r}.")
+        self.in_dim = dims
+        self.net = nn.Sequential(nn.Linear(math.prod(dims), hidden), nn.Tanh(), nn.Linear(hidden, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = len(self.in_dim)
+        if tuple(x.shape[x.dim() - k:]) != self.in_dim:
+            raise ValueError(
+                f"ControlVariateNetwork(in_dim={self.in_dim}): expected an input ending in dimensions "
+                f"{self.in_dim}, got shape {tuple(x.shape)}. Give in_dim as the node's trailing sample "
+                "dimensions (batch and event)."
+            )
+        if k > 1:
+            x = x.reshape(tuple(x.shape[: x.dim() - k]) + (-1,))
+        return self.net(x).squeeze(-1)
+
+
+def _resolve_control_variate(
+    owner: str, control_variate: Optional[nn.Module], c_phi: Optional[nn.Module], in_dim: Union[int, Sequence[int], None]
+) -> Optional[nn.Module]:
+    """The control variate given as ``control_variate``, the manual's ``c_phi``, or built from ``in_dim``."""
+    given = [name for name, v in (("control_variate", control_variate), ("c_phi", c_phi), ("in_dim", in_dim)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(
+            f"{owner}: {' and '.join(given)} are all ways to give the control variate (c_phi is the manual's "
+            "name for control_variate; in_dim builds the default network); give one."
+        )
+    if in_dim is not None:
+        return ControlVariateNetwork(in_dim)
+    if c_phi is not None and not isinstance(c_phi, nn.Module):
+        raise TypeError(
+            f"{owner}: c_phi must be an nn.Module (its parameters are trained), got {type(c_phi).__name__}; "
+            "wrap a plain function in an nn.Module, or give in_dim=... for the default network."
+        )
+    return c_phi if c_phi is not None else control_variate
+
+
 class RELAX(LearnedControlVariate):
     """RELAX for ``Bernoulli`` and ``OneHotCategorical`` nodes, with a learned control variate.
 
@@ -101,6 +162,11 @@ class RELAX(LearnedControlVariate):
         control_variate: ``c_φ``, an ``nn.Module`` applied to the relaxed sample ``σ_λ(z)`` (a storch
             tensor ``(n, *batch_shape, *event_shape)`` with the node's plates) that returns one value
             per sample (extra dimensions are summed); ``None`` for REBAR alone.
+        c_phi: the manual's (Storchastic's) keyword for ``control_variate``.
+        in_dim: build the default control variate, a :class:`ControlVariateNetwork` over the last
+            dimensions of the relaxed sample: ``in_dim`` is their size(s), e.g. ``batch_shape`` for
+            Bernoulli variables or ``(*batch_shape, n_values)`` for one-hot ones (the manual's
+            ``RELAX("z", in_dim=…)``).
         n_samples: number of samples ``n``.
         rebar: add the REBAR term ``η f(σ_λ(z))``: the cost is also evaluated at ``σ_λ(z)`` and
             ``σ_λ(z̃)`` (the plate holds ``3n`` points, in groups ``[b, σ_λ(z), σ_λ(z̃)]`` with weights
@@ -111,6 +177,9 @@ class RELAX(LearnedControlVariate):
             ``lambda params: torch.optim.Adam(params, lr=1e-3)``; default Adam with ``lr``.
         lr: learning rate of the default optimizer.
         train_control_variate: ``False`` keeps the control variate fixed.
+        sync: under ``torch.distributed``, average the control-variate gradients across ranks
+            before each step so that every replica holds the same ``φ``, ``λ``, ``η``
+            (:mod:`storch.distributed`); ``False`` trains them on each rank alone.
 
     Notes:
         * With ``rebar``, parameters that the cost reaches at the relaxed points other than through
@@ -145,12 +214,18 @@ class RELAX(LearnedControlVariate):
         optimizer_factory: Optional[OptimizerFactory] = None,
         lr: float = 1e-3,
         train_control_variate: bool = True,
+        sync: bool = True,
+        *,
+        c_phi: Optional[nn.Module] = None,
+        in_dim: Union[int, Sequence[int], None] = None,
     ) -> None:
-        super().__init__(plate_name, n_samples, optimizer_factory, lr, train_control_variate)
+        super().__init__(plate_name, n_samples, optimizer_factory, lr, train_control_variate, sync)
+        control_variate = _resolve_control_variate(f"{type(self).__name__}({plate_name!r})", control_variate, c_phi, in_dim)
         if control_variate is None and not rebar:
             raise ValueError(
                 f"{type(self).__name__}({plate_name!r}) needs a control variate: give an nn.Module "
-                "control_variate=c_phi (applied to the relaxed sample), or rebar=True, or both."
+                "control_variate=c_phi (applied to the relaxed sample), in_dim=... for the default "
+                "network, or rebar=True, or both."
             )
         if control_variate is not None and not isinstance(control_variate, nn.Module):
             raise TypeError(
@@ -262,8 +337,13 @@ class REBAR(RELAX):
         optimizer_factory: ``params -> optimizer`` for ``η`` and ``log λ``; default Adam with ``lr``.
         lr: learning rate of the default optimizer.
         train_control_variate: ``False`` keeps ``η`` and ``λ`` fixed.
+        sync: under ``torch.distributed``, average the gradients of ``η`` and ``λ`` across ranks
+            before each step (the replicas stay identical); ``False``: each rank alone.
+        c_phi: an extra learned control variate ``c_φ`` (an ``nn.Module``), added to the REBAR term
+            as Storchastic's ``REBAR(c_phi=…)`` does: the same as
+            ``RELAX(plate_name, control_variate=c_phi, rebar=True)``.
 
-    Example:
+    Examples:
         >>> import torch, storch
         >>> from torch.distributions import OneHotCategorical
         >>> logits = torch.zeros(4, requires_grad=True)
@@ -283,10 +363,13 @@ class REBAR(RELAX):
         optimizer_factory: Optional[OptimizerFactory] = None,
         lr: float = 1e-3,
         train_control_variate: bool = True,
+        sync: bool = True,
+        *,
+        c_phi: Optional[nn.Module] = None,
     ) -> None:
         super().__init__(
             plate_name, None, n_samples, True, initial_temperature, initial_eta, optimizer_factory, lr,
-            train_control_variate,
+            train_control_variate, sync, c_phi=c_phi,
         )
 
     def extra_repr(self) -> str:
@@ -312,6 +395,12 @@ class LAX(LearnedControlVariate):
         optimizer_factory: ``params -> optimizer`` for ``φ``; default Adam with ``lr``.
         lr: learning rate of the default optimizer.
         train_control_variate: ``False`` keeps ``φ`` fixed.
+        sync: under ``torch.distributed``, average ``φ``'s gradients across ranks before each step
+            (the replicas stay identical); ``False``: each rank alone.
+        c_phi: the manual's (Storchastic's) keyword for ``control_variate``.
+        in_dim: build the default control variate, a :class:`ControlVariateNetwork` over the last
+            dimensions of the sample (``in_dim`` their size(s), e.g. ``event_shape`` or
+            ``batch_shape``), as the manual's ``LAX("z", in_dim=…)``.
 
     Examples:
         >>> import torch, storch
@@ -327,13 +416,23 @@ class LAX(LearnedControlVariate):
     def __init__(
         self,
         plate_name: str,
-        control_variate: nn.Module,
+        control_variate: Optional[nn.Module] = None,
         n_samples: int = 1,
         optimizer_factory: Optional[OptimizerFactory] = None,
         lr: float = 1e-3,
         train_control_variate: bool = True,
+        sync: bool = True,
+        *,
+        c_phi: Optional[nn.Module] = None,
+        in_dim: Union[int, Sequence[int], None] = None,
     ) -> None:
-        super().__init__(plate_name, n_samples, optimizer_factory, lr, train_control_variate)
+        super().__init__(plate_name, n_samples, optimizer_factory, lr, train_control_variate, sync)
+        control_variate = _resolve_control_variate(f"LAX({plate_name!r})", control_variate, c_phi, in_dim)
+        if control_variate is None:
+            raise ValueError(
+                f"LAX({plate_name!r}) needs a control variate: give an nn.Module control_variate=c_phi "
+                "(applied to the sample), or in_dim=... for the default network."
+            )
         if not isinstance(control_variate, nn.Module):
             raise TypeError(
                 f"LAX({plate_name!r}): the second argument, control_variate, must be an nn.Module (its "

@@ -34,6 +34,7 @@ of positive probability, so ``p(D∖S) = 0``) drop out of the products.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -232,6 +233,13 @@ class UnorderedSet(SampleWithoutReplacement):
 
     def __init__(self, plate_name: str, k: int, step: float = DEFAULT_STEP, eos: Optional[int] = None) -> None:
         super().__init__(plate_name, k, normalize=False, eos=eos)
+        if isinstance(step, bool) or not isinstance(step, numbers.Real):
+            raise TypeError(
+                f"{type(self).__name__}({plate_name!r}): the third argument is the integration step (a float in "
+                f"(0, 1]), got {step!r} ({type(step).__name__}). Storchastic's comp_leave_two_out, "
+                "exact_integration, num_int_points and a are not taken: the integral is computed on a "
+                "trapezoid grid of this step (relative error below 1e-10) and leave-two-out ratios on demand."
+            )
         if not 0.0 < step <= 1.0:
             raise ValueError(f"UnorderedSet({plate_name!r}): the integration step must be in (0, 1], got {step}.")
         self.step = float(step)
@@ -413,6 +421,19 @@ class GumbelSoftmaxWOR(UnorderedSet):
         self.steps += 1
         tau = max(self.min_temperature, self.initial_temperature * math.exp(-self.annealing_rate * self.steps))
         self.temperature.fill_(tau)
+
+    def get_extra_state(self) -> dict:
+        """The annealing step count (the temperature itself is a buffer), for ``state_dict``."""
+        return {"steps": self.steps}
+
+    def set_extra_state(self, state) -> None:
+        """Restore the step count saved by :meth:`get_extra_state`, so annealing resumes where it was."""
+        if not isinstance(state, dict) or "steps" not in state:
+            raise ValueError(
+                "GumbelSoftmaxWOR.load_state_dict: the '_extra_state' entry must be a dict with key 'steps' "
+                f"(written by get_extra_state), got {type(state).__name__}."
+            )
+        self.steps = int(state["steps"])
 
     def extra_repr(self) -> str:
         return (
