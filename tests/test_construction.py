@@ -8,7 +8,7 @@
 * Every method pickles, deep-copies and round-trips through ``torch.save``/``torch.load``, also
   after training steps and while a node it sampled is still alive, and the copy still trains.
 * ``storch.make_left_broadcastable(nn.LSTMCell(...))`` runs a recurrent cell over plated inputs with
-  a tuple ``(h, c)`` state (the README's sequence passage).
+  a tuple ``(h, c)`` state (the sequence tutorial, docs/tutorials/sequences.md).
 """
 
 from __future__ import annotations
@@ -248,6 +248,7 @@ METHODS = {
     "UnorderedSetEstimator": (lambda: UnorderedSetEstimator("z", k=2), _one_hot),
     "UnorderedSetGumbelSoftmax": (lambda: UnorderedSetGumbelSoftmax("z", k=2), _one_hot),
     "GSB": (lambda: GSB("z", n_samples=2), _normal),
+    "MAPO": (lambda: M.MAPO("z", n_samples=2, buffer_size=2, systematic_exploration=True), _one_hot),
 }
 
 
@@ -381,7 +382,7 @@ def _sequence(n: int = 3, batch: int = 2, steps: int = 4, features: int = 4):
 
 
 def test_bare_lstm_cell_refuses_a_plated_batched_input():
-    """Why the README wraps the cell: nn.LSTMCell checks input.dim() in Python."""
+    """Why the sequence tutorial wraps the cell: nn.LSTMCell checks input.dim() in Python."""
     _, xs = _sequence()
     with pytest.raises(ValueError, match="Expected input to be 1D or 2D, got 3D"):
         nn.LSTMCell(4, 5)(xs[..., 0, :])
@@ -446,7 +447,7 @@ def test_lstm_cell_with_the_minibatch_as_a_plate():
 
 
 def test_readme_sequence_example_with_beam_search():
-    """The README's sequence passage: a wrapped LSTMCell over the beams of ScoreFunctionWOR."""
+    """The sequence tutorial's recurrent decoder: a wrapped LSTMCell over the beams of ScoreFunctionWOR."""
     n_data, vocab, emb_dim, hidden, k = 2, 4, 3, 5, 2
     cell = storch.make_left_broadcastable(nn.LSTMCell(emb_dim, hidden))
     embed, readout = nn.Embedding(vocab, emb_dim), nn.Linear(hidden, vocab)
