@@ -29,7 +29,9 @@ class ScoreFunction(Method):
         sampling_method: proposal (default: Monte Carlo with ``n_samples``).
         n_samples: number of samples.
         baseline_factory: ``None`` or ``"none"`` (no baseline, the default), ``"moving_average"``,
-            ``"batch_average"`` (leave-one-out, needs ``n_samples >= 2``), a
+            ``"batch_average"`` (leave-one-out, needs ``n_samples >= 2``), ``"critic"`` (a learned
+            value function of the node's non-descendants), ``"q_critic"`` (a learned Q-function with
+            its exact expectation correction, discrete nodes; :mod:`storch.method.critic`), a
             :class:`storch.method.baseline.Baseline`, or a zero-argument callable returning one.
 
     Examples:
@@ -65,6 +67,17 @@ class ScoreFunction(Method):
         if self.baseline is None:
             return None
         return self.baseline.compute_baseline(tensor, cost)
+
+    def estimator(
+        self, tensor: StochasticTensor, cost: CostTensor
+    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``l = log p(x)`` and ``(1 − □(l)) · b``, plus the baseline's correction term if it has one."""
+        l, cv = super().estimator(tensor, cost)  # noqa: E741
+        if l is not None and self.baseline is not None:
+            correction = self.baseline.correction(tensor, cost)
+            if correction is not None:
+                cv = correction if cv is None else cv + correction
+        return l, cv
 
     def update_parameters(self, result_triples) -> None:
         super().update_parameters(result_triples)
