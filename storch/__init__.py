@@ -14,7 +14,7 @@ Examples:
     True
 """
 
-from storch import distributions, exceptions, method, nn, sampling, util
+from storch import distributed, distributions, exceptions, method, nn, sampling, util
 from storch.inference import add_cost, backward, registered_costs, reset, surrogate_loss
 from storch.distributions.relaxation import conditional_gumbel_rsample
 from storch.ops import cat, expand_as, gather, grad
@@ -22,6 +22,7 @@ from storch.plate import Plate, order_plates
 from storch.reduce import denote_independent, gather_samples, logsumexp, mean, reduce_plates, sum, variance
 from storch.tensor import CostTensor, IndependentTensor, StochasticTensor, Tensor, is_storch
 from storch.wrappers import deterministic, make_left_broadcastable, reduce, stochastic
+from storch import storch  # the manual's storch.storch module of utilities
 
 __version__ = "0.1.0"
 
@@ -31,5 +32,5 @@ __all__ = [
     "denote_independent", "gather_samples", "reduce_plates", "variance", "mean", "sum", "logsumexp",
     "cat", "gather", "expand_as", "grad", "order_plates", "conditional_gumbel_rsample",
     "deterministic", "reduce", "make_left_broadcastable", "stochastic",
-    "method", "sampling", "nn", "util", "exceptions",
+    "method", "sampling", "nn", "util", "exceptions", "distributed",
 ]

@@ -91,6 +91,11 @@ class Plate:
         self.order = next(_creation_counter)
 
     @property
+    def n(self) -> int:
+        """The plate size (the Storchastic manual's name for :attr:`size`)."""
+        return self.size
+
+    @property
     def is_stochastic(self) -> bool:
         """True if this plate holds the samples of a stochastic node."""
         return self.node is not None
@@ -137,7 +142,11 @@ class AncestralPlate(Plate):
     with the new ones without bookkeeping. Plates of different chains still clash.
 
     Args:
-        name, size, weight, parents, node: as for :class:`Plate`.
+        name: as for :class:`Plate`.
+        size: as for :class:`Plate`.
+        weight: as for :class:`Plate`.
+        parents: as for :class:`Plate`.
+        node: as for :class:`Plate`.
         ancestor: the plate of the previous step (``None`` for the first step).
         parent_index: a plain ``LongTensor`` ``(size, *sizes of index_plates)``: for each sample of
             this plate (and each value of ``index_plates``) the position of its parent along

@@ -9,12 +9,17 @@
   plates (and, with ``batch_dims``, the leading non-plate dimensions) are flattened into that batch
   dimension.
 * :func:`stochastic` — check that a user function that samples returns storch tensors.
+* :func:`ignore_wrapping` — a block in which the wrappers above return their function's plain
+  outputs; :func:`is_iterable` — whether a value is a container (the manual's helper).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
+from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -24,7 +29,10 @@ from storch.exceptions import IllegalStorchExposeError
 from storch.plate import EMPTY_LAYOUT, PlateLayout, merge_layouts
 from storch.tensor import Tensor, _Disable, layout_of, wrap_new
 
-__all__ = ["deterministic", "reduce", "make_left_broadcastable", "stochastic"]
+__all__ = ["deterministic", "reduce", "make_left_broadcastable", "stochastic", "ignore_wrapping", "is_iterable"]
+
+#: how many :func:`ignore_wrapping` blocks are open (per thread / asyncio task)
+_IGNORE_WRAPPING: contextvars.ContextVar[int] = contextvars.ContextVar("storch_ignore_wrapping", default=0)
 
 
 def _map(fn: Callable[[Any], Any], value: Any) -> Any:
@@ -103,6 +111,8 @@ def _call(
         new_kwargs["dims"] = [union.index(d) for d in dims]
     with _Disable():
         out = fn(*new_args, **new_kwargs)
+    if _IGNORE_WRAPPING.get():
+        return out  # ignore_wrapping(): the function's own outputs, plates not given back
     out_layout = union.without([union.plates[union.index(r)] for r in removed]) if removed else union
 
     def finish(t: torch.Tensor) -> torch.Tensor:
@@ -287,3 +297,54 @@ def stochastic(fn: Callable) -> Callable:
         return _map(check, out)
 
     return wrapper
+
+
+@contextlib.contextmanager
+def ignore_wrapping() -> Iterator[None]:
+    """A block in which the storch wrappers return their function's outputs as they are.
+
+    Inside ``with storch.wrappers.ignore_wrapping():`` a function wrapped by :func:`deterministic`,
+    :func:`reduce` or :func:`make_left_broadcastable` still receives its arguments aligned (and
+    expanded or flattened) over their plates, but its outputs are returned unchanged: plain
+    ``torch.Tensor`` objects without plates (with ``flatten_plates``, still flattened). This is the
+    manual's (Storchastic 0.3.7's) ``ignore_wrapping``, which sampling methods use to compute on
+    aligned tensors without creating storch tensors. Blocks nest, and each thread and asyncio
+    task has its own. Torch operations applied directly to storch tensors are not affected: they
+    return storch tensors as always (unwrap one with :func:`storch.tensor.plain`).
+
+    Examples:
+        >>> import torch, storch
+        >>> x = storch.denote_independent(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), 0, "data")
+        >>> double = storch.deterministic(lambda t: 2 * t)
+        >>> type(double(x)).__name__
+        'Tensor'
+        >>> with ignore_wrapping():
+        ...     out = double(x)
+        >>> type(out) is torch.Tensor, out.tolist()
+        (True, [[2.0, 4.0], [6.0, 8.0]])
+    """
+    token = _IGNORE_WRAPPING.set(_IGNORE_WRAPPING.get() + 1)
+    try:
+        yield
+    finally:
+        _IGNORE_WRAPPING.reset(token)
+
+
+def is_iterable(a: Any) -> bool:
+    """Whether ``a`` is a container whose elements the wrappers look into (the manual's helper).
+
+    True for iterables (lists, tuples, dicts, sets, generators, ...) except tensors (plain or
+    storch), strings and torch storages, as in Storchastic 0.3.7, and bytes.
+
+    Examples:
+        >>> import torch
+        >>> is_iterable([1, 2]), is_iterable((torch.zeros(2),)), is_iterable({"a": 1})
+        (True, True, True)
+        >>> is_iterable(torch.zeros(2)), is_iterable("ab"), is_iterable(3)
+        (False, False, False)
+    """
+    return (
+        isinstance(a, Iterable)
+        and not isinstance(a, (torch.Tensor, str, bytes, bytearray))
+        and not isinstance(a, (torch.TypedStorage, torch.UntypedStorage))
+    )

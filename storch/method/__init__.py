@@ -8,16 +8,18 @@ measure-valued derivatives (:mod:`~storch.method.mvd`), finite differences
 (:mod:`~storch.method.spsa`), learned control variates (:mod:`~storch.method.relax`), local expectations (:mod:`~storch.method.local_expectation`),
 generalized stochastic backpropagation (:mod:`~storch.method.gsb`, cumulants in
 :mod:`~storch.method.cumulants`), sampling without replacement (:mod:`~storch.method.wor`, :mod:`~storch.method.unordered_set`), Rao-Blackwellisation
-(:mod:`~storch.method.rao_blackwell`) and multi-sample bounds (:mod:`~storch.method.vimco`).
+(:mod:`~storch.method.rao_blackwell`), memory-augmented policy optimization (:mod:`~storch.method.mapo`) and multi-sample bounds (:mod:`~storch.method.vimco`).
 """
 
-from storch.method import baseline, cumulants
+from storch.method import baseline, critic, cumulants
 from storch.method.arm import ARM, DisARM
+from storch.method.critic import Critic, QCritic
 from storch.method.expect import Expect
 from storch.method.gsb import GSB, GeneralizedStochasticBackprop
 from storch.method.gumbel import GumbelSoftmax
 from storch.method.infer import Infer
 from storch.method.local_expectation import IndeCateR, LocalExpectation
+from storch.method.mapo import MAPO
 from storch.method.method import Method, log_prob
 from storch.method.mvd import MVD
 from storch.method.rao_blackwell import RaoBlackwellSF
@@ -36,4 +38,6 @@ __all__ = [
     "GumbelRao", "ReinMax", "VIMCO", "iwae_bound", "ScoreFunctionWOR", "RaoBlackwellSF",
     "LAX", "RELAX", "REBAR", "UnorderedSetEstimator", "UnorderedSetGumbelSoftmax",
     "GSB", "GeneralizedStochasticBackprop", "cumulants",
+    "critic", "Critic", "QCritic",
+    "MAPO",
 ]

@@ -205,6 +205,23 @@ class Method(nn.Module):
             note_sampled(plate)  # its gradient needs a cost that carries its plate (see storch.backward)
         return tensor
 
+    def sample(self, distr: Distribution) -> StochasticTensor:
+        """Sample ``distr`` with this method: the same as calling it, ``method(distr)``.
+
+        The manual's (Storchastic's) name for drawing a node. It goes through ``nn.Module.__call__``,
+        so forward hooks run and subclasses that override :meth:`forward` (sequence decoding, for
+        example) are honoured.
+
+        Examples:
+            >>> import torch
+            >>> from torch.distributions import Normal
+            >>> from storch.method import Reparameterization
+            >>> z = Reparameterization("z", n_samples=3).sample(Normal(torch.zeros(2), 1.0))
+            >>> type(z).__name__, z.shape, z.plates[0].name
+            ('StochasticTensor', torch.Size([3, 2]), 'z')
+        """
+        return self(distr)
+
     def _check_samples(self, distr: Distribution, samples: torch.Tensor, sizes: tuple[int, ...]) -> None:
         expected = tuple(distr.batch_shape) + tuple(distr.event_shape)
         if samples.dim() != len(expected) + 1 or tuple(samples.shape[1:]) != expected:

@@ -1,4 +1,9 @@
-"""Sampling methods (``storch.sampling``): the proposal component of an estimator."""
+"""Sampling methods (``storch.sampling``): the proposal component of an estimator.
+
+:mod:`storch.sampling.seq` and :mod:`storch.sampling.unordered_set` give the manual's module paths
+to classes defined in :mod:`storch.sampling.swor`, :mod:`storch.sampling.decoding`,
+:mod:`storch.sampling.unordered` and :mod:`storch.plate`.
+"""
 
 from storch.sampling.decoding import MCDecoder
 from storch.sampling.expect import Enumerate
@@ -6,6 +11,7 @@ from storch.sampling.importance import ImportanceSampling
 from storch.sampling.method import MonteCarlo, SamplingMethod
 from storch.sampling.swor import SampleWithoutReplacement, SequenceSampler
 from storch.sampling.unordered import GumbelSoftmaxWOR, UnorderedSet
+from storch.sampling import seq, unordered_set  # the manual's module paths
 
 __all__ = [
     "SamplingMethod", "MonteCarlo", "Enumerate", "ImportanceSampling", "SampleWithoutReplacement",

@@ -36,6 +36,10 @@ Extension points (for estimators built on this proposal, e.g. the unordered set 
 * :meth:`SampleWithoutReplacement.state_of` — the :class:`WORState` behind a sampled tensor's plate.
 * :func:`log_inclusion_probability` — ``log q_κ(s)``; :func:`wor_support` and
   :func:`register_wor_support` — the registry of distributions with an enumerable support.
+* :func:`log1mexp` (the manual's ``loglmexp``) and :func:`cond_gumbel_sample` — the numerics.
+* :class:`SumAndSampleRest` (the manual's constructor: :class:`SumAndSample`) — sum the most
+  probable values exactly and sample the rest, i.i.d. or without replacement (the proposal of
+  :class:`storch.method.RaoBlackwellSF`).
 """
 
 from __future__ import annotations
@@ -53,13 +57,15 @@ from storch.plate import Plate
 from storch.registry import TypeRegistry
 from storch.sampling.method import SamplingMethod, check_count
 from storch.tensor import Tensor, _Disable, wrap_new
+from storch.util import log_prob_of_own_samples
 
 if TYPE_CHECKING:  # pragma: no cover
     from storch.tensor import StochasticTensor
 
 __all__ = [
     "SequenceSampler", "SampleWithoutReplacement", "WORState", "WORSupport", "register_wor_support", "wor_support",
-    "log_inclusion_probability", "gumbel_top_k_step",
+    "log_inclusion_probability", "gumbel_top_k_step", "log1mexp", "loglmexp", "cond_gumbel_sample",
+    "SumAndSampleRest", "SumAndSample",
 ]
 
 
@@ -126,9 +132,25 @@ def _bernoulli_support(d: Bernoulli) -> WORSupport:
 
 
 # ----------------------------------------------------------------------- Gumbel-top-k math
-def _log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """``log(1 − exp(x))`` for ``x ≤ 0``, accurate everywhere (Mächler 2012)."""
-    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+def log1mexp(a: torch.Tensor) -> torch.Tensor:
+    """``log(1 − exp(a))`` for ``a ≤ 0``, accurate for every ``a`` (Mächler 2012; appendix A of
+    Kool, van Hoof & Welling 2020, JMLR 21).
+
+    ``log(−expm1(a))`` for ``a > −log 2`` and ``log1p(−exp(a))`` below, so neither ``1 − exp(a)``
+    near ``0`` (``a → 0⁻``) nor ``exp(a)`` near ``0`` (``a → −∞``) loses precision. ``a = 0`` gives
+    ``−∞``; ``a > 0`` (where ``1 − exp(a) < 0``) gives NaN. The manual spells it ``loglmexp``.
+
+    Examples:
+        >>> import torch
+        >>> x = torch.tensor([-1e-10, -0.5, -1.0, -50.0, 0.0])
+        >>> [float(f"{v:.6g}") for v in log1mexp(x).tolist()]
+        [-23.0259, -0.932752, -0.458675, -1.92875e-22, -inf]
+    """
+    return torch.where(a > -0.6931471805599453, torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(a)))
+
+
+#: The manual's spelling of :func:`log1mexp` (``storch.sampling.swor.loglmexp``): the same function.
+loglmexp = log1mexp
 
 
 def log_inclusion_probability(log_p: torch.Tensor, kappa: torch.Tensor) -> torch.Tensor:
@@ -144,7 +166,7 @@ def log_inclusion_probability(log_p: torch.Tensor, kappa: torch.Tensor) -> torch
         0.3078
     """
     a = log_p - kappa
-    return torch.where(a < -30.0, a, _log1mexp(-torch.exp(a.clamp(max=30.0))))
+    return torch.where(a < -30.0, a, log1mexp(-torch.exp(a.clamp(max=30.0))))
 
 
 def _gumbel_like(t: torch.Tensor) -> torch.Tensor:
@@ -155,15 +177,47 @@ def _conditional_gumbel(parent: torch.Tensor, free: torch.Tensor) -> torch.Tenso
     """Shift the Gumbels ``free`` (``(..., V)``) so that their maximum is ``parent`` (``(..., 1)``).
 
     Kool et al. 2019, eq. 23 in its numerically stable form; impossible children (``−∞``) and the
-    children of dead beams stay ``−∞``.
+    children of dead beams stay ``−∞``. The maximum becomes ``parent`` exactly (by selection, so
+    that the gradient there is finite: the formula's ``log1mexp(0) = −∞`` would give NaN).
     """
     z = free.max(-1, keepdim=True).values
     alive = (z > -math.inf) & (parent > -math.inf)
     z_safe = torch.where(alive, z, torch.zeros_like(z))
     t_safe = torch.where(alive, parent, torch.zeros_like(parent))
-    v = t_safe - free + _log1mexp((free - z_safe).clamp(max=0.0))
+    gap = free - z_safe
+    top = gap >= 0.0
+    v = t_safe - free + log1mexp(torch.where(top, torch.full_like(gap, -1.0), gap.clamp(max=0.0)))
     shifted = t_safe - v.clamp(min=0.0) - torch.log1p(torch.exp(-v.abs()))
+    shifted = torch.where(top, t_safe, shifted)
     return torch.where(alive & (free > -math.inf), shifted, torch.full_like(shifted, -math.inf))
+
+
+def cond_gumbel_sample(all_joint_log_probs: torch.Tensor, perturbed_log_probs: torch.Tensor | float) -> torch.Tensor:
+    """Gumbel-perturbed log-probabilities conditioned on their maximum (the manual's helper).
+
+    Draws ``G_v = all_joint_log_probs[..., v] + Gumbel(0, 1)`` independently and shifts them so that
+    ``max_v G_v`` equals ``perturbed_log_probs`` (Kool, van Hoof & Welling 2019, eq. 23, in its
+    numerically stable form): the perturbed values of the children of a prefix in stochastic
+    beam search, given the prefix's perturbed value. Reparameterised (differentiable in both
+    arguments); ``−∞`` log-probabilities stay ``−∞``.
+
+    Args:
+        all_joint_log_probs: ``(..., V)`` log-probabilities of the ``V`` options.
+        perturbed_log_probs: ``(...)`` the required maximum (a scalar broadcasts; ``0.0`` at the
+            root of a beam search).
+
+    Returns:
+        ``(..., V)`` conditioned perturbed log-probabilities.
+
+    Examples:
+        >>> import torch
+        >>> g = cond_gumbel_sample(torch.log(torch.tensor([[0.2, 0.3, 0.5], [0.1, 0.1, 0.8]])), torch.tensor([-1.0, 2.0]))
+        >>> g.max(-1).values.tolist()
+        [-1.0, 2.0]
+    """
+    lp = all_joint_log_probs
+    top = torch.as_tensor(perturbed_log_probs, dtype=lp.dtype, device=lp.device)
+    return _conditional_gumbel(top.unsqueeze(-1), lp + _gumbel_like(lp))
 
 
 def gumbel_top_k_step(
@@ -366,6 +420,7 @@ class SampleWithoutReplacement(SequenceSampler):
         k: the number of distinct samples (the beam size).
         normalize: divide the weights by their sum ``W = Σ_S p(s)/q_κ(s)`` (consistent, biased).
         eos: the end-of-sequence value index, for sequences decoded step by step.
+        biased_iw: the manual's (Storchastic's) keyword for ``normalize``.
 
     Examples:
         >>> import torch
@@ -376,8 +431,18 @@ class SampleWithoutReplacement(SequenceSampler):
         (torch.Size([3]), 3)
     """
 
-    def __init__(self, plate_name: str, k: int, normalize: bool = False, eos: Optional[int] = None) -> None:
+    def __init__(
+        self, plate_name: str, k: int, normalize: bool = False, eos: Optional[int] = None, *,
+        biased_iw: Optional[bool] = None,
+    ) -> None:
         super().__init__(plate_name, k, eos)
+        if biased_iw is not None:
+            if normalize and not biased_iw:
+                raise ValueError(
+                    f"{type(self).__name__}({plate_name!r}): normalize=True and biased_iw=False disagree; "
+                    "biased_iw is the manual's name for normalize, give one of them."
+                )
+            normalize = biased_iw
         self.normalize = bool(normalize)
 
     def draw(self, distr: Distribution, n_plates: int) -> tuple[torch.Tensor, WORState]:
@@ -446,6 +511,214 @@ class SampleWithoutReplacement(SequenceSampler):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, normalize={self.normalize}"
+
+
+# ----------------------------------------------------------------------- sum and sample
+def check_single_variable(owner: str, distr: Distribution, n_plates: int) -> None:
+    """Raise unless ``distr`` is one discrete variable with enumerable support per plate element."""
+    name = owner.split("(")[0]
+    if not distr.has_enumerate_support:
+        raise ValueError(
+            f"{owner}: {type(distr).__name__} has no enumerable support. {name} sums over the "
+            "most probable values of one discrete variable (Categorical, OneHotCategorical, Bernoulli, "
+            "...); use ScoreFunction or Reparameterization for other distributions."
+        )
+    extra = tuple(distr.batch_shape)[n_plates:]
+    if extra:
+        raise ValueError(
+            f"{owner}: {type(distr).__name__} has batch shape {tuple(distr.batch_shape)}, of which "
+            f"{extra} are not plates: that is {extra} variables in one node. {name} handles "
+            "one variable per plate element. Make independent elements a plate "
+            "(storch.denote_independent(logits, dim, 'name')), sample each variable as its own node, "
+            "or use ScoreFunction / Expect for the joint."
+        )
+
+
+class SumAndSampleRest(SamplingMethod):
+    """The ``k − 1`` most probable values, then ``n_sampled`` samples of the remaining values.
+
+    The proposal of :class:`storch.method.RaoBlackwellSF` (Liu et al. 2019). With ``C`` the summed
+    values and ``q = p(C)``,
+
+        E_p[f] = Σ_{x ∈ C} p(x) f(x) + (1 − q) · E_{x ~ p(· | x ∉ C)}[f(x)],
+
+    so the samples are weighted (detached) ``p(x)`` on ``C`` and, for i.i.d. samples of the rest,
+    ``(1 − q)/n_sampled``. With ``without_replacement`` the ``n_sampled`` values of the rest are
+    distinct, drawn by Gumbel-top-k, and weighted ``p(x)/q_κ(x)`` (priority sampling, Kool, van
+    Hoof & Welling 2019; :func:`log_inclusion_probability`): also unbiased, and exact when they
+    are all the remaining values. One discrete variable with enumerable support per element of
+    the distribution's plates.
+
+    Args:
+        plate_name: the node's plate.
+        k: the number of values summed plus one (the plate holds ``k − 1 + n_sampled`` points).
+        n_sampled: the number of samples drawn from the values outside the summed set.
+        without_replacement: draw them distinct (at most the number of remaining values).
+
+    Examples:
+        >>> import torch
+        >>> from torch.distributions import Categorical
+        >>> SumAndSampleRest("z", 3).sample(Categorical(probs=torch.tensor([0.1, 0.5, 0.3, 0.1])), (), False)[:2]
+        tensor([1, 2])
+    """
+
+    #: the class named in errors (this proposal is normally built by RaoBlackwellSF)
+    _owner_name = "RaoBlackwellSF"
+
+    def __init__(self, plate_name: str, k: int, n_sampled: int = 1, without_replacement: bool = False) -> None:
+        super().__init__(plate_name)
+        owner = f"{type(self).__name__}({plate_name!r})"
+        self.k = check_count(k, "k", owner)
+        self.n_sampled = check_count(n_sampled, "n_sampled", owner)
+        self.without_replacement = bool(without_replacement)
+        self.n_samples = self.k - 1 + self.n_sampled
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _too_few_values(self, n_values: int) -> str:
+        """The advice when ``distr`` has fewer values than this proposal needs."""
+        return f"use k <= {n_values}, or Expect to sum over all of them"
+
+    def sample(self, distr: Distribution, plates: Sequence[Plate], requires_grad: bool) -> torch.Tensor:
+        owner = f"{self._owner_name}({self.plate_name!r})"
+        check_single_variable(owner, distr, len(plates))
+        event = tuple(distr.event_shape)
+        m = self.n_sampled
+        with torch.no_grad():
+            support = distr.enumerate_support(expand=False)  # (K, 1, ..., 1, *event)
+            n_values = support.shape[0]
+            n_rest = n_values - (self.k - 1)
+            if n_rest < 1 or (self.without_replacement and m > n_rest):
+                needs = f"{self.k - 1} + {m} distinct" if self.without_replacement else f"more than {self.k - 1}"
+                raise ValueError(
+                    f"{owner}: it sums the {self.k - 1} most probable values and samples the rest, which "
+                    f"needs {needs} values, but {type(distr).__name__} has only {n_values} values; "
+                    f"{self._too_few_values(n_values)}."
+                )
+            values = support.reshape((n_values,) + event)
+            log_p = log_prob_of_own_samples(distr, support).detach()  # (K, *plates)
+            log_p = log_p.movedim(0, -1)  # (*plates, K)
+            summed = log_p.topk(self.k - 1, dim=-1).indices  # (*plates, k - 1)
+            rest = log_p.scatter(-1, summed, float("-inf"))
+            if self.without_replacement:
+                sampled, log_w_rest = _distinct_from_rest(rest, m, n_rest)
+            else:
+                log_rest_mass = rest.logsumexp(-1)  # log(1 − q)
+                # no mass left outside C (values of probability 0): draw any value; its weight is 0
+                rest = torch.where(torch.isneginf(log_rest_mass).unsqueeze(-1), torch.zeros_like(rest), rest)
+                sampled = Categorical(logits=rest, validate_args=False).sample((m,)).movedim(0, -1)  # (*plates, m)
+                log_m = torch.log(torch.tensor(float(m), dtype=log_p.dtype, device=log_p.device))
+                log_w_rest = (log_rest_mass - log_m).unsqueeze(-1).expand(sampled.shape)
+            index = torch.cat([summed, sampled], -1)
+            log_w = torch.cat([log_p.gather(-1, summed), log_w_rest], -1)
+            index = index.movedim(-1, 0)  # (k − 1 + m, *plates)
+            samples = values[index]
+        self._pending = (samples, log_w.movedim(-1, 0).exp())
+        return samples
+
+    def weighting_function(self, tensor: "StochasticTensor", plate: Plate) -> Optional[torch.Tensor]:
+        """``p(x)`` on the summed values and ``(1 − q)/n_sampled`` (i.i.d.) or ``p(x)/q_κ(x)``
+        (without replacement) on the samples, detached."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending[0] is not tensor._node.samples:
+            raise RuntimeError(
+                f"{self._owner_name}({self.plate_name!r}): weights are computed right after sampling; call "
+                "the method on a distribution instead of using its sampling method directly."
+            )
+        return wrap_new(pending[1], tensor._layout)
+
+    def reset(self) -> None:
+        self._pending = None
+
+    def extra_repr(self) -> str:
+        wor = ", without_replacement=True" if self.without_replacement else ""
+        return f"plate_name={self.plate_name!r}, k={self.k}, n_sampled={self.n_sampled}{wor}"
+
+
+def _distinct_from_rest(rest: torch.Tensor, m: int, n_rest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``m`` distinct values of the unnormalised log-weights ``rest`` (``(*B, K)``, ``−∞`` on the
+    summed values) by Gumbel-top-k, and their log-weights ``log p(x) − log q_κ(x)`` (``−∞`` for
+    values of weight 0); ``κ`` is the ``(m+1)``-th largest perturbed value, ``−∞`` when the ``m``
+    values are all ``n_rest`` remaining ones (the weights are then ``p(x)``: exact)."""
+    perturbed = rest + _gumbel_like(rest)
+    top = perturbed.topk(min(m + 1, n_rest), dim=-1)
+    chosen = top.indices[..., :m]
+    if m < n_rest:
+        kappa = top.values[..., m]
+    else:
+        kappa = torch.full(rest.shape[:-1], -math.inf, dtype=rest.dtype, device=rest.device)
+    log_p = rest.gather(-1, chosen)
+    finite = torch.isfinite(log_p)
+    safe = torch.where(finite, log_p, torch.zeros_like(log_p))
+    log_w = safe - log_inclusion_probability(safe, kappa.unsqueeze(-1))
+    return chosen, torch.where(finite, log_w, torch.full_like(log_w, -math.inf))
+
+
+class SumAndSample(SumAndSampleRest):
+    """The manual's ``SumAndSample``: sum the ``sum_size`` most probable values exactly and sample
+    ``sample_size`` of the others, weighted so that the estimate is unbiased.
+
+    Storchastic 0.3.7's constructor for :class:`SumAndSampleRest` (the same proposal, with
+    ``k = sum_size + 1`` and ``n_sampled = sample_size``): one discrete variable with enumerable
+    support per element of the distribution's plates. Use it as the proposal of a score-function
+    estimator, ``ScoreFunction("z", sampling_method=SumAndSample("z", 2, 3))``, or use
+    :class:`storch.method.RaoBlackwellSF`, which builds it.
+
+    Args:
+        plate_name: the node's plate.
+        sum_size: how many of the most probable values are summed (at least 1).
+        sample_size: how many values outside them are sampled (at least 1).
+        without_replacement: draw the samples distinct (Gumbel-top-k, weights ``p(x)/q_κ(x)``)
+            instead of i.i.d. (weights ``(1 − p(summed))/sample_size``).
+        eos: must be ``None``: sequences are decoded by :class:`storch.method.wor.ScoreFunctionWOR`
+            and :class:`storch.method.UnorderedSetEstimator`, not by this proposal.
+
+    Examples:
+        >>> import torch
+        >>> from torch.distributions import Categorical
+        >>> s = SumAndSample("z", 2, 2, without_replacement=True)
+        >>> x = s.sample(Categorical(probs=torch.tensor([0.1, 0.5, 0.3, 0.1])), (), False)
+        >>> x[:2].tolist(), sorted(x[2:].tolist()), s.sum_size, s.sample_size
+        ([1, 2], [0, 3], 2, 2)
+    """
+
+    _owner_name = "SumAndSample"
+
+    def __init__(
+        self,
+        plate_name: str,
+        sum_size: int,
+        sample_size: int = 1,
+        without_replacement: bool = False,
+        eos: Optional[int] = None,
+    ) -> None:
+        owner = f"SumAndSample({plate_name!r})"
+        sum_size = check_count(sum_size, "sum_size", owner)
+        sample_size = check_count(sample_size, "sample_size", owner)
+        if eos is not None:
+            raise ValueError(
+                f"{owner}: eos={eos!r} is for sequences, which this proposal does not decode (it sums and "
+                "samples one variable per plate element). Decode sequences with "
+                "storch.method.wor.ScoreFunctionWOR or storch.method.UnorderedSetEstimator."
+            )
+        super().__init__(plate_name, sum_size + 1, sample_size, without_replacement)
+
+    @property
+    def sum_size(self) -> int:
+        """The number of values summed exactly (``k − 1``)."""
+        return self.k - 1
+
+    @property
+    def sample_size(self) -> int:
+        """The number of values sampled outside them (``n_sampled``)."""
+        return self.n_sampled
+
+    def _too_few_values(self, n_values: int) -> str:
+        limit = n_values - (self.sample_size if self.without_replacement else 1)
+        return f"use sum_size <= {limit}, or Expect to sum over all of them"
+
+    def extra_repr(self) -> str:
+        wor = ", without_replacement=True" if self.without_replacement else ""
+        return f"plate_name={self.plate_name!r}, sum_size={self.sum_size}, sample_size={self.sample_size}{wor}"
 
 
 def _take_beams(t: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
