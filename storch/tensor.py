@@ -65,10 +65,8 @@ def _single_value(method: Any, what: str) -> Any:
 class Tensor(torch.Tensor):
     """A ``torch.Tensor`` whose leftmost dimensions are named plates.
 
-    Args:
-        data: the tensor to wrap (a view is taken; the input is left untouched).
-        plates: the plates of the leftmost dimensions, newest first. Their sizes must match
-            ``data.shape``.
+    ``storch.Tensor(data, plates)`` wraps ``data`` (a view is taken; the input is left untouched)
+    with ``plates`` on its leftmost dimensions, newest first; their sizes must match ``data.shape``.
 
     Plates align automatically in every torch operation; see :mod:`storch._dispatch`.
     """

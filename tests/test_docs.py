@@ -4,7 +4,7 @@ The pages are ``docs/**/*.md`` and ``README.md``. On each page:
 
 * every fenced block opened with ```` ```python ```` runs, in page order, in one namespace per page
   (a later block may use names an earlier one defined), from the repository root, after
-  ``torch.manual_seed(0)`` and ``storch.reset()``;
+  ``torch.manual_seed(0)`` and ``storch.reset()``, with one torch thread;
 * a fenced ```` ```text ```` block that follows a Python block directly (only blank lines between)
   is that block's printed output: what the block prints must match it, compared as doctest compares
   (``...`` matches anything, runs of whitespace are equal);
@@ -98,8 +98,9 @@ def run_page(path: Path) -> None:
     rel = path.relative_to(ROOT)
     storch.reset()
     torch.manual_seed(0)
-    cwd = os.getcwd()
+    cwd, threads = os.getcwd(), torch.get_num_threads()
     os.chdir(ROOT)
+    torch.set_num_threads(1)  # the pages' small examples: threads only add contention on a busy machine
     try:
         for block in blocks:
             captured = io.StringIO()
@@ -118,6 +119,7 @@ def run_page(path: Path) -> None:
                 )
     finally:
         os.chdir(cwd)
+        torch.set_num_threads(threads)
         storch.reset()
 
 

@@ -331,7 +331,7 @@ def dirichlet_reference(alpha, f, order, m=48):
     return exact, gamma_representation_series(a.detach(), f, order, z, weights, density.detach())
 
 
-BIAS_FIGURES: dict[str, list] = {}  # printed with pytest -s; quoted in the docstring / README
+BIAS_FIGURES: dict[str, list] = {}  # printed with pytest -s; quoted in the docstring and docs/tutorials/gsb.md
 
 
 def test_beta_truncation_bias_shrinks_then_the_series_diverges():

@@ -73,7 +73,7 @@ def test_a_second_derivative_after_backward_keeps_nothing_alive():
         z = storch.method.ScoreFunction("z", n_samples=4)(Bernoulli(logits=w * 2.0))
         storch.add_cost((z * torch.tensor([1.0, 2.0])).sum(-1), "f")
         storch.backward(create_graph=True)
-        torch.autograd.grad(w.grad.sum(), w)  # the README's Hessian pattern
+        torch.autograd.grad(w.grad.sum(), w)  # the FAQ's Hessian pattern
         w.grad = None
         refs.append(weakref.ref(z.plate))
         del z
@@ -139,7 +139,7 @@ def test_lazily_computed_probs_keep_their_plates_after_sampling():
 
 
 def test_bernoulli_vae_samples_then_computes_its_kl():
-    """The README's order: sample the posterior, then kl_divergence(q, prior)."""
+    """The discrete-VAE tutorial's order: sample the posterior, then kl_divergence(q, prior)."""
     x = storch.denote_independent(torch.rand(8, 6), 0, "data")
     logits = torch.nn.Linear(6, 4)(x)
     q = Bernoulli(logits=logits)

@@ -142,8 +142,10 @@ class UnorderedSetGumbelSoftmax(Method):
     Args:
         plate_name: node / plate name.
         k: the number of distinct values.
-        initial_temperature, min_temperature, annealing_rate: the temperature schedule
+        initial_temperature: ``τ_0`` of the temperature schedule
             ``τ_t = max(τ_min, τ_0 exp(−r t))`` after ``t`` backward passes.
+        min_temperature: ``τ_min`` of the schedule.
+        annealing_rate: ``r`` of the schedule.
         straight_through: discrete forward value, relaxed gradient.
 
     One OneHotCategorical or Bernoulli variable per plate element.
