@@ -36,11 +36,11 @@ $(DOCS_STAMP): $(STAMP)
 # The documentation site into site/ (--strict: a broken link or reference fails), then screenshots
 # of two pages with headless Chromium, checked for blank or unstyled pages (scripts/docs_screenshot.py).
 docs: $(DOCS_STAMP)
-	$(VENV_PY) -m mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV_PY) -m mkdocs build --strict --site-dir site
 	$(VENV_PY) scripts/docs_screenshot.py site site/_screenshots
 
 docs-serve: $(DOCS_STAMP)
-	$(VENV_PY) -m mkdocs serve
+	NO_MKDOCS_2_WARNING=1 $(VENV_PY) -m mkdocs serve
 
 # The tests again at base seeds 0..9 (STORCH_TEST_SEED, see tests/conftest.py), ~3 min: the
 # statistical tests must pass from any seed. Not part of `make test`.

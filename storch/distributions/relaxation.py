@@ -17,8 +17,9 @@ on the outcome. A :class:`GumbelCoupling` holds these pieces for one distributio
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -214,3 +215,46 @@ def conditional_gumbel_rsample(
     else:
         logits = torch.log(probs.clamp_min(tiny))
     return coupling.soft(coupling.conditional(logits, hard_sample), temperature)
+
+
+class AnnealedTemperature:
+    """Mixin for an ``nn.Module`` whose relaxation temperature anneals once per backward pass.
+
+    ``τ_t = max(τ_min, τ_0 · exp(−r · t))`` after ``t`` calls of :meth:`anneal`. The temperature is
+    a buffer (it moves with ``.to()`` and is saved); the step count ``t`` is the module's extra
+    state, so a loaded ``state_dict`` resumes the schedule where it was.
+    """
+
+    temperature: torch.Tensor
+
+    def init_temperature(self, owner: str, initial: float, minimum: float, rate: float) -> None:
+        """Set the schedule; ``owner`` names the method in errors (e.g. ``"GumbelSoftmax('z')"``)."""
+        if initial <= 0 or minimum <= 0:
+            raise ValueError(
+                f"{owner}: temperatures must be positive, got initial_temperature={initial}, "
+                f"min_temperature={minimum}."
+            )
+        self.initial_temperature = float(initial)
+        self.min_temperature = float(minimum)
+        self.annealing_rate = float(rate)
+        self.register_buffer("temperature", torch.tensor(float(initial)))  # type: ignore[attr-defined]
+        self.steps = 0
+
+    def anneal(self, steps: Optional[int] = None) -> None:
+        """Advance the schedule by one step (or set it to ``steps``) and update ``temperature``."""
+        self.steps = self.steps + 1 if steps is None else int(steps)
+        tau = max(self.min_temperature, self.initial_temperature * math.exp(-self.annealing_rate * self.steps))
+        self.temperature.fill_(tau)
+
+    def get_extra_state(self) -> dict:
+        """The annealing step count (the temperature itself is a buffer), for ``state_dict``."""
+        return {"steps": self.steps}
+
+    def set_extra_state(self, state: Any) -> None:
+        """Restore the step count saved by :meth:`get_extra_state`, so annealing resumes where it was."""
+        if not isinstance(state, dict) or "steps" not in state:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: the '_extra_state' entry must be a dict with key "
+                f"'steps' (written by get_extra_state), got {type(state).__name__}."
+            )
+        self.anneal(state["steps"])

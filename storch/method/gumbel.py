@@ -13,20 +13,19 @@ variate. The temperature follows ``τ_t = max(τ_min, τ_0 · exp(−r · t))`` 
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch.distributions import Distribution
 
 from storch.method.method import DEFAULT_N_SAMPLES, Method
-from storch.distributions.relaxation import relaxation_for
+from storch.distributions.relaxation import AnnealedTemperature, relaxation_for
 from storch.sampling.method import SamplingMethod
 from storch.util import rsample_gumbel_softmax
 
 __all__ = ["GumbelSoftmax"]
 
 
-class GumbelSoftmax(Method):
+class GumbelSoftmax(AnnealedTemperature, Method):
     """Relaxed (optionally straight-through) samples of ``OneHotCategorical`` or ``Bernoulli`` nodes.
 
     Args:
@@ -59,14 +58,10 @@ class GumbelSoftmax(Method):
         annealing_rate: float = 0.0,
     ) -> None:
         super().__init__(plate_name, sampling_method, n_samples)
-        if initial_temperature <= 0 or min_temperature <= 0:
-            raise ValueError("GumbelSoftmax temperatures must be positive.")
+        self.init_temperature(
+            f"{type(self).__name__}({plate_name!r})", initial_temperature, min_temperature, annealing_rate
+        )
         self.straight_through = straight_through
-        self.initial_temperature = float(initial_temperature)
-        self.min_temperature = float(min_temperature)
-        self.annealing_rate = float(annealing_rate)
-        self.register_buffer("temperature", torch.tensor(float(initial_temperature)))
-        self.steps = 0
 
     def check_distribution(self, distr: Distribution) -> None:
         if relaxation_for(distr) is None:
@@ -81,19 +76,4 @@ class GumbelSoftmax(Method):
 
     def update_parameters(self, result_triples) -> None:
         super().update_parameters(result_triples)
-        self.steps += 1
-        tau = max(self.min_temperature, self.initial_temperature * math.exp(-self.annealing_rate * self.steps))
-        self.temperature.fill_(tau)
-
-    def get_extra_state(self) -> dict:
-        """The annealing step count (the temperature itself is a buffer), for ``state_dict``."""
-        return {"steps": self.steps}
-
-    def set_extra_state(self, state) -> None:
-        """Restore the step count saved by :meth:`get_extra_state`, so annealing resumes where it was."""
-        if not isinstance(state, dict) or "steps" not in state:
-            raise ValueError(
-                "GumbelSoftmax.load_state_dict: the '_extra_state' entry must be a dict with key 'steps' "
-                f"(written by get_extra_state), got {type(state).__name__}."
-            )
-        self.steps = int(state["steps"])
+        self.anneal()

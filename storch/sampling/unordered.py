@@ -40,6 +40,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.distributions import Bernoulli, Distribution, OneHotCategorical
 
+from storch.distributions.relaxation import AnnealedTemperature
 from storch.plate import Plate
 from storch.registry import TypeRegistry
 from storch.sampling.swor import SampleWithoutReplacement, WORState, wor_support
@@ -299,7 +300,7 @@ def _log1m_softmax(u: torch.Tensor) -> torch.Tensor:
     return small.scatter(-1, top, log_rest)
 
 
-class GumbelSoftmaxWOR(UnorderedSet):
+class GumbelSoftmaxWOR(AnnealedTemperature, UnorderedSet):
     """Relaxed samples without replacement: the Gumbel-top-k set, with a relaxed sample per element.
 
     Perturb ``φ = log p + G`` (``G`` i.i.d. standard Gumbel, ``φ`` reparameterised in ``p``); the set
@@ -350,14 +351,10 @@ class GumbelSoftmaxWOR(UnorderedSet):
         eos: Optional[int] = None,
     ) -> None:
         super().__init__(plate_name, k, step=step, eos=eos)
-        if initial_temperature <= 0 or min_temperature <= 0:
-            raise ValueError(f"GumbelSoftmaxWOR({plate_name!r}): temperatures must be positive.")
-        self.initial_temperature = float(initial_temperature)
-        self.min_temperature = float(min_temperature)
-        self.annealing_rate = float(annealing_rate)
+        self.init_temperature(
+            f"{type(self).__name__}({plate_name!r})", initial_temperature, min_temperature, annealing_rate
+        )
         self.straight_through = bool(straight_through)
-        self.register_buffer("temperature", torch.tensor(float(initial_temperature)))
-        self.steps = 0
 
     def sample(self, distr: Distribution, plates: Sequence[Plate], requires_grad: bool) -> torch.Tensor:
         if not requires_grad:
@@ -418,22 +415,7 @@ class GumbelSoftmaxWOR(UnorderedSet):
 
     def update_parameters(self, result_triples) -> None:
         super().update_parameters(result_triples)
-        self.steps += 1
-        tau = max(self.min_temperature, self.initial_temperature * math.exp(-self.annealing_rate * self.steps))
-        self.temperature.fill_(tau)
-
-    def get_extra_state(self) -> dict:
-        """The annealing step count (the temperature itself is a buffer), for ``state_dict``."""
-        return {"steps": self.steps}
-
-    def set_extra_state(self, state) -> None:
-        """Restore the step count saved by :meth:`get_extra_state`, so annealing resumes where it was."""
-        if not isinstance(state, dict) or "steps" not in state:
-            raise ValueError(
-                "GumbelSoftmaxWOR.load_state_dict: the '_extra_state' entry must be a dict with key 'steps' "
-                f"(written by get_extra_state), got {type(state).__name__}."
-            )
-        self.steps = int(state["steps"])
+        self.anneal()
 
     def extra_repr(self) -> str:
         return (
