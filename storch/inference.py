@@ -266,17 +266,20 @@ def _retain_param_grads(record: _Record) -> list[Any]:
     free, leaking the whole step.)
     """
     handles = []
-    for tensor in record.nodes.values():
-        grads = tensor.param_grads
-        grads.clear()
-        for name, param in get_distr_parameters(tensor.distribution).items():
-            handles.append(param.register_hook(functools.partial(_keep_grad, grads, name, layout_of(param))))
+    with _Disable():  # plain Tensor.register_hook: no trip through storch's __torch_function__
+        for tensor in record.nodes.values():
+            grads = tensor.param_grads
+            grads.clear()
+            for name, param in get_distr_parameters(tensor.distribution).items():
+                layout = param._layout if isinstance(param, Tensor) else None
+                handles.append(param.register_hook(functools.partial(_keep_grad, grads, name, layout)))
     return handles
 
 
 def _keep_grad(grads: dict, name: str, layout: Any, grad: torch.Tensor) -> None:
-    value = grad.detach().clone()  # autograd may accumulate into the tensor it hands over
-    grads[name] = wrap(value, layout) if layout.plates else value
+    with _Disable():
+        value = grad.detach().clone()  # autograd may accumulate into the tensor it hands over
+    grads[name] = wrap_new(value, layout) if layout is not None and layout.plates else value
 
 
 def _check_finite(loss: torch.Tensor, costs: tuple[CostTensor, ...]) -> None:

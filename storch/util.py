@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable, Iterator, Sequence
 
 import torch
@@ -124,6 +125,12 @@ def floating_dtype(d: Distribution, samples: torch.Tensor) -> torch.dtype:
     return torch.get_default_dtype()
 
 
+@functools.lru_cache(maxsize=None)
+def _lazy_property_names(cls: type) -> tuple[str, ...]:
+    """The names of the ``lazy_property`` attributes of a distribution class (computed once per class)."""
+    return tuple(name for name in dir(cls) if isinstance(getattr(cls, name, None), lazy_property))
+
+
 def restore_lazy_plates(d: Distribution) -> None:
     """Give the plates back to parameters that ``d`` computed lazily while dispatch was off.
 
@@ -136,8 +143,10 @@ def restore_lazy_plates(d: Distribution) -> None:
     """
     for dist in _with_nested(d):
         layout = None
-        for name, value in list(vars(dist).items()):
-            if type(value) is not torch.Tensor or not isinstance(getattr(type(dist), name, None), lazy_property):
+        cached = dist.__dict__
+        for name in _lazy_property_names(type(dist)):
+            value = cached.get(name)
+            if type(value) is not torch.Tensor:
                 continue
             if layout is None:
                 layout = distribution_layout(dist)
