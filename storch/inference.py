@@ -29,7 +29,7 @@ import torch
 from storch._dispatch import union_of_layouts
 from storch._step import forget_sampled, sampled_plates
 from storch.exceptions import NonFiniteCostError, StaleCostError, UnusedNodeWarning
-from storch.plate import Plate, PlateClashError
+from storch.plate import MAX_PLATES, Plate, PlateClashError  # MAX_PLATES: re-exported
 from storch.reduce import reduce_plate
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout_of, plain, wrap, wrap_new
 from storch.util import get_distr_parameters, magic_box, restore_lazy_plates
@@ -39,8 +39,6 @@ if TYPE_CHECKING:  # pragma: no cover  (methods import this module: add_cost, ba
 
 __all__ = ["add_cost", "backward", "surrogate_loss", "reset", "registered_costs", "MAX_PLATES"]
 
-#: torch reduces tensors of at most 64 dimensions, so a cost carries at most 64 plates
-MAX_PLATES = 64
 
 _COSTS: ContextVar[tuple[CostTensor, ...]] = ContextVar("storch_costs", default=())
 
@@ -111,16 +109,6 @@ def _check_cost(cost: torch.Tensor, name: str, costs: tuple[CostTensor, ...]) ->
         )
     if not cost.dtype.is_floating_point:
         raise TypeError(f"Cost {name!r} must be a floating point tensor, got {cost.dtype}.")
-    if len(layout.sizes) > MAX_PLATES:
-        nodes = sum(p.node is not None for p in layout.plates)
-        raise ValueError(
-            f"Cost {name!r} carries {len(layout.sizes)} plates ({nodes} of them stochastic nodes: "
-            f"{', '.join(layout.names[:6])}, ...), but torch reduces tensors of at most {MAX_PLATES} "
-            "dimensions. Every stochastic node adds its plate to everything computed from it, so a "
-            "chain of N nodes gives its costs N plates. Draw several variables in one node (a "
-            "distribution with a batch dimension), or decode a sequence with one ancestral plate per "
-            "chain (storch.sampling's decoders), which does not grow with its length."
-        )
 
 
 def registered_costs() -> tuple[CostTensor, ...]:

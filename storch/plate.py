@@ -29,7 +29,10 @@ import torch
 if TYPE_CHECKING:  # pragma: no cover
     from storch.tensor import StochasticNode
 
-__all__ = ["Plate", "AncestralPlate", "PlateLayout", "order_plates", "PlateClashError", "layout_of_plates", "merge_layouts"]
+__all__ = [
+    "Plate", "AncestralPlate", "PlateLayout", "order_plates", "PlateClashError", "TooManyPlatesError",
+    "layout_of_plates", "merge_layouts", "MAX_PLATES",
+]
 
 _creation_counter = itertools.count()
 
@@ -298,9 +301,31 @@ def layout_of_plates(plates: Sequence[Plate]) -> PlateLayout:
     key = tuple(id(p) for p in plates)
     layout = _interned.get(key)
     if layout is None:
+        if len(plates) > MAX_PLATES:
+            raise TooManyPlatesError(plates)
         layout = PlateLayout(plates)
         _interned[key] = layout
     return layout
+
+
+#: torch handles tensors of at most 64 dimensions (reductions and argument checks refuse more), and
+#: every plate is a dimension
+MAX_PLATES = 64
+
+
+class TooManyPlatesError(ValueError):
+    """More than :data:`MAX_PLATES` plates would meet in one tensor."""
+
+    def __init__(self, plates: Sequence["Plate"]) -> None:
+        names = ", ".join(repr(p.name) for p in list(plates)[:6])
+        super().__init__(
+            f"{len(plates)} plates would meet in one tensor ({names}, ...), "
+            f"but torch handles tensors of at most {MAX_PLATES} dimensions and every plate is one. Every "
+            "stochastic node adds its plate to everything computed from it, so a chain of N nodes gives "
+            "its last values N plates. Draw several variables in one node (a distribution with a batch "
+            "dimension), or decode a sequence with one ancestral plate per chain (storch.sampling's "
+            "decoders), which does not grow with its length."
+        )
 
 
 def _describe(plate: Plate) -> str:
