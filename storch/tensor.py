@@ -68,6 +68,17 @@ class Tensor(torch.Tensor):
     ``storch.Tensor(data, plates)`` wraps ``data`` (a view is taken; the input is left untouched)
     with ``plates`` on its leftmost dimensions, newest first; their sizes must match ``data.shape``.
 
+    Examples:
+        >>> import torch, storch
+        >>> samples = storch.Tensor(torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]), [storch.Plate("s", 3)])
+        >>> samples.plate_names, tuple(samples.shape)
+        (['s'], (3, 2))
+        >>> event_sum = samples.sum(-1)                 # event dimensions reduce as for one sample
+        >>> event_sum._tensor.tolist(), storch.reduce_plates(event_sum, "s").item()
+        ([3.0, 7.0, 11.0], 7.0)
+        >>> (samples * torch.tensor([1.0, -1.0]))._tensor.tolist()   # a plain tensor is one sample's event
+        [[1.0, -2.0], [3.0, -4.0], [5.0, -6.0]]
+
     Plates align automatically in every torch operation; see :mod:`storch._dispatch`.
     """
 
@@ -257,7 +268,22 @@ class StochasticTensor(Tensor):
 
 
 class CostTensor(Tensor):
-    """A cost node: one value per combination of its plates (no event dimensions)."""
+    """A cost node: one value per combination of its plates (no event dimensions).
+
+    :func:`storch.add_cost` registers a cost under a name and keeps storch's own view of it as a
+    ``CostTensor``; :func:`storch.backward` estimates the gradient of the sum of the expected costs.
+
+    Examples:
+        >>> import torch, storch
+        >>> from torch.distributions import Bernoulli
+        >>> p = torch.tensor(0.25, requires_grad=True)
+        >>> x = storch.method.Expect("x")(Bernoulli(p))          # x = 0 (weight 0.75) and x = 1 (0.25)
+        >>> storch.add_cost(3.0 * x + 1.0, "cost")
+        >>> [(type(c).__name__, c.name, c._tensor.tolist()) for c in storch.registered_costs()]
+        [('CostTensor', 'cost', [1.0, 4.0])]
+        >>> storch.backward().item(), p.grad.item()                # E[3x + 1] = 1.75, d/dp = 3
+        (1.75, 3.0)
+    """
 
     _kind = "Cost"
     _name: str = "cost"
@@ -279,7 +305,19 @@ class CostTensor(Tensor):
 class IndependentTensor(Tensor):
     """A tensor whose leftmost plate indexes independent values (a minibatch, repeated estimates).
 
-    Made by :func:`storch.denote_independent` and :func:`storch.gather_samples`.
+    Made by :func:`storch.denote_independent` and :func:`storch.gather_samples`. Its plate is
+    compared by name and size, so a minibatch plate re-created in every step is the same plate, and
+    its weight is ``1/size``: :func:`storch.reduce_plates` averages over it.
+
+    Examples:
+        >>> import torch, storch
+        >>> x = storch.denote_independent(torch.tensor([[1.0, 2.0], [3.0, 5.0]]), 0, "data")
+        >>> type(x).__name__, x.plates[0].name, x.plates[0].size
+        ('IndependentTensor', 'data', 2)
+        >>> storch.reduce_plates(x.sum(-1), "data").item()           # (3 + 8) / 2
+        5.5
+        >>> x.plates[0] == storch.denote_independent(torch.zeros(2, 7), 0, "data").plates[0]
+        True
     """
 
     _kind = "Independent"

@@ -135,6 +135,23 @@ class Method(nn.Module):
 
     Calling the method on a ``torch.distributions.Distribution`` returns a
     :class:`storch.StochasticTensor`. A method is an ``nn.Module``, so it can live inside a model.
+
+    Examples:
+        The plain score function in two lines: Monte Carlo samples (the default proposal, weights
+        ``1/n``) and the gradient function ``l(x) = log p(x)`` (:func:`log_prob`):
+
+        >>> import torch, storch
+        >>> from torch.distributions import Bernoulli
+        >>> class MyScoreFunction(Method):
+        ...     def gradient_function(self, tensor):
+        ...         return log_prob(tensor)
+        >>> _ = torch.manual_seed(0)
+        >>> p = torch.tensor(0.3, requires_grad=True)
+        >>> x = MyScoreFunction("x", n_samples=20000)(Bernoulli(p))
+        >>> storch.add_cost((x - 2.0) ** 2, "f")              # E f = 4 (1 - p) + p = 4 - 3p
+        >>> estimate = storch.backward()
+        >>> abs(estimate.item() - 3.1) < 0.05, abs(p.grad.item() + 3.0) < 0.15
+        (True, True)
     """
 
     #: whether the samples carry pathwise gradients (``rsample``)

@@ -83,6 +83,21 @@ class SamplingMethod(nn.Module, ABC):
           ``sample``), so estimators and proposals combine freely;
         * :meth:`update_parameters` — called once after every :func:`storch.backward`;
         * :meth:`reset` — forget any state.
+
+    Examples:
+        A proposal that always draws the most probable value of a Bernoulli (a deterministic,
+        biased proposal, for illustration), used by the score function:
+
+        >>> import torch, storch
+        >>> from torch.distributions import Bernoulli
+        >>> class Mode(SamplingMethod):
+        ...     def sample(self, distr, plates, requires_grad):
+        ...         return (distr.probs > 0.5).to(distr.probs.dtype).unsqueeze(0)   # (1, *batch)
+        >>> probs = torch.tensor([0.2, 0.9])
+        >>> x = storch.method.ScoreFunction("x", sampling_method=Mode("x"))(Bernoulli(probs))
+        >>> x._tensor.tolist(), x.plates[0].weight.item()
+        ([[0.0, 1.0]], 1.0)
+        >>> storch.reset()
     """
 
     def __init__(self, plate_name: str) -> None:
