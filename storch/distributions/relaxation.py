@@ -81,16 +81,25 @@ class Relaxation:
     coupling: Optional[GumbelCoupling] = None
 
 
-_RELAXATIONS: TypeRegistry[Relaxation] = TypeRegistry()
+_RELAXATIONS: TypeRegistry[Relaxation] = TypeRegistry(
+    "relaxation", register_with="storch.distributions.relaxation.register_relaxation"
+)
 
 
-def register_relaxation(dist_type: type, relaxation: Relaxation) -> None:
-    """Register the Gumbel-softmax relaxation of ``dist_type`` (and its subclasses)."""
-    _RELAXATIONS[dist_type] = relaxation
+def register_relaxation(dist_type: type, relaxation: Relaxation, *, replace: bool = False) -> None:
+    """Register the Gumbel-softmax relaxation of ``dist_type`` (and its subclasses).
+
+    Args:
+        dist_type: the distribution type.
+        relaxation: its :class:`Relaxation`.
+        replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
+            it a second registration raises :class:`storch.registry.DuplicateRegistrationError`.
+    """
+    _RELAXATIONS.register(dist_type, replace=replace)(relaxation)
 
 
 def relaxation_for(distr: Distribution) -> Relaxation | None:
-    """The relaxation registered for ``type(distr)`` or its nearest base class, else ``None``."""
+    """The relaxation registered for ``type(distr)`` or its most specific base class, else ``None``."""
     return _RELAXATIONS.lookup(distr)
 
 
@@ -168,21 +177,19 @@ def _relaxed_bernoulli(d: Distribution, tau: torch.Tensor) -> RelaxedBernoulli:
     return relaxed
 
 
-register_relaxation(
-    OneHotCategorical,
+_RELAXATIONS.register(OneHotCategorical)(
     Relaxation(
         relaxed=lambda d, tau: RelaxedOneHotCategorical(tau, logits=d.logits, validate_args=False),
         hard=_one_hot_argmax,
         coupling=_CATEGORICAL_COUPLING,
-    ),
+    )
 )
-register_relaxation(
-    Bernoulli,
+_RELAXATIONS.register(Bernoulli)(
     Relaxation(
         relaxed=_relaxed_bernoulli,
         hard=lambda x: (x > 0.5).to(x.dtype),
         coupling=_BERNOULLI_COUPLING,
-    ),
+    )
 )
 
 

@@ -77,26 +77,30 @@ InputFunction = Callable[[Distribution], Sequence[torch.Tensor]]
 
 
 # --------------------------------------------------------------------------- inputs
-_INPUTS: TypeRegistry[InputFunction] = TypeRegistry()
+_INPUTS: TypeRegistry[InputFunction] = TypeRegistry(
+    "critic inputs", register_with="storch.method.critic.register_critic_inputs"
+)
 
 
-def register_critic_inputs(dist_type: type, inputs: InputFunction) -> None:
+def register_critic_inputs(dist_type: type, inputs: InputFunction, *, replace: bool = False) -> None:
     """Register which tensors of a ``dist_type`` distribution a critic reads (default: its parameters).
 
     ``inputs(distribution)`` returns tensors that carry (a subset of) the distribution's plates, with
     any trailing shape; they are flattened per plate element and concatenated. They must be
     functions of the distribution only, so of the node's non-descendants.
+
+    Args:
+        dist_type: the distribution type.
+        inputs: ``distribution -> tensors``.
+        replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
+            it a second registration raises :class:`storch.registry.DuplicateRegistrationError`.
     """
-    _INPUTS[dist_type] = inputs
+    _INPUTS.register(dist_type, replace=replace)(inputs)
 
 
+@_INPUTS.register(Bernoulli, Categorical, OneHotCategorical)
 def _probs(d: Distribution) -> Sequence[torch.Tensor]:
     return [d.probs]
-
-
-register_critic_inputs(Bernoulli, _probs)
-register_critic_inputs(Categorical, _probs)
-register_critic_inputs(OneHotCategorical, _probs)
 
 
 def critic_inputs(distr: Distribution) -> list[torch.Tensor]:

@@ -43,15 +43,22 @@ __all__ = ["register_cumulants", "cumulants", "cumulant_terms", "cumulants_regis
 #: ``(distribution, order) -> [κ_1, …, κ_order]``, ``None`` for cumulants that are identically 0
 CumulantFn = Callable[[Distribution, int], list[Optional[torch.Tensor]]]
 
-_CUMULANTS: TypeRegistry[CumulantFn] = TypeRegistry()
+_CUMULANTS: TypeRegistry[CumulantFn] = TypeRegistry(
+    "cumulants", register_with="storch.method.cumulants.register_cumulants"
+)
 
 
-def register_cumulants(dist_type: type) -> Callable[[CumulantFn], CumulantFn]:
+def register_cumulants(dist_type: type, *, replace: bool = False) -> Callable[[CumulantFn], CumulantFn]:
     """Decorator registering the cumulants of ``dist_type`` (and of its subclasses).
 
     The function takes ``(distribution, order)`` and returns ``order`` cumulants, each broadcastable
     to the shape of one sample (``batch_shape + event_shape``), or ``None`` where a cumulant is
     identically zero (so that its derivative need not be computed).
+
+    Args:
+        dist_type: the distribution type.
+        replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
+            it a second registration raises :class:`storch.registry.DuplicateRegistrationError`.
 
     Examples:
         >>> import torch
@@ -63,14 +70,9 @@ def register_cumulants(dist_type: type) -> Callable[[CumulantFn], CumulantFn]:
         ...     return [known.get(n) for n in range(1, order + 1)]
         >>> [k.item() for k in cumulants(Uniform(0.0, 1.0), 2)]
         [0.5, 0.0833333358168602]
-        >>> del _CUMULANTS[Uniform]
+        >>> _ = _CUMULANTS.unregister(Uniform)
     """
-
-    def decorator(fn: CumulantFn) -> CumulantFn:
-        _CUMULANTS[dist_type] = fn
-        return fn
-
-    return decorator
+    return _CUMULANTS.register(dist_type, replace=replace)
 
 
 def _lookup(distr: Distribution) -> Optional[CumulantFn]:
@@ -128,25 +130,25 @@ def cumulants(distr: Distribution, order: int) -> list[torch.Tensor]:
 
 
 # --------------------------------------------------------------------------- registered families
-@register_cumulants(Normal)
+@_CUMULANTS.register(Normal)
 def _normal(d: Normal, order: int) -> list[Optional[torch.Tensor]]:
     known = {1: d.loc, 2: d.scale**2}
     return [known.get(n) for n in range(1, order + 1)]
 
 
-@register_cumulants(Gamma)
+@_CUMULANTS.register(Gamma)
 def _gamma(d: Gamma, order: int) -> list[Optional[torch.Tensor]]:
     scale = 1.0 / d.rate
     return [d.concentration * math.factorial(n - 1) * scale**n for n in range(1, order + 1)]
 
 
-@register_cumulants(Exponential)
+@_CUMULANTS.register(Exponential)
 def _exponential(d: Exponential, order: int) -> list[Optional[torch.Tensor]]:
     scale = 1.0 / d.rate
     return [math.factorial(n - 1) * scale**n for n in range(1, order + 1)]
 
 
-@register_cumulants(Laplace)
+@_CUMULANTS.register(Laplace)
 def _laplace(d: Laplace, order: int) -> list[Optional[torch.Tensor]]:
     def kappa(n: int) -> Optional[torch.Tensor]:
         if n == 1:
@@ -158,11 +160,11 @@ def _laplace(d: Laplace, order: int) -> list[Optional[torch.Tensor]]:
     return [kappa(n) for n in range(1, order + 1)]
 
 
-@register_cumulants(Dirac)
+@_CUMULANTS.register(Dirac)
 def _dirac(d: Dirac, order: int) -> list[Optional[torch.Tensor]]:
     return [d.value] + [None] * (order - 1)
 
 
-@register_cumulants(Independent)
+@_CUMULANTS.register(Independent)
 def _independent(d: Independent, order: int) -> list[Optional[torch.Tensor]]:
     return cumulant_terms(d.base_dist, order)

@@ -112,7 +112,7 @@ from storch.method.method import Method
 from storch.plate import Plate, PlateLayout, layout_of_plates
 from storch.reduce import _plate_weight
 from storch.reduce import sum as plate_sum
-from storch.registry import TypeRegistry
+from storch.registry import AmbiguousLookupError, TypeRegistry, _ambiguity_message
 from storch.sampling.method import check_count
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, plain, wrap_new
 
@@ -138,12 +138,21 @@ class Representation:
     transform: Callable[[torch.Tensor], torch.Tensor]
 
 
-_REPRESENTATIONS: TypeRegistry[Representation] = TypeRegistry()
+_REPRESENTATIONS: TypeRegistry[Representation] = TypeRegistry(
+    "GSB representation", register_with="storch.method.gsb.register_representation"
+)
 
 
-def register_representation(dist_type: type, representation: Representation) -> None:
-    """Let GSB sample ``dist_type`` through another distribution (e.g. Beta through two gammas)."""
-    _REPRESENTATIONS[dist_type] = representation
+def register_representation(dist_type: type, representation: Representation, *, replace: bool = False) -> None:
+    """Let GSB sample ``dist_type`` through another distribution (e.g. Beta through two gammas).
+
+    Args:
+        dist_type: the distribution type (and its subclasses).
+        representation: its :class:`Representation`.
+        replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
+            it a second registration raises :class:`storch.registry.DuplicateRegistrationError`.
+    """
+    _REPRESENTATIONS.register(dist_type, replace=replace)(representation)
 
 
 def representation_for(distr: Distribution) -> Optional[Representation]:
@@ -171,8 +180,8 @@ def _dirichlet_latent(d: Dirichlet) -> Distribution:  # eq. 21: z = ζ / Σ_k ζ
     return Gamma(alpha, torch.ones_like(alpha))
 
 
-register_representation(Beta, Representation(_beta_latent, lambda zeta: zeta[..., 0] / zeta.sum(-1)))
-register_representation(Dirichlet, Representation(_dirichlet_latent, lambda zeta: zeta / zeta.sum(-1, keepdim=True)))
+_REPRESENTATIONS.register(Beta)(Representation(_beta_latent, lambda zeta: zeta[..., 0] / zeta.sum(-1)))
+_REPRESENTATIONS.register(Dirichlet)(Representation(_dirichlet_latent, lambda zeta: zeta / zeta.sum(-1, keepdim=True)))
 
 
 # --------------------------------------------------------------------------- rules
@@ -192,12 +201,19 @@ class GSBRule(ABC):
         """The control-variate term (forward value 0) whose gradient is the estimate."""
 
 
-_RULES: TypeRegistry[GSBRule] = TypeRegistry()
+_RULES: TypeRegistry[GSBRule] = TypeRegistry("GSB rule", register_with="storch.method.gsb.register_gsb_rule")
 
 
-def register_gsb_rule(dist_type: type, rule: GSBRule) -> None:
-    """Use ``rule`` for ``dist_type`` and its subclasses (overrides the cumulant rule)."""
-    _RULES[dist_type] = rule
+def register_gsb_rule(dist_type: type, rule: GSBRule, *, replace: bool = False) -> None:
+    """Use ``rule`` for ``dist_type`` and its subclasses (overrides the cumulant rule).
+
+    Args:
+        dist_type: the distribution type.
+        rule: the :class:`GSBRule`.
+        replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
+            it a second registration raises :class:`storch.registry.DuplicateRegistrationError`.
+    """
+    _RULES.register(dist_type, replace=replace)(rule)
 
 
 def _drop_grad(t: torch.Tensor) -> None:
@@ -315,9 +331,8 @@ class _FiniteDifferenceRule(GSBRule):
 
 
 _CUMULANT_RULE = _CumulantRule()
-for _t in (Bernoulli, Categorical, OneHotCategorical):
-    register_gsb_rule(_t, _LocalExpectationRule())
-register_gsb_rule(Poisson, _FiniteDifferenceRule())
+_RULES.register(Bernoulli, Categorical, OneHotCategorical)(_LocalExpectationRule())
+_RULES.register(Poisson)(_FiniteDifferenceRule())
 
 
 def gsb_supported() -> list[str]:
@@ -337,11 +352,25 @@ def gsb_rule_for(distr: Distribution, who: str = "GSB") -> GSBRule:
         >>> type(gsb_rule_for(Laplace(0.0, 1.0))).__name__
         '_CumulantRule'
     """
-    for cls in type(distr).__mro__:
-        if cls in _RULES:
-            return _RULES[cls]
-        if cls in _REPRESENTATIONS:
-            return _CUMULANT_RULE
+    # the most specific of the registered rule and representation; a rule wins at the same type
+    rule = _RULES.match(distr)
+    rep = _REPRESENTATIONS.match(distr)
+    if rule is not None and rep is not None:
+        (rule_type, found_rule), rep_type = rule, rep[0]
+        if rep_type in rule_type.__mro__:
+            return found_rule
+        if rule_type not in rep_type.__mro__:
+            raise AmbiguousLookupError(
+                _ambiguity_message(
+                    "GSB rule and representation", type(distr), [rule_type, rep_type],
+                    "storch.method.gsb.register_gsb_rule or register_representation",
+                )
+            )
+        return _CUMULANT_RULE
+    if rule is not None:
+        return rule[1]
+    if rep is not None:
+        return _CUMULANT_RULE
     if cumulants_registered(distr):
         return _CUMULANT_RULE
     raise ValueError(

@@ -69,16 +69,25 @@ class Coordinates:
     probs: Callable[[Distribution], torch.Tensor]
 
 
-_COORDINATES: TypeRegistry[Coordinates] = TypeRegistry()
+_COORDINATES: TypeRegistry[Coordinates] = TypeRegistry(
+    "local-expectation coordinates", register_with="storch.method.local_expectation.register_coordinates"
+)
 
 
-def register_coordinates(dist_type: type, coordinates: Coordinates) -> None:
-    """Register how the coordinates of ``dist_type`` (and its subclasses) take their values."""
-    _COORDINATES[dist_type] = coordinates
+def register_coordinates(dist_type: type, coordinates: Coordinates, *, replace: bool = False) -> None:
+    """Register how the coordinates of ``dist_type`` (and its subclasses) take their values.
+
+    Args:
+        dist_type: the distribution type.
+        coordinates: its :class:`Coordinates`.
+        replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
+            it a second registration raises :class:`storch.registry.DuplicateRegistrationError`.
+    """
+    _COORDINATES.register(dist_type, replace=replace)(coordinates)
 
 
 def coordinates_for(distr: Distribution) -> Optional[Coordinates]:
-    """The :class:`Coordinates` registered for ``type(distr)`` or its nearest base class, else ``None``.
+    """The :class:`Coordinates` registered for ``type(distr)`` or its most specific base class, else ``None``.
 
     Examples:
         >>> import torch
@@ -94,21 +103,18 @@ def _bernoulli_probs(d: Bernoulli) -> torch.Tensor:
     return torch.stack([1 - p, p], -1)
 
 
-register_coordinates(
-    Bernoulli,
+_COORDINATES.register(Bernoulli)(
     Coordinates(values=lambda d: torch.tensor([0.0, 1.0], dtype=d.probs.dtype, device=d.probs.device),
-                probs=_bernoulli_probs),
+                probs=_bernoulli_probs)
 )
-register_coordinates(
-    Categorical,
-    Coordinates(values=lambda d: torch.arange(d.probs.shape[-1], device=d.probs.device), probs=lambda d: d.probs),
+_COORDINATES.register(Categorical)(
+    Coordinates(values=lambda d: torch.arange(d.probs.shape[-1], device=d.probs.device), probs=lambda d: d.probs)
 )
-register_coordinates(
-    OneHotCategorical,
+_COORDINATES.register(OneHotCategorical)(
     Coordinates(
         values=lambda d: torch.eye(d.probs.shape[-1], dtype=d.probs.dtype, device=d.probs.device),
         probs=lambda d: d.probs,
-    ),
+    )
 )
 
 

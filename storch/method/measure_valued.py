@@ -100,16 +100,27 @@ class MeasureValuedDecomposition:
     parts: Mapping[str, MeasureValuedParameter]
 
 
-_DECOMPOSITIONS: TypeRegistry[MeasureValuedDecomposition] = TypeRegistry()
+_DECOMPOSITIONS: TypeRegistry[MeasureValuedDecomposition] = TypeRegistry(
+    "measure-valued decomposition", register_with="storch.method.measure_valued.register_measure_valued"
+)
 
 
-def register_measure_valued(dist_type: type, decomposition: MeasureValuedDecomposition) -> None:
-    """Register the measure-valued derivatives of ``dist_type`` (and its subclasses)."""
-    _DECOMPOSITIONS[dist_type] = decomposition
+def register_measure_valued(
+    dist_type: type, decomposition: MeasureValuedDecomposition, *, replace: bool = False
+) -> None:
+    """Register the measure-valued derivatives of ``dist_type`` (and its subclasses).
+
+    Args:
+        dist_type: the distribution type.
+        decomposition: its :class:`MeasureValuedDecomposition`.
+        replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
+            it a second registration raises :class:`storch.registry.DuplicateRegistrationError`.
+    """
+    _DECOMPOSITIONS.register(dist_type, replace=replace)(decomposition)
 
 
 def measure_valued_for(distr: Distribution) -> MeasureValuedDecomposition | None:
-    """The decomposition registered for ``type(distr)`` or its nearest base class, else ``None``.
+    """The decomposition registered for ``type(distr)`` or its most specific base class, else ``None``.
 
     Examples:
         >>> import torch
@@ -178,15 +189,14 @@ def _normal_scale_gradient(params: Params, x, f_x, f_points) -> torch.Tensor:
     return (f_points[0] - f_x) / params["scale"]
 
 
-register_measure_valued(
-    Normal,
+_DECOMPOSITIONS.register(Normal)(
     MeasureValuedDecomposition(
         parameters=lambda d: {"loc": d.loc, "scale": d.scale},
         parts={
             "loc": MeasureValuedParameter(_normal_loc_points, _normal_loc_gradient),
             "scale": MeasureValuedParameter(_normal_scale_points, _normal_scale_gradient),
         },
-    ),
+    )
 )
 
 
@@ -200,12 +210,11 @@ def _bernoulli_gradient(params: Params, x, f_x, f_points) -> torch.Tensor:
     return (2.0 * x - 1.0) * (f_x - f_points[0])
 
 
-register_measure_valued(
-    Bernoulli,
+_DECOMPOSITIONS.register(Bernoulli)(
     MeasureValuedDecomposition(
         parameters=lambda d: {"probs": bernoulli_probs(d)},
         parts={"probs": MeasureValuedParameter(_bernoulli_points, _bernoulli_gradient)},
-    ),
+    )
 )
 
 
@@ -248,25 +257,22 @@ def _one_hot_gradient(params: Params, x, f_x, f_points) -> torch.Tensor:
 
 # ∂ E f / ∂p_k = f(k) for unnormalised p; the chain rule through softmax (or the normalisation of
 # probs) subtracts the constant Σ_k p_k f(k).
-register_measure_valued(
-    Categorical,
+_DECOMPOSITIONS.register(Categorical)(
     MeasureValuedDecomposition(
         parameters=lambda d: {"probs": categorical_probs(d)},
         parts={"probs": MeasureValuedParameter(_categorical_points, _categorical_gradient)},
-    ),
+    )
 )
-register_measure_valued(
-    OneHotCategorical,
+_DECOMPOSITIONS.register(OneHotCategorical)(
     MeasureValuedDecomposition(
         parameters=lambda d: {"probs": categorical_probs(d._categorical)},
         parts={"probs": MeasureValuedParameter(_one_hot_points, _one_hot_gradient)},
-    ),
+    )
 )
 
 
 # ------------------------------------------------------------------- Poisson, Exponential
-register_measure_valued(
-    Poisson,
+_DECOMPOSITIONS.register(Poisson)(
     MeasureValuedDecomposition(
         parameters=lambda d: {"rate": d.rate},
         parts={
@@ -275,7 +281,7 @@ register_measure_valued(
                 gradient=lambda params, x, f_x, f_points: f_points[0] - f_x,
             )
         },
-    ),
+    )
 )
 
 
@@ -284,8 +290,7 @@ def _exponential_points(params: Params, x: torch.Tensor) -> torch.Tensor:
     return (x + extra).unsqueeze(1)
 
 
-register_measure_valued(
-    Exponential,
+_DECOMPOSITIONS.register(Exponential)(
     MeasureValuedDecomposition(
         parameters=lambda d: {"rate": d.rate},
         parts={
@@ -294,5 +299,5 @@ register_measure_valued(
                 gradient=lambda params, x, f_x, f_points: (f_x - f_points[0]) / params["rate"],
             )
         },
-    ),
+    )
 )

@@ -59,13 +59,17 @@ class _Wrapper:
     rebuild: Callable[[Distribution, Distribution], Distribution]
 
 
-_WRAPPERS: TypeRegistry[_Wrapper] = TypeRegistry()
+_WRAPPERS: TypeRegistry[_Wrapper] = TypeRegistry(
+    "SPSA wrapper", register_with="storch.method.spsa.register_spsa_wrapper"
+)
 
 
 def register_spsa_wrapper(
     dist_type: type,
     inner: Callable[[Distribution], Distribution],
     rebuild: Callable[[Distribution, Distribution], Distribution],
+    *,
+    replace: bool = False,
 ) -> None:
     """Let SPSA perturb a distribution that keeps its parameters in another distribution.
 
@@ -73,23 +77,27 @@ def register_spsa_wrapper(
         dist_type: the wrapper type (and its subclasses).
         inner: ``wrapper -> the distribution holding the parameters``.
         rebuild: ``(wrapper, perturbed inner) -> perturbed wrapper``.
+        replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
+            it a second registration raises :class:`storch.registry.DuplicateRegistrationError`.
     """
-    _WRAPPERS[dist_type] = _Wrapper(inner, rebuild)
+    _WRAPPERS.register(dist_type, replace=replace)(_Wrapper(inner, rebuild))
 
 
 def _wrapper_for(d: Distribution) -> _Wrapper | None:
     return _WRAPPERS.lookup(d)
 
 
-register_spsa_wrapper(
-    OneHotCategorical,
-    inner=lambda d: d._categorical,
-    rebuild=lambda d, cat: type(d)(logits=cat.__dict__["logits"], validate_args=False),
+_WRAPPERS.register(OneHotCategorical)(
+    _Wrapper(
+        inner=lambda d: d._categorical,
+        rebuild=lambda d, cat: type(d)(logits=cat.__dict__["logits"], validate_args=False),
+    )
 )
-register_spsa_wrapper(
-    Independent,
-    inner=lambda d: d.base_dist,
-    rebuild=lambda d, base: Independent(base, d.reinterpreted_batch_ndims, validate_args=False),
+_WRAPPERS.register(Independent)(
+    _Wrapper(
+        inner=lambda d: d.base_dist,
+        rebuild=lambda d, base: Independent(base, d.reinterpreted_batch_ndims, validate_args=False),
+    )
 )
 
 

@@ -58,16 +58,25 @@ class OneHotView:
     to_sample: Callable[[torch.Tensor], torch.Tensor]
 
 
-_VIEWS: TypeRegistry[OneHotView] = TypeRegistry()
+_VIEWS: TypeRegistry[OneHotView] = TypeRegistry(
+    "one-hot view", register_with="storch.method.straight_through.register_one_hot_view"
+)
 
 
-def register_one_hot_view(dist_type: type, view: OneHotView) -> None:
-    """Register the one-hot view of ``dist_type`` (and of its subclasses)."""
-    _VIEWS[dist_type] = view
+def register_one_hot_view(dist_type: type, view: OneHotView, *, replace: bool = False) -> None:
+    """Register the one-hot view of ``dist_type`` (and of its subclasses).
+
+    Args:
+        dist_type: the distribution type.
+        view: its :class:`OneHotView`.
+        replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
+            it a second registration raises :class:`storch.registry.DuplicateRegistrationError`.
+    """
+    _VIEWS.register(dist_type, replace=replace)(view)
 
 
 def one_hot_view_for(distr: Distribution) -> Optional[OneHotView]:
-    """The :class:`OneHotView` registered for ``type(distr)`` or its nearest base class, else ``None``.
+    """The :class:`OneHotView` registered for ``type(distr)`` or its most specific base class, else ``None``.
 
     Examples:
         >>> import torch
@@ -83,8 +92,8 @@ def _bernoulli_logits(d: Bernoulli) -> torch.Tensor:
     return torch.stack([F.logsigmoid(-logit), F.logsigmoid(logit)], -1)
 
 
-register_one_hot_view(Bernoulli, OneHotView(logits=_bernoulli_logits, to_sample=lambda y: y[..., 1]))
-register_one_hot_view(OneHotCategorical, OneHotView(logits=lambda d: d.logits, to_sample=lambda y: y))
+_VIEWS.register(Bernoulli)(OneHotView(logits=_bernoulli_logits, to_sample=lambda y: y[..., 1]))
+_VIEWS.register(OneHotCategorical)(OneHotView(logits=lambda d: d.logits, to_sample=lambda y: y))
 
 
 # --------------------------------------------------------------------------- functions

@@ -83,20 +83,24 @@ class WORSupport:
     values: Callable[[torch.Tensor], torch.Tensor]
 
 
-_SUPPORTS: TypeRegistry[Callable[[Distribution], WORSupport]] = TypeRegistry()
+_SupportFn = Callable[[Distribution], WORSupport]
+
+_SUPPORTS: TypeRegistry[_SupportFn] = TypeRegistry(
+    "WOR support", register_with="storch.sampling.swor.register_wor_support"
+)
 
 
-def register_wor_support(dist_type: type) -> Callable:
+def register_wor_support(dist_type: type, *, replace: bool = False) -> Callable[[_SupportFn], _SupportFn]:
     """Register how to enumerate the support of ``dist_type`` (a decorator, like ``register_kl``).
 
     The decorated function takes the distribution and returns a :class:`WORSupport`.
+
+    Args:
+        dist_type: the distribution type.
+        replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
+            it a second registration raises :class:`storch.registry.DuplicateRegistrationError`.
     """
-
-    def decorator(fn: Callable[[Distribution], WORSupport]) -> Callable[[Distribution], WORSupport]:
-        _SUPPORTS[dist_type] = fn
-        return fn
-
-    return decorator
+    return _SUPPORTS.register(dist_type, replace=replace)
 
 
 def wor_support(distr: Distribution) -> WORSupport:
@@ -112,19 +116,19 @@ def wor_support(distr: Distribution) -> WORSupport:
     )
 
 
-@register_wor_support(Categorical)
+@_SUPPORTS.register(Categorical)
 def _categorical_support(d: Categorical) -> WORSupport:
     return WORSupport(d.logits, lambda idx: idx)
 
 
-@register_wor_support(OneHotCategorical)
+@_SUPPORTS.register(OneHotCategorical)
 def _one_hot_support(d: OneHotCategorical) -> WORSupport:
     logits = d.logits
     size = logits.shape[-1]
     return WORSupport(logits, lambda idx: F.one_hot(idx, size).to(logits.dtype))
 
 
-@register_wor_support(Bernoulli)
+@_SUPPORTS.register(Bernoulli)
 def _bernoulli_support(d: Bernoulli) -> WORSupport:
     logits = d.logits
     log_probs = torch.stack([-F.softplus(logits), -F.softplus(-logits)], -1)  # values 0, 1

@@ -261,26 +261,34 @@ class UnorderedSet(SampleWithoutReplacement):
 
 
 # ----------------------------------------------------------------------- relaxed variant
-_RELAXED_VALUES: TypeRegistry[Callable[[torch.Tensor], torch.Tensor]] = TypeRegistry()
+_RelaxedValueFn = Callable[[torch.Tensor], torch.Tensor]
+
+_RELAXED_VALUES: TypeRegistry[_RelaxedValueFn] = TypeRegistry(
+    "relaxed WOR value", register_with="storch.sampling.unordered.register_relaxed_wor_value"
+)
 
 
-def register_relaxed_wor_value(dist_type: type) -> Callable:
-    """Register how a relaxed one-hot vector over the support of ``dist_type`` (as enumerated by
-    :func:`storch.sampling.swor.wor_support`) becomes a relaxed sample of that distribution."""
+def register_relaxed_wor_value(
+    dist_type: type, *, replace: bool = False
+) -> Callable[[_RelaxedValueFn], _RelaxedValueFn]:
+    """Decorator registering how a relaxed one-hot vector over the support of ``dist_type`` (as
+    enumerated by :func:`storch.sampling.swor.wor_support`) becomes a relaxed sample of that
+    distribution.
 
-    def decorator(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-        _RELAXED_VALUES[dist_type] = fn
-        return fn
+    Args:
+        dist_type: the distribution type.
+        replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
+            it a second registration raises :class:`storch.registry.DuplicateRegistrationError`.
+    """
+    return _RELAXED_VALUES.register(dist_type, replace=replace)
 
-    return decorator
 
-
-@register_relaxed_wor_value(OneHotCategorical)
+@_RELAXED_VALUES.register(OneHotCategorical)
 def _one_hot_relaxed(y: torch.Tensor) -> torch.Tensor:
     return y
 
 
-@register_relaxed_wor_value(Bernoulli)
+@_RELAXED_VALUES.register(Bernoulli)
 def _bernoulli_relaxed(y: torch.Tensor) -> torch.Tensor:
     return y[..., 1]  # the support is enumerated as (0, 1)
 
