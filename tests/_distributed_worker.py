@@ -21,7 +21,7 @@ from torch.distributions import OneHotCategorical
 
 import storch
 from storch import distributed
-from storch.method import REBAR, RELAX, Expect, ScoreFunction
+from storch.method import REBAR, RELAX, Critic, Expect, ScoreFunction
 from storch.method.baseline import MovingAverageBaseline
 
 D, K, BATCH = 5, 4, 8
@@ -124,11 +124,13 @@ def relax(sync: bool) -> RELAX:
 
 
 def check_learned_control_variates(rank: int, world: int, out: dict) -> None:
-    """(b) RELAX / REBAR parameters equal across ranks with the sync, different without."""
+    """(b) RELAX / REBAR / critic parameters equal across ranks with the sync, different without."""
     for name, factory in [
         ("relax_sync", lambda: relax(True)),
         ("relax_nosync", lambda: relax(False)),
         ("rebar_sync", lambda: REBAR("z", n_samples=2, lr=1e-2)),
+        ("critic_sync", lambda: ScoreFunction("z", n_samples=2, baseline_factory=Critic(hidden=8))),
+        ("critic_nosync", lambda: ScoreFunction("z", n_samples=2, baseline_factory=Critic(hidden=8, sync=False))),
     ]:
         out[f"{name}_method"], out[f"{name}_model"] = train_learned(rank, world, factory)
 

@@ -100,7 +100,7 @@ def test_ddp_update_equals_one_process_update_of_the_whole_batch(ranks):
     assert _max_diff(ranks[0]["expect_grads"], ranks[1]["expect_grads"]) == 0.0  # DDP: one all-reduce
 
 
-@pytest.mark.parametrize("name", ["relax", "rebar"])
+@pytest.mark.parametrize("name", ["relax", "rebar", "critic"])
 def test_learned_control_variates_stay_equal_across_ranks(ranks, name):
     """(b) after 5 steps on different shards and samples, the replicas' method parameters are equal."""
     a, b = ranks
@@ -112,6 +112,7 @@ def test_without_sync_the_control_variates_drift_apart(ranks):
     a, b = ranks
     assert _max_diff(a["relax_nosync_method"], b["relax_nosync_method"]) > 1e-4
     assert _max_diff(a["relax_nosync_model"], b["relax_nosync_model"]) == 0.0  # DDP still syncs the model
+    assert _max_diff(a["critic_nosync_method"], b["critic_nosync_method"]) > 1e-4  # critics too
 
 
 def test_synced_moving_average_is_global(ranks):
