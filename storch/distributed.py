@@ -42,7 +42,7 @@ from torch import nn
 
 __all__ = [
     "is_initialized", "world_size", "rank", "is_main_process", "syncing", "local_only",
-    "all_reduce_mean_", "all_reduce_gradients_", "broadcast_", "exclude_methods_from_ddp",
+    "all_reduce_mean_", "all_reduce_gradients_", "broadcast_", "synchronise_replicas_", "exclude_methods_from_ddp",
     "init_process_group_from_env", "default_backend",
 ]
 
@@ -144,6 +144,25 @@ def all_reduce_mean_(tensors: Sequence[torch.Tensor], group=None) -> Sequence[to
             for t, chunk in zip(members, flat.split([t.numel() for t in members])):
                 t.copy_(chunk.view_as(t))
     return tensors
+
+
+def synchronise_replicas_(params: Sequence[torch.Tensor], first: bool, group=None) -> None:
+    """Keep parameters that a method trains itself identical on every rank, before its optimizer step.
+
+    At the ``first`` step rank 0's values are copied to every rank (:func:`broadcast_`; replicas may
+    have been initialised differently), then the gradients are averaged (:func:`all_reduce_gradients_`).
+    Every rank must call it at the same steps with the same parameters. Without :func:`syncing`
+    nothing happens.
+
+    Examples:
+        >>> import torch
+        >>> p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.tensor([3.0, 4.0])
+        >>> synchronise_replicas_([p], first=True); p.grad     # one process: unchanged
+        tensor([3., 4.])
+    """
+    if first:
+        broadcast_(params, group=group)
+    all_reduce_gradients_(params, group=group)
 
 
 def all_reduce_gradients_(params: Iterable[torch.Tensor], group=None) -> None:

@@ -259,15 +259,14 @@ def _retain_param_grads(record: _Record) -> list[Any]:
             grads = tensor.param_grads
             grads.clear()
             for name, param in get_distr_parameters(tensor.distribution).items():
-                layout = param._layout if isinstance(param, Tensor) else None
-                handles.append(param.register_hook(functools.partial(_keep_grad, grads, name, layout)))
+                handles.append(param.register_hook(functools.partial(_keep_grad, grads, name, layout_of(param))))
     return handles
 
 
 def _keep_grad(grads: dict, name: str, layout: Any, grad: torch.Tensor) -> None:
     with _Disable():
         value = grad.detach().clone()  # autograd may accumulate into the tensor it hands over
-    grads[name] = wrap_new(value, layout) if layout is not None and layout.plates else value
+    grads[name] = wrap_new(value, layout) if layout.plates else value
 
 
 def _check_finite(loss: torch.Tensor, costs: tuple[CostTensor, ...]) -> None:

@@ -490,10 +490,8 @@ class Critic(Baseline):
                 p.grad = g
         try:
             if syncing:
-                if name not in self._broadcast:
-                    distributed.broadcast_(params)
-                    self._broadcast.add(name)
-                distributed.all_reduce_gradients_(params)
+                distributed.synchronise_replicas_(params, first=name not in self._broadcast)
+                self._broadcast.add(name)
             if any(p.grad is not None for p in params):
                 self.optimizer(name).step()
         finally:

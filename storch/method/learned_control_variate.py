@@ -254,10 +254,8 @@ class LearnedControlVariate(Method):
         if self.sync and distributed.syncing():
             # every rank gets here once per backward, whatever its local gradients, so the
             # collectives match; a parameter without gradient on every rank stays None everywhere
-            if not self._broadcast_done:
-                distributed.broadcast_(params)
-                self._broadcast_done = True
-            distributed.all_reduce_gradients_(params)
+            distributed.synchronise_replicas_(params, first=not self._broadcast_done)
+            self._broadcast_done = True
         if all(p.grad is None for p in params):
             return
         self.optimizer.step()
