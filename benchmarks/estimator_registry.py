@@ -162,9 +162,9 @@ ESTIMATORS: list[Entry] = [
           note="handles one discrete variable per node: run on the node seen as one categorical over "
                "its joint support (16 values on the toy, 100 per datum on the VAE); the budget B sums "
                "the B-1 most probable values and samples 1 of the rest"),
-    Entry("ScoreFunctionWOR (unbiased)", "storch.method.wor", "ScoreFunctionWOR",
+    Entry("ScoreFunctionWOR (unbiased)", "storch.method.score_function_wor", "ScoreFunctionWOR",
           lambda cls, name, n, s: cls(name, k=n), max_samples=_support),
-    Entry("ScoreFunctionWOR (normalised, biased)", "storch.method.wor", "ScoreFunctionWOR",
+    Entry("ScoreFunctionWOR (normalised, biased)", "storch.method.score_function_wor", "ScoreFunctionWOR",
           lambda cls, name, n, s: cls(name, k=n, biased=True), max_samples=_support, min_samples=2),
     Entry("LocalExpectation (= IndeCateR)", "storch.method.local_expectation", "LocalExpectation",
           lambda cls, name, n, s: cls(name, n_samples=n), evals_per_sample=lambda s: 1 + s.variables * s.categories),

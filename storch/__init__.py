@@ -14,12 +14,12 @@ Examples:
     True
 """
 
-from storch import distributed, distributions, exceptions, method, nn, sampling, util
+from storch import distributed, distributions, exceptions, extend, method, nn, sampling, util
 from storch.inference import add_cost, backward, registered_costs, reset, surrogate_loss
 from storch.distributions.relaxation import conditional_gumbel_rsample
 from storch.ops import cat, expand_as, gather, grad
 from storch.plate import Plate, order_plates
-from storch.reduce import denote_independent, gather_samples, logsumexp, mean, reduce_plates, sum, variance
+from storch.reductions import denote_independent, gather_samples, logsumexp, mean, reduce_plates, sum, variance
 from storch.tensor import CostTensor, IndependentTensor, StochasticTensor, Tensor, is_storch
 from storch.wrappers import deterministic, make_left_broadcastable, reduce, stochastic
 from storch import storch  # the manual's storch.storch module of utilities

@@ -22,7 +22,7 @@ Every torch function, method or operator that receives a storch tensor comes thr
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +39,7 @@ _PROPERTIES = (
     "itemsize", "nbytes", "_backward_hooks", "_grad", "_grad_fn", "is_nested", "_post_accumulate_grad_hooks",
     "retains_grad",
 )
-PASSTHROUGH: frozenset = frozenset(
+PASSTHROUGH: set = set(
     [getattr(_T, name).__get__ for name in _PROPERTIES if hasattr(_T, name)]
     + [getattr(_T, name).__set__ for name in ("requires_grad", "grad", "data", "_grad", "names",
                                                "_backward_hooks") if hasattr(_T, name)]
@@ -62,19 +62,19 @@ _OPERATOR_TYPES: frozenset = frozenset([torch._ops.OpOverload, torch._ops.OpOver
 
 # Full reductions to a boolean are harmless (no gradient) and torch.distributions uses them for
 # argument validation: they may drop plates and then return a plain tensor.
-_MAY_DROP_PLATES: frozenset = frozenset(
+_MAY_DROP_PLATES: set = set(
     [torch.all, _T.all, torch.any, _T.any, torch._is_all_true, torch._is_any_true]
 )
 
 # Functions that need their arguments to have exactly the same shape: expand to a common shape.
-_BROADCAST_FIRST: frozenset = frozenset(
+_BROADCAST_FIRST: set = set(
     [
         F.binary_cross_entropy, F.binary_cross_entropy_with_logits, F.mse_loss, F.l1_loss,
         F.smooth_l1_loss, F.huber_loss, F.kl_div, F.poisson_nll_loss, F.soft_margin_loss,
     ]
 )
 # Functions that join a sequence of tensors: every member gets the full plate dimensions.
-_EXPAND_PLATES: frozenset = frozenset([torch.cat, torch.concat, torch.concatenate, torch.stack])
+_EXPAND_PLATES: set = set([torch.cat, torch.concat, torch.concatenate, torch.stack])
 # Elementwise functions act per sample: plated arguments get size-1 event dimensions after their
 # plates until they have as many event dimensions as every other argument, plain tensors included.
 # Every other function sees the plates aligned but its arguments' event dimensions untouched.
@@ -89,7 +89,7 @@ _OPERATORS = (
     "add radd iadd sub rsub isub mul rmul imul truediv rtruediv itruediv div rdiv floordiv "
     "rfloordiv mod rmod pow rpow ipow eq ne lt le gt ge and rand iand or ror ior xor rxor ixor"
 ).split()
-_ELEMENTWISE: frozenset = frozenset(
+_ELEMENTWISE: set = set(
     [getattr(torch, n) for n in _ELEMENTWISE_NAMES if hasattr(torch, n)]
     + [getattr(_T, n) for n in _ELEMENTWISE_NAMES if hasattr(_T, n)]
     + [getattr(_T, n + "_") for n in _ELEMENTWISE_NAMES if hasattr(_T, n + "_")]
@@ -136,6 +136,84 @@ _IMPLICIT_DIMS: dict[Callable, tuple[int, ...]] = {
 }
 _IMPLICIT_DIMS.update({torch.t: (0, -1), _T.t: (0, -1), _T.T.__get__: (0, -1), _T.mT.__get__: (-2, -1)})
 _DIM_SPECS.update({f: _DIM_SPECS.get(f, ((), 0)) for f in _IMPLICIT_DIMS})
+
+_TREATMENTS = ("aligned", "elementwise", "equal_shapes", "join", "passthrough")
+
+
+def register_operation(
+    func: Callable, treat: str = "aligned", *, dim_args: Sequence[int] = (), adds_dim: bool = False
+) -> Callable:
+    """Say how ``func`` treats plates when it receives storch tensors (public as ``storch.extend``).
+
+    Functions torch adds, or your own functions that route through ``__torch_function__``
+    (``torch.overrides.handle_torch_function``), are aligned by default: plated arguments get the
+    union of their plates, event dimensions are left as they are, and the result is checked to keep
+    its plate dimensions. Register a function to treat it otherwise:
+
+    * ``"elementwise"``: acts per sample, with broadcasting: plated arguments with fewer event
+      dimensions get size-1 event dimensions right after their plates (like ``torch.add``);
+    * ``"equal_shapes"``: needs its tensor arguments to have the same shape (like
+      ``F.binary_cross_entropy``): they are expanded to their common shape; also elementwise;
+    * ``"join"``: joins a sequence of tensors (like ``torch.cat``): every member gets the full plate
+      dimensions;
+    * ``"passthrough"``: reads metadata and returns nothing that carries plates (like
+      ``Tensor.size``): called on the plain tensors, result returned as is;
+    * ``"aligned"``: the default; use it to undo an earlier registration.
+
+    ``dim_args`` are the positions (in ``args``; keywords named ``dim``, ``axis``, … are found by
+    name) of arguments that are dimension indices: an index that falls on a plate is refused with an
+    error that names the plate. ``adds_dim=True`` says the indices refer to the result, which has one
+    more dimension (``torch.stack``, ``unsqueeze``). Registering replaces the earlier treatment of
+    ``func``. Returns ``func``, so it also works as a decorator through ``functools.partial``.
+
+    Examples:
+        >>> import torch, storch
+        >>> from storch.extend import register_operation
+        >>> def scaled_sum(t, dim):
+        ...     if torch.overrides.has_torch_function((t,)):
+        ...         return torch.overrides.handle_torch_function(scaled_sum, (t,), t, dim)
+        ...     return 2 * t.sum(dim)
+        >>> _ = register_operation(scaled_sum, dim_args=(1,))
+        >>> x = storch.denote_independent(torch.ones(3, 4), 0, "data")
+        >>> scaled_sum(x, -1)._tensor.tolist()
+        [8.0, 8.0, 8.0]
+        >>> scaled_sum(x, 0)
+        Traceback (most recent call last):
+        ...
+        ValueError: scaled_sum got dimension 0, which is plate 'data' (size 3) of a tensor of shape (3, 4) ...
+    """
+    global _SPECIAL
+    if not callable(func):
+        raise TypeError(f"register_operation: func must be callable, got {type(func).__name__}.")
+    if treat not in _TREATMENTS:
+        raise ValueError(f"register_operation({_func_name(func)}): treat must be one of {_TREATMENTS}, got {treat!r}.")
+    positions = tuple(dim_args)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in positions):
+        raise ValueError(
+            f"register_operation({_func_name(func)}): dim_args are the non-negative positions of "
+            f"dimension arguments in args, got {dim_args!r}."
+        )
+    if treat == "passthrough" and (positions or adds_dim):
+        raise ValueError(
+            f"register_operation({_func_name(func)}): a passthrough function returns no plated "
+            "result, so dim_args and adds_dim do not apply."
+        )
+    for table in (PASSTHROUGH, _ELEMENTWISE, _BROADCAST_FIRST, _EXPAND_PLATES):
+        table.discard(func)
+    if treat == "passthrough":
+        PASSTHROUGH.add(func)
+    elif treat in ("elementwise", "equal_shapes"):
+        _ELEMENTWISE.add(func)
+        if treat == "equal_shapes":
+            _BROADCAST_FIRST.add(func)
+    elif treat == "join":
+        _EXPAND_PLATES.add(func)
+    _SPECIAL = _BROADCAST_FIRST | _EXPAND_PLATES
+    if positions or adds_dim:
+        _DIM_SPECS[func] = (positions, 1 if adds_dim else 0)
+    elif func not in _IMPLICIT_DIMS:
+        _DIM_SPECS.pop(func, None)
+    return func
 
 
 # storch.Tensor, set by storch.tensor once the class exists (it imports this module).

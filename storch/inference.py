@@ -30,8 +30,8 @@ from storch._dispatch import union_of_layouts
 from storch._step import forget_sampled, sampled_plates
 from storch.exceptions import NonFiniteCostError, StaleCostError, UnusedNodeWarning
 from storch.plate import MAX_PLATES, Plate, PlateClashError  # MAX_PLATES: re-exported
-from storch.reduce import reduce_plate
-from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout_of, plain, wrap, wrap_new
+from storch.reductions import reduce_plate
+from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, alias, layout_of, plain, wrap_new
 from storch.util import get_distr_parameters, magic_box, restore_lazy_plates
 
 if TYPE_CHECKING:  # pragma: no cover  (methods import this module: add_cost, backward)
@@ -71,8 +71,7 @@ def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
         reset()  # a failed step leaves nothing behind for the next one
         raise
     layout = layout_of(cost)
-    registered = wrap(cost, layout, CostTensor)
-    registered._name = name  # type: ignore[attr-defined]
+    registered = CostTensor._retype_as(alias(cost), layout, name)
     _COSTS.set(costs + (registered,))  # type: ignore[operator]
 
 
@@ -159,8 +158,7 @@ def _node_step(S: Tensor, plate: Plate, cost_name: str, record: _Record) -> torc
     if type(S) is CostTensor:  # the registered cost itself (storch's own view of the user's tensor)
         downstream = S
     else:  # a reduction storch made in this recursion: retyped in place (no view, no autograd node)
-        downstream = wrap_new(S, S._layout, CostTensor)
-        downstream._name = cost_name  # type: ignore[attr-defined]
+        downstream = CostTensor._retype_as(S, S._layout, cost_name)
     l, cv = node.method.estimator(tensor, downstream)  # type: ignore[union-attr]  # noqa: E741
     term: torch.Tensor = S
     if l is not None:

@@ -21,9 +21,10 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
 
     Examples:
         >>> import torch, storch
-        >>> x = storch.denote_independent(torch.zeros(3, 2), 0, "data")
-        >>> storch.cat([x, torch.ones(1)], 0).shape
-        torch.Size([3, 3])
+        >>> x = storch.denote_independent(torch.arange(6.0).reshape(3, 2), 0, "data")
+        >>> y = storch.cat([x, torch.tensor([9.0])], 0)   # the plain tensor is repeated over "data"
+        >>> y.shape, y._tensor.tolist()
+        (torch.Size([3, 3]), [[0.0, 1.0, 9.0], [2.0, 3.0, 9.0], [4.0, 5.0, 9.0]])
     """
     layouts = [layout_of(t) for t in tensors]
     union = merge_layouts([lay for lay in layouts if lay.plates]) if any(lay.plates for lay in layouts) else layouts[0]

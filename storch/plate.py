@@ -64,15 +64,24 @@ class Plate:
             parameters of a stochastic node).
         node: the stochastic node that owns this plate, or ``None`` for an independent plate.
 
+    Attributes:
+        order: the creation order (newer plates have larger numbers).
+        info: what the sampling method keeps about this plate's draw (``None`` if nothing).
+
+    Two plates are equal when they have the same :attr:`identity`: a node's plate only equals
+    itself, an independent plate equals every independent plate of its name and size.
+
     Examples:
         >>> p = Plate("gradients", 1000)
         >>> p
         ('gradients', 1000, tensor(0.0010))
         >>> p.name, p.size
         ('gradients', 1000)
+        >>> p == Plate("gradients", 1000), p.identity      # independent: by name and size
+        (True, ('gradients', 1000))
     """
 
-    __slots__ = ("name", "size", "weight", "parents", "node", "order", "__weakref__")
+    __slots__ = ("name", "size", "weight", "parents", "node", "order", "info", "__weakref__")
 
     def __init__(
         self,
@@ -92,6 +101,9 @@ class Plate:
         self.parents = tuple(parents)
         self.node = node
         self.order = next(_creation_counter)
+        #: what the sampling method keeps about this plate's draw, for its estimator (e.g. the
+        #: sampled set of a sampling without replacement, a beam step's scores); ``None`` if nothing
+        self.info: object = None
 
     @property
     def n(self) -> int:
@@ -111,20 +123,28 @@ class Plate:
             return w.dim() == 0 and type(w) is torch.Tensor
         return True
 
+    @property
+    def identity(self) -> "Plate | tuple[str, int]":
+        """What makes two plates the same plate; ``==`` and ``hash`` compare it.
+
+        * The plate of a stochastic node is identified by the object itself: two nodes' samples
+          never merge, even with equal names and sizes (that is a :class:`PlateClashError`).
+        * An independent plate (no node: a minibatch from :func:`storch.denote_independent`, the
+          copies of :func:`storch.gather_samples`) is identified by ``(name, size)``, so that the
+          plate re-created in every step, or for every tensor of one minibatch, is one plate.
+        """
+        return self if self.node is not None else (self.name, self.size)
+
     def __eq__(self, other: object) -> bool:
         if self is other:
             return True
         if not isinstance(other, Plate):
             return NotImplemented
-        return (
-            self.node is None
-            and other.node is None
-            and self.name == other.name
-            and self.size == other.size
-        )
+        # only two independent plates can be equal without being the same object (see identity)
+        return self.node is None and other.node is None and self.name == other.name and self.size == other.size
 
     def __hash__(self) -> int:
-        return hash((self.name, self.size))
+        return hash((self.name, self.size))  # equal plates have equal (name, size), see identity
 
     def __repr__(self) -> str:
         w = self.weight
@@ -166,7 +186,7 @@ class AncestralPlate(Plate):
         (True, False)
     """
 
-    __slots__ = ("ancestor", "parent_index", "index_plates", "info")
+    __slots__ = ("ancestor", "parent_index", "index_plates")
 
     def __init__(
         self,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Callable, Generic, Iterator, Optional, Sequence, TypeVar
 
-__all__ = ["TypeRegistry", "AmbiguousLookupError", "DuplicateRegistrationError"]
+__all__ = ["TypeRegistry", "AmbiguousLookupError", "DuplicateRegistrationError", "ambiguity_message"]
 
 V = TypeVar("V")
 
@@ -51,7 +51,7 @@ def _describe(value: object) -> str:
     return text if len(text) <= 60 else f"a {type(value).__name__}"
 
 
-def _ambiguity_message(registry: str, cls: type, candidates: Sequence[type], register_with: str) -> str:
+def ambiguity_message(registry: str, cls: type, candidates: Sequence[type], register_with: str) -> str:
     """The message of :class:`AmbiguousLookupError` (shared with lookups that combine registries)."""
     listed = ", ".join(f"{_name(c)} ({c.__module__})" for c in candidates)
     return (
@@ -220,7 +220,7 @@ class TypeRegistry(Generic[V]):
             # more specific than it, and it is out)
             rivals = [t for t in rivals if not any(o is not t and t in o.__mro__ for o in candidates)]
             if rivals:
-                raise AmbiguousLookupError(_ambiguity_message(self.name, cls, [first, *rivals], self.register_with))
+                raise AmbiguousLookupError(ambiguity_message(self.name, cls, [first, *rivals], self.register_with))
             found = (first, self._entries[first])
         self._cache[cls] = found
         return found

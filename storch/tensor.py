@@ -36,8 +36,8 @@ __all__ = ["Tensor", "StochasticTensor", "CostTensor", "IndependentTensor", "Sto
 _Disable = torch._C.DisableTorchFunctionSubclass
 
 
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """A new plain-tensor object viewing ``t`` and attached to its autograd graph."""
+def alias(t: torch.Tensor) -> torch.Tensor:
+    """A new plain-tensor object viewing ``t`` (storch or plain) and attached to its autograd graph."""
     with _Disable():
         return t.view_as(t)
 
@@ -93,7 +93,7 @@ class Tensor(torch.Tensor):
                 f"Tensor of shape {tuple(data.shape)} cannot carry plates {list(layout.names)} of "
                 f"sizes {layout.sizes}: the plates must be its leftmost dimensions."
             )
-        return _retype(_alias(data), cls, layout)
+        return _retype(alias(data), cls, layout)
 
     __torch_function__ = classmethod(torch_function)
 
@@ -116,7 +116,7 @@ class Tensor(torch.Tensor):
     @property
     def _tensor(self) -> torch.Tensor:
         """A plain ``torch.Tensor`` view of the data, plate dimensions included."""
-        return _alias(self)
+        return alias(self)
 
     def stochastic(self) -> bool:
         """True if this is a stochastic node in the stochastic computation graph."""
@@ -198,7 +198,7 @@ class StochasticNode:
 
     def stochastic_tensor(self) -> "StochasticTensor":
         """A :class:`StochasticTensor` view of the samples (shares the node's ``param_grads``)."""
-        return StochasticTensor._from_node(_alias(self.samples), self)
+        return StochasticTensor._from_node(alias(self.samples), self)
 
 
 class StochasticTensor(Tensor):
@@ -286,12 +286,20 @@ class CostTensor(Tensor):
     """
 
     _kind = "Cost"
+    #: the name the cost was registered under (see :attr:`name`)
     _name: str = "cost"
 
     def __new__(cls, data: torch.Tensor, plates: Sequence[Plate] = (), name: str = "cost") -> "CostTensor":
         t = super().__new__(cls, data, plates)
         t._name = name
         return t
+
+    @classmethod
+    def _retype_as(cls, t: torch.Tensor, layout: PlateLayout, name: str) -> "CostTensor":
+        """Make the fresh plain tensor ``t`` (held by nobody else) a cost named ``name`` (no copy)."""
+        cost = _retype(t, cls, layout)
+        cost._name = name
+        return cost  # type: ignore[return-value]
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -333,14 +341,24 @@ def layout_of(t: Any) -> PlateLayout:
     return t._layout if isinstance(t, Tensor) else EMPTY_LAYOUT
 
 
+def node_of(t: torch.Tensor) -> StochasticNode:
+    """The :class:`StochasticNode` of the samples ``t`` (a :class:`StochasticTensor`)."""
+    if not isinstance(t, StochasticTensor):
+        raise TypeError(
+            f"node_of: expected the samples of a stochastic node (a storch.StochasticTensor returned "
+            f"by a storch.method.Method), got {type(t).__name__}."
+        )
+    return t._node
+
+
 def plain(t: torch.Tensor) -> torch.Tensor:
     """A plain ``torch.Tensor`` view of ``t`` (itself if it is already plain)."""
-    return _alias(t) if isinstance(t, Tensor) else t
+    return alias(t) if isinstance(t, Tensor) else t
 
 
 def wrap(t: torch.Tensor, layout: PlateLayout, cls: type = Tensor) -> Tensor:
     """A storch view of ``t`` with the given layout; ``t`` itself is left untouched."""
-    return _retype(_alias(t), cls, layout)
+    return _retype(alias(t), cls, layout)
 
 
 def wrap_new(t: torch.Tensor, layout: PlateLayout, cls: type = Tensor) -> Tensor:

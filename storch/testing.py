@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from storch.inference import backward
-from storch.reduce import denote_independent
+from storch.reductions import denote_independent
 from storch.tensor import IndependentTensor
 
 __all__ = [

@@ -368,6 +368,7 @@ def test_the_mc_hooks_are_bound_methods():
     for name in ("ARM", "GumbelSoftmax", "REBAR", "MVD"):
         method = METHODS[name][0]()
         sampler = method.sampling_method
+        assert sampler.delegate is method
         for hook in (sampler.mc_sample, sampler.mc_weighting_function):
             assert hook is None or getattr(hook, "__self__", None) is method
 

@@ -196,7 +196,9 @@ def test_dirac_is_backpropagation_and_no_grad_is_left_on_samples():
     storch.add_cost(torch.sin(z).sum(-1), "f")
     storch.backward()
     torch.testing.assert_close(a.grad, torch.cos(a.detach()))
-    assert z._node.samples._gsb_leaf.grad is None  # the hidden leaf keeps no gradient
+    from storch.method.gsb import leaf_of
+
+    assert leaf_of(z).grad is None  # the hidden leaf keeps no gradient
     assert not z.is_leaf and z.grad_fn is not None
 
 

@@ -352,7 +352,7 @@ def test_sequence_decoding_aliases_are_storchs_classes():
 
 
 def test_mc_decoder_at_the_manuals_path_decodes_a_sequence():
-    from storch.method.wor import ScoreFunctionWOR
+    from storch.method.score_function_wor import ScoreFunctionWOR
     from storch.sampling.seq import AncestralPlate, MCDecoder
 
     theta = torch.tensor([0.3, -0.2, 0.1], requires_grad=True)
@@ -367,12 +367,12 @@ def test_mc_decoder_at_the_manuals_path_decodes_a_sequence():
     assert theta.grad is not None and torch.isfinite(theta.grad).all()
 
 
-def test_unordered_set_aliases_are_storchs_classes_and_sample_sets():
+def test_unordered_set_path_holds_storchs_classes_and_samples_sets():
     from storch.method import ScoreFunction
-    from storch.sampling import unordered, unordered_set
+    from storch.sampling import unordered_set
 
-    assert unordered_set.UnorderedSet is unordered.UnorderedSet
-    assert unordered_set.GumbelSoftmaxWOR is unordered.GumbelSoftmaxWOR
+    assert unordered_set.UnorderedSet is storch.sampling.UnorderedSet
+    assert unordered_set.GumbelSoftmaxWOR is storch.sampling.GumbelSoftmaxWOR
     z = ScoreFunction("z", sampling_method=unordered_set.UnorderedSet("z", 3))(Categorical(logits=torch.zeros(6)))
     assert z.n == 3 and len(set(z._tensor.tolist())) == 3
     logits = torch.zeros(4, requires_grad=True)
@@ -401,7 +401,7 @@ def test_batch_average_is_the_batch_average_baseline():
 
 def test_method_sample_draws_as_calling_the_method():
     from storch.method import Method, Reparameterization, ScoreFunction
-    from storch.method.wor import ScoreFunctionWOR
+    from storch.method.score_function_wor import ScoreFunctionWOR
 
     assert Method.sample is storch.method.method.Method.sample
     mu = torch.tensor([0.5, -1.0], requires_grad=True)

@@ -1,4 +1,4 @@
-"""Measure-valued derivatives (storch.method.mvd, registry storch.method.measure_valued).
+"""Measure-valued derivatives (storch.method.mvd, registry storch.distributions.measure_valued).
 
 Unbiasedness against exact gradients: enumeration for the discrete distributions, closed forms for
 Normal (E e^x = e^{μ+σ²/2}, E x² = μ² + σ²), Poisson (E x = λ, E x² = λ + λ², E e^{−sx} =
@@ -18,7 +18,7 @@ from torch.distributions import Bernoulli, Categorical, Exponential, Gamma, Norm
 
 import storch
 from storch.method import Expect, Reparameterization, ScoreFunction
-from storch.method.measure_valued import MeasureValuedDecomposition, MeasureValuedParameter, register_measure_valued
+from storch.distributions.measure_valued import MeasureValuedDecomposition, MeasureValuedParameter, register_measure_valued
 from storch.method.mvd import MVD
 from storch.testing import assert_unbiased, replicated_gradients, variance_with_stderr
 

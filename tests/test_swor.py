@@ -15,7 +15,7 @@ from torch.distributions import Bernoulli, Categorical, Normal, OneHotCategorica
 
 import storch
 from storch.method import ScoreFunction
-from storch.method.wor import ScoreFunctionWOR
+from storch.method.score_function_wor import ScoreFunctionWOR
 from storch.sampling.swor import SampleWithoutReplacement, log_inclusion_probability
 from storch.testing import assert_unbiased, check_unbiased, replicated_gradients
 

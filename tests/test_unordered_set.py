@@ -16,7 +16,7 @@ from torch.distributions import Categorical, OneHotCategorical
 import storch
 from storch.method import GumbelSoftmax, ScoreFunction
 from storch.method.unordered_set import UnorderedSetEstimator, UnorderedSetGumbelSoftmax
-from storch.sampling.unordered import (
+from storch.sampling.unordered_set import (
     GumbelSoftmaxWOR,
     UnorderedSet,
     log_complement_mass,

@@ -66,8 +66,8 @@ from torch.distributions import Gamma
 import storch
 from storch.method import Reparameterization, ScoreFunction
 from storch.method.derivatives import pure_derivatives
-from storch.method.gsb import GSB, _foreign_plate_weights
-from storch.reduce import sum as plate_sum
+from storch.method.gsb import GSB, _foreign_plate_weights, leaf_of
+from storch.reductions import sum as plate_sum
 from storch.tensor import (
     CostTensor,
     StochasticTensor,
@@ -236,7 +236,7 @@ class GSBExponential(GSB):
         distr = tensor.distribution
         if not isinstance(distr, Gamma):
             raise TypeError(f"GSBExponential({tensor.name!r}) handles Gamma nodes only, got {type(distr).__name__}.")
-        leaf = tensor._node.samples._gsb_leaf  # the detached sample GSB differentiates the cost by
+        leaf = leaf_of(tensor)  # the detached sample GSB differentiates the cost by
         layout = tensor._node.layout
         u = _foreign_plate_weights(cost, layout)
         (g1,) = pure_derivatives(plain(cost), leaf, 1, len(layout.sizes), u)

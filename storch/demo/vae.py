@@ -85,8 +85,11 @@ class DiscreteVAE(nn.Module):
     Examples:
         >>> import torch
         >>> model = DiscreteVAE(64, (256, 128), 2, 10)
-        >>> model.encode(torch.zeros(3, 64)).shape, model.decode(torch.zeros(3, 20)).shape
+        >>> logits, probs = model.encode(torch.zeros(3, 64)), model.decode(torch.zeros(3, 20))
+        >>> logits.shape, probs.shape
         (torch.Size([3, 20]), torch.Size([3, 64]))
+        >>> bool(((probs > 0) & (probs < 1)).all())   # the decoder gives Bernoulli means per pixel
+        True
     """
 
     def __init__(self, input_dim: int = 784, hidden: Sequence[int] = (512, 256), latents: int = 2,
@@ -210,8 +213,10 @@ class LatentMLP(nn.Module):
 
     Examples:
         >>> import torch
-        >>> LatentMLP(2, 10)(torch.zeros(3, 5, 2, 10)).shape
-        torch.Size([3, 5, 1])
+        >>> _ = torch.manual_seed(0)
+        >>> c_phi, z = LatentMLP(2, 10), torch.rand(3, 5, 2, 10)
+        >>> c_phi(z).shape, bool(torch.allclose(c_phi(z), c_phi.net(z.reshape(3, 5, 20))))  # L × K flattened
+        (torch.Size([3, 5, 1]), True)
     """
 
     def __init__(self, latents: int, categories: int, hidden: int = 32) -> None:
@@ -244,8 +249,8 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("expect", "Expect (exact, 100 configs)", lambda: Expect("z"), deterministic=True),
         MethodSpec("importance", "ImportanceSampling n=10 r~p^1/2, RLOO", _importance_rloo,
                    requires=("storch.sampling.importance", "ImportanceSampling")),
-        _catalog("wor", "ScoreFunctionWOR k=10", "storch.method.wor", "ScoreFunctionWOR", k=10),
-        _catalog("wor-normalised", "ScoreFunctionWOR k=10, normalised", "storch.method.wor", "ScoreFunctionWOR",
+        _catalog("wor", "ScoreFunctionWOR k=10", "storch.method.score_function_wor", "ScoreFunctionWOR", k=10),
+        _catalog("wor-normalised", "ScoreFunctionWOR k=10, normalised", "storch.method.score_function_wor", "ScoreFunctionWOR",
                  k=10, biased=True),
         _catalog("unordered-set", "UnorderedSetEstimator k=10", "storch.method.unordered_set",
                  "UnorderedSetEstimator", k=10),

@@ -7,7 +7,7 @@ baselines (:mod:`~storch.method.score_function`, :mod:`~storch.method.baseline`)
 measure-valued derivatives (:mod:`~storch.method.mvd`), finite differences
 (:mod:`~storch.method.spsa`), learned control variates (:mod:`~storch.method.relax`), local expectations (:mod:`~storch.method.local_expectation`),
 generalized stochastic backpropagation (:mod:`~storch.method.gsb`, cumulants in
-:mod:`~storch.method.cumulants`), sampling without replacement (:mod:`~storch.method.wor`, :mod:`~storch.method.unordered_set`), Rao-Blackwellisation
+:mod:`~storch.method.cumulants`), sampling without replacement (:mod:`~storch.method.score_function_wor`, :mod:`~storch.method.unordered_set`), Rao-Blackwellisation
 (:mod:`~storch.method.rao_blackwell`), memory-augmented policy optimization (:mod:`~storch.method.mapo`) and multi-sample bounds (:mod:`~storch.method.vimco`).
 """
 
@@ -26,11 +26,11 @@ from storch.method.rao_blackwell import RaoBlackwellSF
 from storch.method.relax import LAX, REBAR, RELAX
 from storch.method.reparameterization import Reparameterization
 from storch.method.score_function import ScoreFunction
+from storch.method.score_function_wor import ScoreFunctionWOR
 from storch.method.spsa import SPSA
 from storch.method.straight_through import GumbelRao, ReinMax, StraightThrough
 from storch.method.unordered_set import UnorderedSetEstimator, UnorderedSetGumbelSoftmax
 from storch.method.vimco import VIMCO, iwae_bound
-from storch.method.wor import ScoreFunctionWOR
 
 __all__ = [
     "Method", "Reparameterization", "ScoreFunction", "Expect", "Infer", "GumbelSoftmax", "baseline",

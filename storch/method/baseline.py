@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from storch import distributed
-from storch.reduce import reduce_plates
-from storch.reduce import sum as plate_sum
-from storch.tensor import CostTensor, StochasticTensor, plain
+from storch.reductions import reduce_plates
+from storch.reductions import sum as plate_sum
+from storch.extend import CostTensor, StochasticTensor, plain
 
 __all__ = [
     "Baseline", "MovingAverageBaseline", "BatchAverageBaseline", "BatchAverage", "make_baseline", "BaselineFactory",

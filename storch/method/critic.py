@@ -57,11 +57,21 @@ from torch.distributions import Bernoulli, Categorical, Distribution, OneHotCate
 from storch import distributed
 from storch.method.baseline import Baseline
 from storch.method.local_expectation import coordinates_for
-from storch.plate import PlateLayout, layout_of_plates
-from storch.reduce import reduce_plates
-from storch.registry import TypeRegistry
-from storch.tensor import CostTensor, StochasticTensor, layout_of, plain, wrap, wrap_new
-from storch.util import get_distr_parameters, restore_lazy_plates
+from storch.extend import (
+    CostTensor,
+    PlateLayout,
+    StochasticTensor,
+    TypeRegistry,
+    get_distr_parameters,
+    layout_of,
+    layout_of_plates,
+    node_of,
+    plain,
+    restore_lazy_plates,
+    wrap,
+    wrap_new,
+)
+from storch.reductions import reduce_plates
 
 __all__ = [
     "Critic", "QCritic", "NetworkFactory", "OptimizerFactory", "InputFunction", "register_critic_inputs",
@@ -313,7 +323,7 @@ class Critic(Baseline):
     def input_features(self, tensor: StochasticTensor) -> tuple[torch.Tensor, PlateLayout]:
         """``ŝ`` for the node of ``tensor``: a detached plain tensor ``(*parent plate sizes, F)`` and
         the node's parent layout (its plates without its own)."""
-        node = tensor._node
+        node = node_of(tensor)
         layout = layout_of_plates(node.layout.plates[1:])
         distr = node.distribution
         if self.inputs is not None:
@@ -433,7 +443,7 @@ class Critic(Baseline):
     ) -> _Pending:
         """Keep this step's training loss ``Σ w (net − (S − μ)/σ)²`` and target statistics."""
         self._prune()
-        plate = tensor._node.plate
+        plate = node_of(tensor).plate
         target = cost_node.detach()
         mean = plain(reduce_plates(target)).detach()
         mean_square = plain(reduce_plates(target * target)).detach()
@@ -623,7 +633,7 @@ class QCritic(Critic):
         return coordinates
 
     def _var_shape(self, tensor: StochasticTensor) -> tuple[int, ...]:
-        n_parent = len(tensor._node.layout.plates) - 1
+        n_parent = len(node_of(tensor).layout.plates) - 1
         return tuple(tensor.distribution.batch_shape)[n_parent:]
 
     def out_features(self, tensor: StochasticTensor) -> int:
@@ -632,7 +642,7 @@ class QCritic(Critic):
         return math.prod(self._var_shape(tensor)) * k
 
     def compute_baseline(self, tensor: StochasticTensor, cost_node: CostTensor) -> torch.Tensor:
-        node = tensor._node
+        node = node_of(tensor)
         coordinates = self._coordinates(tensor)
         features, layout = self.input_features(tensor)
         head = self._head_for(tensor, cost_node.name, features)
@@ -656,7 +666,7 @@ class QCritic(Critic):
 
     def correction(self, tensor: StochasticTensor, cost_node: CostTensor) -> Optional[torch.Tensor]:
         """``E_q[Q] − stopgrad(E_q[Q])`` with ``Q`` detached: gradient ``∇ E_q[Q]``, value 0."""
-        node = tensor._node
+        node = node_of(tensor)
         entry = self._expectations.pop((cost_node.name, id(node.plate)), None)
         if entry is None:
             raise RuntimeError(

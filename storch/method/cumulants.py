@@ -35,7 +35,7 @@ import torch
 from torch.distributions import Distribution, Exponential, Gamma, Independent, Laplace, Normal
 
 from storch.distributions.dirac import Dirac
-from storch.registry import TypeRegistry
+from storch.extend import TypeRegistry
 from storch.sampling.method import check_count
 
 __all__ = ["register_cumulants", "cumulants", "cumulant_terms", "cumulants_registered", "supported_distributions"]

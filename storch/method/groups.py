@@ -38,9 +38,19 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from storch._dispatch import align_tensor
-from storch.plate import Plate, layout_of_plates, merge_layouts
-from storch.tensor import StochasticTensor, Tensor, _Disable, layout_of, wrap, wrap_new
+from storch.extend import (
+    Plate,
+    StochasticTensor,
+    Tensor,
+    align_to,
+    layout_of,
+    layout_of_plates,
+    merge_layouts,
+    no_dispatch,
+    node_of,
+    wrap,
+    wrap_new,
+)
 
 __all__ = ["group_weights", "flatten_groups", "split_groups", "spread_groups", "group_plate", "GroupRecords"]
 
@@ -73,9 +83,9 @@ def group_plate(plate: Plate, group_size: int) -> Plate:
 
 
 def _plate_first(t: Tensor, plate: Plate) -> tuple[torch.Tensor, int]:
-    layout = t._layout
+    layout = layout_of(t)
     i = layout.index(plate)
-    with _Disable():
+    with no_dispatch():
         x = t.view_as(t)
         if i:
             x = x.movedim(i, 0)
@@ -91,7 +101,7 @@ def split_groups(t: torch.Tensor, plate: Plate, group_size: int) -> Tensor:
     groups = group_plate(plate, group_size)
     x, _ = _plate_first(t, plate)  # type: ignore[arg-type]
     rest = [p for p in layout.plates if p is not plate]
-    with _Disable():
+    with no_dispatch():
         x = x.reshape((groups.size, group_size) + tuple(x.shape[1:]))
         x = x.movedim(1, len(rest) + 1)
     return wrap_new(x, layout_of_plates([groups] + rest))
@@ -105,7 +115,7 @@ def spread_groups(term: torch.Tensor, like: Tensor, plate: Plate, group_size: in
     ``like``'s other plates; it may lack some of them, and must have no event dimensions.
     """
     groups = group_plate(plate, group_size)
-    like_layout = like._layout
+    like_layout = layout_of(like)
     rest = [p for p in like_layout.plates if p is not plate]
     target = layout_of_plates([groups] + rest)
     term_layout = layout_of(term)
@@ -118,8 +128,8 @@ def spread_groups(term: torch.Tensor, like: Tensor, plate: Plate, group_size: in
     if len(union.plates) != len(target.plates):
         extra = [p.name for p in union.plates if p not in target.plates]
         raise ValueError(f"spread_groups: the term carries plates {extra} that the cost does not have.")
-    with _Disable():
-        x = align_tensor(term, target, expand=True) if isinstance(term, Tensor) else term.expand(target.sizes)
+    with no_dispatch():
+        x = align_to(term, target, expand=True) if isinstance(term, Tensor) else term.expand(target.sizes)
         x = x.unsqueeze(1).expand((groups.size, group_size) + tuple(x.shape[1:]))
         x = x.reshape((groups.size * group_size,) + tuple(x.shape[2:]))
         i = like_layout.index(plate)
@@ -136,7 +146,7 @@ class GroupRecords:
     decides them in ``proposal_dist``, which returns the plain samples, and reads them back in the
     weighting function or ``estimator``, which see the node's :class:`~storch.tensor.StochasticTensor`.
     The record is keyed by the samples tensor (weakly, by identity: it lives as long as the node)
-    and found again through ``tensor._node.samples``.
+    and found again through ``node_of(tensor).samples``.
 
     Args:
         method: the method's name for errors, e.g. ``"MVD"``.
@@ -151,7 +161,7 @@ class GroupRecords:
         Traceback (most recent call last):
         ...
         RuntimeError: MyMethod('x'): no evaluation layout recorded for these samples; MyMethod nodes must be sampled by the MyMethod method itself.
-        >>> records.keep(x._node.samples, "2 groups of 1 point")
+        >>> records.keep(node_of(x).samples, "2 groups of 1 point")
         >>> records.of(x)
         '2 groups of 1 point'
     """
@@ -174,7 +184,7 @@ class GroupRecords:
 
     def of(self, tensor: StochasticTensor) -> Any:
         """The record kept for the node of ``tensor``; an error if its samples were drawn elsewhere."""
-        record = self._records.get(tensor._node.samples)
+        record = self._records.get(node_of(tensor).samples)
         if record is None:
             raise RuntimeError(
                 f"{self.method}({tensor.name!r}): no {self.what} recorded for these samples; {self.method} nodes "

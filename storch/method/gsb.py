@@ -36,7 +36,7 @@ distribution                          rule                                      
 ``OneHotCategorical``                 :class:`~storch.method.local_expectation.LocalExpectation`
 ``Poisson(λ)``                        ``κ_n = λ`` on integers: ``∇λ E f =             exact (unbiased)  1 + D points, no VJP
                                       E[f(z + e_j) − f(z)]`` (finite difference,
-                                      :mod:`storch.method.measure_valued`)
+                                      :mod:`storch.distributions.measure_valued`)
 ====================================  =============================================  ================  ===========================
 
 "exact" means the surrogate's first derivative is unbiased; "truncated" means a bias from the terms
@@ -71,12 +71,14 @@ the term counts once when that plate is reduced.
 Examples:
     >>> import torch, storch
     >>> from torch.distributions import Gamma
+    >>> _ = torch.manual_seed(0)
     >>> k, rate = torch.tensor(3.0, requires_grad=True), torch.tensor(2.0, requires_grad=True)
-    >>> z = GSB("z", n_samples=4, order=2)(Gamma(k, rate))
+    >>> z = GSB("z", n_samples=10000, order=2)(Gamma(k, rate))
     >>> storch.add_cost((z - 1.0) ** 2, "f")     # quadratic: order 2 is exact
     >>> _ = storch.backward()
-    >>> k.grad.shape, rate.grad.shape
-    (torch.Size([]), torch.Size([]))
+    >>> # E f = k/β² + (k/β − 1)²: ∂/∂k = 1/β² + 2(k/β − 1)/β = 0.75, ∂/∂β = −2k/β³ − 2(k/β − 1)k/β² = −1.5
+    >>> k.grad.shape, bool(torch.allclose(torch.stack([k.grad, rate.grad]), torch.tensor([0.75, -1.5]), atol=0.05))
+    (torch.Size([]), True)
 """
 
 from __future__ import annotations
@@ -98,23 +100,34 @@ from torch.distributions import (
     Poisson,
 )
 
-from storch._dispatch import align_tensor
+from storch.extend import (
+    AmbiguousLookupError,
+    CostTensor,
+    Plate,
+    PlateLayout,
+    StochasticTensor,
+    Tensor,
+    TypeRegistry,
+    align_to,
+    ambiguity_message,
+    layout_of,
+    no_dispatch,
+    node_of,
+    plain,
+    plate_weight,
+    wrap_new,
+)
 from storch.method.cumulants import cumulant_terms, cumulants_registered, supported_distributions
 from storch.method.derivatives import NoDifferentiablePath, pure_derivatives
-from storch.method.groups import flatten_groups
+from storch.method.groups import GroupRecords, flatten_groups
 from storch.method.local_expectation import (
-    coordinates_for,
     local_expectation_points,
     local_expectation_term,
     local_expectation_weights,
 )
 from storch.method.method import Method
-from storch.plate import Plate, PlateLayout, layout_of_plates
-from storch.reduce import _plate_weight
-from storch.reduce import sum as plate_sum
-from storch.registry import AmbiguousLookupError, TypeRegistry, _ambiguity_message
+from storch.reductions import sum as plate_sum
 from storch.sampling.method import check_count
-from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, plain, wrap_new
 
 __all__ = [
     "GSB", "GeneralizedStochasticBackprop", "GSBRule", "Representation", "register_gsb_rule",
@@ -221,7 +234,14 @@ def _drop_grad(t: torch.Tensor) -> None:
 
 
 class _CumulantRule(GSBRule):
-    """Continuous distributions: cumulants times expected pure derivatives, truncated at the order."""
+    """Continuous distributions: cumulants times expected pure derivatives, truncated at the order.
+
+    The samples are a differentiable function of a hidden leaf (the latent draw); the leaf is kept
+    in :attr:`leaves`, keyed by the samples, for the pure derivatives in :meth:`term`.
+    """
+
+    def __init__(self) -> None:
+        self.leaves = GroupRecords("GSB", "differentiable leaf (GSB's continuous rule)")
 
     def sample(self, method: "GSB", distr: Distribution, plates: Sequence[Plate], n: int) -> torch.Tensor:
         rep = representation_for(distr)
@@ -230,18 +250,16 @@ class _CumulantRule(GSBRule):
         leaf.register_post_accumulate_grad_hook(_drop_grad)
         with torch.enable_grad():
             z = rep.transform(leaf) if rep is not None else leaf.view_as(leaf)
-        z._gsb_leaf = leaf  # type: ignore[attr-defined]
+        self.leaves.keep(z, leaf)
         return z
 
     def term(self, method: "GSB", tensor: StochasticTensor, cost: CostTensor) -> Optional[torch.Tensor]:
-        node = tensor._node
-        leaf = getattr(node.samples, "_gsb_leaf", None)
-        if leaf is None:
-            raise RuntimeError(f"GSB({tensor.name!r}): the node was not sampled by GSB's continuous rule.")
+        node = node_of(tensor)
+        leaf = self.leaves.of(tensor)
         node_layout: PlateLayout = node.layout
         distr = tensor.distribution
         rep = representation_for(distr)
-        with _Disable():
+        with no_dispatch():
             latent = rep.latent(distr) if rep is not None else distr
             kappas = cumulant_terms(latent, method.order)
         top = max((n for n, k in enumerate(kappas, 1) if k is not None), default=0)
@@ -258,7 +276,7 @@ class _CumulantRule(GSBRule):
                 f"of plate {tensor.name!r} (GSB needs ∂ⁿf/∂zⁿ). Use LocalExpectation or ScoreFunction for "
                 "this node, or make the cost differentiable in it (no detach, argmax, indexing by it)."
             ) from None
-        with _Disable():
+        with no_dispatch():
             total = None
             for n in range(1, top + 1):
                 k = kappas[n - 1]
@@ -271,7 +289,7 @@ class _CumulantRule(GSBRule):
             if total.dim() > n_lead:
                 total = total.sum(tuple(range(n_lead, total.dim())))
         term = wrap_new(total, node_layout)
-        missing = [p for p in node_layout.plates if p.name not in cost._layout.names]
+        missing = [p for p in node_layout.plates if p.name not in layout_of(cost).names]
         if missing:  # the cost already summed over these plates of the node
             term = plate_sum(term, missing)
         return term
@@ -279,20 +297,20 @@ class _CumulantRule(GSBRule):
 
 def _foreign_plate_weights(cost: CostTensor, node_layout: PlateLayout) -> Optional[torch.Tensor]:
     """Grad-outputs over the cost: the normalised weights of the cost's plates the node lacks."""
-    extra = [p for p in cost._layout.plates if p.name not in node_layout.names]
+    extra = [p for p in layout_of(cost).plates if p.name not in node_layout.names]
     if not extra:
         return None
     u: float | torch.Tensor = 1.0
     for plate in extra:
-        w = _plate_weight(plate, detach=True)
+        w = plate_weight(plate, detach=True)
         if w is None or (not isinstance(w, Tensor) and torch.as_tensor(w).dim() == 0):
             u = u * (1.0 / plate.size)
         else:
             u = u * (w / plate_sum(w, [plate]))
-    with _Disable():
+    with no_dispatch():
         c = plain(cost)
         if isinstance(u, Tensor):
-            return align_tensor(u, cost._layout, expand=True).detach().to(c.dtype)
+            return align_to(u, layout_of(cost), expand=True).detach().to(c.dtype)
         return torch.full_like(c, float(u))
 
 
@@ -331,6 +349,12 @@ class _FiniteDifferenceRule(GSBRule):
 
 
 _CUMULANT_RULE = _CumulantRule()
+
+
+def leaf_of(tensor: StochasticTensor) -> torch.Tensor:
+    """The hidden leaf of a node sampled by GSB's continuous rule: the detached latent draw whose
+    samples are a differentiable function of it, by which the cost is differentiated."""
+    return _CUMULANT_RULE.leaves.of(tensor)
 _RULES.register(Bernoulli, Categorical, OneHotCategorical)(_LocalExpectationRule())
 _RULES.register(Poisson)(_FiniteDifferenceRule())
 
@@ -361,7 +385,7 @@ def gsb_rule_for(distr: Distribution, who: str = "GSB") -> GSBRule:
             return found_rule
         if rule_type not in rep_type.__mro__:
             raise AmbiguousLookupError(
-                _ambiguity_message(
+                ambiguity_message(
                     "GSB rule and representation", type(distr), [rule_type, rep_type],
                     "storch.method.gsb.register_gsb_rule or register_representation",
                 )

@@ -20,7 +20,7 @@ from torch.distributions import Distribution
 from storch.method.method import DEFAULT_N_SAMPLES, Method
 from storch.distributions.relaxation import AnnealedTemperature, relaxation_for
 from storch.sampling.method import SamplingMethod
-from storch.util import rsample_gumbel_softmax
+from storch.extend import rsample_gumbel_softmax
 
 __all__ = ["GumbelSoftmax"]
 

@@ -13,7 +13,7 @@ from storch.method.method import DEFAULT_N_SAMPLES, Method, proposal_arguments
 from storch.method.reparameterization import Reparameterization
 from storch.method.score_function import ScoreFunction
 from storch.sampling.method import SamplingMethod
-from storch.tensor import StochasticTensor
+from storch.extend import StochasticTensor
 
 __all__ = ["Infer"]
 

@@ -49,8 +49,8 @@ from torch import nn
 
 from storch import distributed
 from storch.method.method import Method
-from storch.reduce import reduce_plates
-from storch.tensor import StochasticTensor, Tensor, layout_of, plain
+from storch.reductions import reduce_plates
+from storch.extend import StochasticTensor, Tensor, layout_of, node_of, plain
 
 __all__ = ["LearnedControlVariate", "Draw", "OptimizerFactory", "sum_event_dims"]
 
@@ -143,7 +143,7 @@ class LearnedControlVariate(Method):
         if any(value is samples for value in draw.values.values()):
             raise ValueError(
                 f"{type(self).__name__}({self.plate_name!r}): a Draw must not hold the samples tensor itself "
-                "(it would never be freed); read the samples back from the node (tensor._node.samples)."
+                "(it would never be freed); read the samples back from the node (node_of(tensor).samples)."
             )
         key = id(samples)
         self._draws[key] = (weakref.ref(samples), draw)
@@ -151,7 +151,7 @@ class LearnedControlVariate(Method):
 
     def draw_of(self, tensor: StochasticTensor) -> Draw:
         """The :class:`Draw` kept for the node of ``tensor``."""
-        samples = tensor._node.samples
+        samples = node_of(tensor).samples
         entry = self._draws.get(id(samples))
         if entry is None or entry[0]() is not samples:
             raise RuntimeError(
@@ -220,7 +220,7 @@ class LearnedControlVariate(Method):
         """``Σ_nodes ‖ĝ‖²`` with its graph, from the ``(tensor, cost, term)`` triples of a backward."""
         nodes: dict[int, tuple[StochasticTensor, list[torch.Tensor]]] = {}
         for tensor, _, term in result_triples:
-            nodes.setdefault(id(tensor._node), (tensor, []))[1].append(term)
+            nodes.setdefault(id(node_of(tensor)), (tensor, []))[1].append(term)
         total_sq: Optional[torch.Tensor] = None
         for tensor, terms in nodes.values():
             theta = self.variance_parameters(tensor)

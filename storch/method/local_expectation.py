@@ -41,10 +41,18 @@ from torch.distributions import Bernoulli, Categorical, Distribution, OneHotCate
 
 from storch.method.groups import flatten_groups, group_plate, group_weights, split_groups, spread_groups
 from storch.method.method import Method
-from storch.plate import layout_of_plates
-from storch.registry import TypeRegistry
-from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, wrap_new
-from storch.util import log_prob_of_own_samples, magic_box
+from storch.extend import (
+    CostTensor,
+    StochasticTensor,
+    Tensor,
+    TypeRegistry,
+    layout_of,
+    layout_of_plates,
+    log_prob_of_own_samples,
+    magic_box,
+    no_dispatch,
+    wrap_new,
+)
 
 __all__ = [
     "LocalExpectation", "IndeCateR", "Coordinates", "register_coordinates", "coordinates_for",
@@ -213,9 +221,9 @@ def local_expectation_term(tensor: StochasticTensor, cost: torch.Tensor) -> Tens
     """
     plate = tensor.plate
     distr = tensor.distribution
-    parents = tuple(tensor._layout.plates[1:])
+    parents = tuple(layout_of(tensor).plates[1:])
     coordinates = _require_coordinates(distr, "local_expectation_term")
-    with _Disable():
+    with no_dispatch():
         k = coordinates.values(distr).shape[0]
         n_vars = math.prod(_var_shape(distr, len(parents)))
         group_size = 1 + n_vars * k

@@ -41,16 +41,31 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.distributions import Categorical, Distribution, Independent
 
-from storch._dispatch import align_tensor
-from storch._step import note_sampled
+from storch.extend import (
+    AncestralPlate,
+    CostTensor,
+    Plate,
+    StochasticNode,
+    StochasticTensor,
+    alias,
+    align_to,
+    distribution_layout,
+    floating_dtype,
+    get_distr_parameters,
+    layout_of,
+    layout_of_plates,
+    magic_box,
+    no_dispatch,
+    note_sampled,
+    plain,
+    restore_lazy_plates,
+    wrap_new,
+)
 from storch.method.baseline import Baseline, BaselineFactory, make_baseline
 from storch.method.method import DEFAULT_N_SAMPLES, Method
-from storch.plate import AncestralPlate, Plate, layout_of_plates
-from storch.reduce import reduce_plates
+from storch.reductions import reduce_plates
 from storch.sampling.method import SamplingMethod, check_count
 from storch.sampling.swor import WORSupport, wor_support
-from storch.tensor import CostTensor, StochasticNode, StochasticTensor, _alias, _Disable, layout_of, plain, wrap_new
-from storch.util import distribution_layout, floating_dtype, get_distr_parameters, magic_box, restore_lazy_plates
 
 __all__ = ["MAPO", "MAPOState", "sample_outside"]
 
@@ -552,7 +567,7 @@ class MAPO(Method):
         sizes = tuple(parents.sizes)
         n_plates = len(plates)
         n = self.n_samples
-        with _Disable():
+        with no_dispatch():
             support, lp_full = _sequence_support(distr, owner)
             lp_full = plain(lp_full)
             if tuple(lp_full.shape[:n_plates]) != sizes:
@@ -632,7 +647,7 @@ class MAPO(Method):
         layout = layout_of_plates((plate,) + plates)
         node = StochasticNode(self.plate_name, self, distr, values, layout, plate)
         plate.node = node
-        tensor = StochasticTensor._from_node(_alias(values), node)
+        tensor = StochasticTensor._from_node(alias(values), node)
         dtype = floating_dtype(distr, values)
         state.weight = state.weight.to(dtype)
         plate.weight = wrap_new(state.weight.clone(), layout)
@@ -671,10 +686,10 @@ class MAPO(Method):
     # ------------------------------------------------------------------ estimator
     def gradient_function(self, tensor: StochasticTensor) -> Optional[torch.Tensor]:
         state = self._state(tensor)
-        return wrap_new(_alias(state.log_prob), tensor._layout)
+        return wrap_new(alias(state.log_prob), layout_of(tensor))
 
     def _state(self, tensor: StochasticTensor) -> MAPOState:
-        info = getattr(tensor.plate, "info", None)
+        info = tensor.plate.info
         if not isinstance(info, MAPOState):
             raise ValueError(f"MAPO({self.plate_name!r}): node {tensor.name!r} was not sampled by MAPO.")
         return info
@@ -691,14 +706,14 @@ class MAPO(Method):
         is_sample = torch.arange(m + n, device=state.tokens.device) >= m
         mask = wrap_new(is_sample.to(state.weight.dtype), layout_of_plates((tensor.plate,)))
         if self.leave_one_out:
-            with _Disable():
+            with no_dispatch():
                 c = plain(cost.detach())  # this node's plate first (newer plates are reduced)
                 s = c[m:]
                 b = torch.cat([torch.zeros_like(c[:m]), (s.sum(0, keepdim=True) - s) / (n - 1)], 0)
             b = wrap_new(b, layout_of(cost))
         else:
             b = self.baseline.compute_baseline(tensor, cost)  # type: ignore[union-attr]
-        conditional = l - wrap_new(_alias(state.log_outside), layout_of_plates(tensor.plate.parents))  # type: ignore[arg-type]
+        conditional = l - wrap_new(alias(state.log_outside), layout_of_plates(tensor.plate.parents))  # type: ignore[arg-type]
         return l, (1.0 - magic_box(conditional)) * b * mask
 
     def update_parameters(self, result_triples: Sequence[tuple]) -> None:
@@ -714,7 +729,7 @@ class MAPO(Method):
 
     def _update_memory(self, tensor: StochasticTensor, costs: list[CostTensor]) -> None:
         state = self._state(tensor)
-        layout = tensor._layout
+        layout = layout_of(tensor)
         with torch.no_grad():
             total = costs[0].detach()
             for c in costs[1:]:
@@ -722,8 +737,8 @@ class MAPO(Method):
             extra = [p for p in layout_of(total).plates if not any(p is q for q in layout.plates)]
             if extra:
                 total = reduce_plates(total, extra)
-            with _Disable():
-                c = plain(align_tensor(total, layout, expand=True)).double()  # (rows, *P)
+            with no_dispatch():
+                c = plain(align_to(total, layout, expand=True)).double()  # (rows, *P)
             plates = layout.plates[1:]
             independent = [i for i, p in enumerate(plates) if p.node is None]
             stochastic = [i for i, p in enumerate(plates) if p.node is not None]

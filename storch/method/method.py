@@ -47,14 +47,26 @@ import torch
 from torch import nn
 from torch.distributions import Distribution
 
-from storch._step import note_sampled
-from storch.plate import Plate, layout_of_plates
-from storch.sampling.method import MonteCarlo, SamplingMethod, _describe, check_count
-from storch.tensor import CostTensor, StochasticNode, StochasticTensor, Tensor, _alias, _Disable, wrap_new
-from storch.util import (
-    distribution_layout, floating_dtype, get_distr_parameters, log_prob_of_own_samples, magic_box,
+from storch.extend import (
+    CostTensor,
+    Plate,
+    StochasticNode,
+    StochasticTensor,
+    Tensor,
+    alias,
+    distribution_layout,
+    floating_dtype,
+    get_distr_parameters,
+    layout_of_plates,
+    log_prob_of_own_samples,
+    magic_box,
+    no_dispatch,
+    node_of,
+    note_sampled,
     restore_lazy_plates,
+    wrap_new,
 )
+from storch.sampling.method import MonteCarlo, SamplingMethod, check_count, describe_argument
 
 __all__ = ["Method", "log_prob", "DEFAULT_N_SAMPLES", "proposal_arguments"]
 
@@ -100,7 +112,7 @@ def proposal_arguments(owner: str, sampling_method: Any, n_samples: Any) -> tupl
         raise TypeError(
             f"{owner}: the second argument, sampling_method, must be a storch.sampling.SamplingMethod "
             f"(or the number of samples as an int, as in {owner.split('(')[0]}('z', 8)); got "
-            f"{_describe(sampling_method)}."
+            f"{describe_argument(sampling_method)}."
         )
     count = check_count(sampling_method, "n_samples (given as the second argument)", owner)
     if explicit and n != count:
@@ -113,9 +125,9 @@ def proposal_arguments(owner: str, sampling_method: Any, n_samples: Any) -> tupl
 
 def log_prob(tensor: StochasticTensor) -> Tensor:
     """``log p(x)`` of each sample of ``tensor``, summed over all non-plate dimensions."""
-    node = tensor._node
+    node = node_of(tensor)
     layout = node.layout
-    with _Disable():
+    with no_dispatch():
         lp = log_prob_of_own_samples(node.distribution, node.samples)
         extra = tuple(range(len(layout.sizes), lp.dim()))
         if extra:
@@ -159,6 +171,10 @@ class Method(nn.Module):
     #: whether :meth:`update_parameters` differentiates through the surrogate again (e.g. to train
     #: a control variate on the gradient variance); ``storch.backward`` then retains the graph
     needs_graph_after_backward: bool = False
+    #: whether the method estimates gradients of a multi-sample bound over its samples jointly
+    #: (VIMCO), so that :func:`storch.method.iwae_bound` may be taken over its plate although it is
+    #: not reparameterized; such a method gets the bound through :meth:`on_joint_bound`
+    handles_joint_bound: bool = False
 
     def __init__(
         self, plate_name: str, sampling_method: SamplingMethod | None = None, n_samples: int = DEFAULT_N_SAMPLES
@@ -174,23 +190,14 @@ class Method(nn.Module):
             f"{type(self).__name__}({plate_name!r})", sampling_method, n_samples
         )
         self.sampling_method = sampling_method if sampling_method is not None else MonteCarlo(plate_name, n_samples)
-        # bound methods, not lambdas: a method (and a model holding it) pickles and deep-copies
-        if type(self).proposal_dist is not Method.proposal_dist:
-            self.sampling_method.set_mc_sample(self._mc_sample)
-        if type(self).weighting_function is not Method.weighting_function:
-            self.sampling_method.set_mc_weighting_function(self._mc_weighting_function)
-
-    def _mc_sample(self, distr: Distribution, plates: Sequence[Plate], amt_samples: int) -> torch.Tensor:
-        """The proposal's Monte Carlo draw, delegated to :meth:`proposal_dist`."""
-        return self.proposal_dist(distr, amt_samples)
-
-    def _mc_weighting_function(self, tensor: StochasticTensor, plate: Plate) -> torch.Tensor | None:
-        """The proposal's Monte Carlo weights, delegated to :meth:`weighting_function`."""
-        return self.weighting_function(tensor.distribution, plate.size)
+        # plain Monte Carlo draws and weights come from this method's proposal_dist and
+        # weighting_function (the proposal's delegate; a reference, so the method still pickles)
+        self.sampling_method.set_delegate(self)
 
     @property
     def n_samples(self) -> int:
-        return getattr(self.sampling_method, "n_samples", 1)
+        """The number of samples the proposal draws (see ``SamplingMethod.n_samples``)."""
+        return self.sampling_method.n_samples
 
     # --------------------------------------------------------------- sampling
     def forward(self, distr: Distribution) -> StochasticTensor:
@@ -208,14 +215,14 @@ class Method(nn.Module):
                 f"{type(self).__name__}: the distribution's parameters already carry a plate named "
                 f"{self.plate_name!r}; give this node another name."
             )
-        with _Disable():
+        with no_dispatch():
             samples = self.sampling_method(distr, parents.plates, self.reparameterized)
         self._check_samples(distr, samples, parents.sizes)
         plate = Plate(self.plate_name, samples.shape[0], parents=parents.plates)
         layout = layout_of_plates((plate,) + parents.plates)
         node = StochasticNode(self.plate_name, self, distr, samples, layout, plate)
         plate.node = node
-        tensor = StochasticTensor._from_node(_alias(samples), node)
+        tensor = StochasticTensor._from_node(alias(samples), node)
         plate.weight = self._plate_weight(tensor, plate)
         restore_lazy_plates(distr)  # parameters computed while sampling with dispatch disabled
         if not self.reparameterized and torch.is_grad_enabled() and get_distr_parameters(distr):
@@ -253,7 +260,7 @@ class Method(nn.Module):
             return plate.weight  # the uniform 1/n the plate was created with
         if isinstance(weight, Tensor):
             return weight
-        samples = tensor._node.samples  # a plain weight follows the node's device and floating dtype
+        samples = node_of(tensor).samples  # a plain weight follows the node's device and floating dtype
         weight = torch.as_tensor(weight, device=samples.device)
         if weight.is_floating_point():
             weight = weight.to(floating_dtype(tensor.distribution, samples))
@@ -307,6 +314,11 @@ class Method(nn.Module):
         if a is None:
             return l, None
         return l, (1.0 - magic_box(l)) * a
+
+    def on_joint_bound(self, cost_name: str, plate: Plate, log_w: Tensor, later: Sequence[Plate] = ()) -> None:
+        """Called by :func:`storch.method.iwae_bound` when the bound over this node's ``plate`` is
+        registered as cost ``cost_name``, with the per-sample log-weights ``log_w``; ``later`` are
+        the plates of reparameterized nodes sampled after this one. Does nothing by default."""
 
     def update_parameters(self, result_triples: Sequence[tuple]) -> None:
         """Called once after each :func:`storch.backward` that used this method."""

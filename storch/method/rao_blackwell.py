@@ -30,10 +30,10 @@ from storch.method.method import Method, log_prob
 from storch.sampling.method import check_count
 from storch.sampling.swor import SumAndSampleRest  # the proposal (defined with the other WOR proposals)
 from storch.sampling.swor import check_single_variable as _check_single_variable
-from storch.tensor import StochasticTensor
+from storch.extend import StochasticTensor
 
 if TYPE_CHECKING:  # pragma: no cover
-    from storch.tensor import CostTensor
+    from storch.extend import CostTensor
 
 __all__ = ["RaoBlackwellSF", "SumAndSampleRest"]
 
@@ -59,13 +59,17 @@ class RaoBlackwellSF(Method):
     Examples:
         >>> import torch, storch
         >>> from torch.distributions import OneHotCategorical
+        >>> _ = torch.manual_seed(0)
         >>> theta = torch.tensor([2.0, 0.0, -1.0, 0.5], requires_grad=True)
-        >>> z = RaoBlackwellSF("z", k=3)(OneHotCategorical(logits=theta))
+        >>> z = RaoBlackwellSF("z", k=3, n_sampled=1000)(OneHotCategorical(logits=theta))
         >>> z._tensor[:2].argmax(-1).tolist()   # the two most probable values, summed exactly
         [0, 3]
-        >>> storch.add_cost((z * torch.tensor([1.0, 2.0, 3.0, 4.0])).sum(-1), "f")
-        >>> _ = storch.backward(); theta.grad.shape
-        torch.Size([4])
+        >>> v = torch.tensor([1.0, 2.0, 3.0, 4.0])
+        >>> storch.add_cost((z * v).sum(-1), "f")
+        >>> _ = storch.backward()
+        >>> pi = theta.detach().softmax(-1)      # exact: ∂/∂θ Σ_k π_k v_k = π (v − πᵀv)
+        >>> theta.grad.shape, bool(torch.allclose(theta.grad, pi * (v - pi @ v), atol=0.02))
+        (torch.Size([4]), True)
     """
 
     def __init__(self, plate_name: str, k: int, n_sampled: int = 1) -> None:

@@ -16,7 +16,7 @@ import torch
 from storch.method.baseline import BaselineFactory, make_baseline
 from storch.method.method import DEFAULT_N_SAMPLES, Method, log_prob, proposal_arguments
 from storch.sampling.method import SamplingMethod
-from storch.tensor import CostTensor, StochasticTensor
+from storch.extend import CostTensor, StochasticTensor
 
 __all__ = ["ScoreFunction"]
 

@@ -2,7 +2,7 @@
 discrete random variables by sampling without replacement") and its Gumbel-softmax relaxation.
 
 For a set ``S`` of ``k`` distinct values drawn without replacement (Gumbel-top-k) and the
-leave-one-out ratio ``R(S, s) = P^{D∖{s}}(S∖{s}) / P^D(S)`` (:mod:`storch.sampling.unordered`),
+leave-one-out ratio ``R(S, s) = P^{D∖{s}}(S∖{s}) / P^D(S)`` (:mod:`storch.sampling.unordered_set`),
 
     ∇ E_p[f] = E_S[ Σ_{s∈S} p(s) R(S, s) ∇log p(s) · (f(s) − B(S, s)) ],
     B(S, s) = p(s) f(s) + Σ_{s'∈S, s'≠s} p(s') R^{D∖{s}}(S, s') f(s'),
@@ -12,14 +12,14 @@ with the second-order ratio ``R^{D∖{s}}(S, s') = P^{D∖{s,s'}}(S∖{s,s'}) / 
 and ``S∖{s}`` as a set from ``D∖{s}``; its expectation given ``s ∈ S`` is ``E_p[f]`` for every
 ``s``, so it is a valid baseline.
 
-Components: proposal Gumbel-top-k (:class:`storch.sampling.unordered.UnorderedSet`); weight
+Components: proposal Gumbel-top-k (:class:`storch.sampling.unordered_set.UnorderedSet`); weight
 ``p(s) R(S, s)`` (detached); gradient function ``log p(s)``; control variate ``B(S, s)`` (detached).
 Since ``E_S[Σ_{s∈S} p(s) R(S, s) h(s, S∖{s})] = Σ_s p(s) E_{S'~P^{D∖{s}}}[h(s, S')]``, both conditions
 of the Storchastic theorem hold for every order, so derivatives of every order are unbiased, with
 and without the baseline.
 
 :class:`UnorderedSetGumbelSoftmax` instead relaxes the elements of the set
-(:class:`storch.sampling.unordered.GumbelSoftmaxWOR`) and differentiates pathwise: biased.
+(:class:`storch.sampling.unordered_set.GumbelSoftmaxWOR`) and differentiates pathwise: biased.
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ from typing import Optional
 import torch
 
 from storch.method.method import Method
-from storch.method.wor import ScoreFunctionWOR
-from storch.plate import layout_of_plates
+from storch.method.score_function_wor import ScoreFunctionWOR
+from storch.extend import CostTensor, StochasticTensor, layout_of, layout_of_plates, no_dispatch, wrap_new
 from storch.sampling.method import check_count
-from storch.sampling.unordered import DEFAULT_STEP, GumbelSoftmaxWOR, UnorderedSet
-from storch.tensor import CostTensor, StochasticTensor, _Disable, wrap_new
+from storch.sampling.unordered_set import DEFAULT_STEP, GumbelSoftmaxWOR, UnorderedSet
 
 __all__ = ["UnorderedSetEstimator", "UnorderedSetGumbelSoftmax"]
 
@@ -53,7 +52,7 @@ class UnorderedSetEstimator(ScoreFunctionWOR):
         eos: the end-of-sequence value index, for sequences decoded step by step.
 
     Sequences: call the same method once per decoding step, as for
-    :class:`storch.method.wor.ScoreFunctionWOR` (stochastic beam search). The set of step ``t`` is a
+    :class:`storch.method.score_function_wor.ScoreFunctionWOR` (stochastic beam search). The set of step ``t`` is a
     sample without replacement of prefixes of length ``t``, so a cost registered at step ``t`` is
     estimated with the unordered set weights and baseline of those prefixes (``p`` = the prefix
     probability, ``p(D∖S) = 1 − Σ_S p``).
@@ -68,6 +67,13 @@ class UnorderedSetEstimator(ScoreFunctionWOR):
         >>> storch.add_cost((z * torch.arange(5.0)).sum(-1), "f")
         >>> _ = storch.backward(); theta.grad.shape
         torch.Size([5])
+        >>> theta.grad = None
+        >>> zs = UnorderedSetEstimator("zs", k=5)(OneHotCategorical(logits=theta))   # the whole support
+        >>> storch.add_cost((zs * torch.arange(5.0)).sum(-1), "g")
+        >>> _ = storch.backward()
+        >>> pi, v = theta.detach().softmax(-1), torch.arange(5.0)   # exact: π (v − πᵀv)
+        >>> bool(torch.allclose(theta.grad, pi * (v - pi @ v), atol=1e-5))
+        True
     """
 
     def __init__(
@@ -89,9 +95,9 @@ class UnorderedSetEstimator(ScoreFunctionWOR):
         sampler: UnorderedSet = self.sampling_method  # type: ignore[assignment]
         state = sampler.state_of(tensor)
         plate = tensor.plate
-        node_layout = tensor._layout
-        cost_layout = cost._layout
-        with _Disable():
+        node_layout = layout_of(tensor)
+        cost_layout = layout_of(cost)
+        with no_dispatch():
             m = sampler.log_baseline_matrix(state).exp()  # (n, n', *B), node layout for (s, *B)
             m = m.movedim(1, -1).to(cost.dtype)  # (n, *B, n')
             if tuple(m.shape[:-1]) != tuple(node_layout.sizes):
@@ -114,7 +120,7 @@ class UnorderedSetEstimator(ScoreFunctionWOR):
 class UnorderedSetGumbelSoftmax(Method):
     """Gumbel-softmax relaxation of the elements of an unordered set (biased).
 
-    Samples :class:`storch.sampling.unordered.GumbelSoftmaxWOR`: ``k`` relaxed samples ``y_s`` whose
+    Samples :class:`storch.sampling.unordered_set.GumbelSoftmaxWOR`: ``k`` relaxed samples ``y_s`` whose
     ``τ → 0`` limits are the Gumbel-top-k set ``S``, weighted by ``w(s) = p(s) R(S, s)``,
     differentiable with ``S`` held fixed. The gradient ``Σ_{s∈S} ∇(w(s) f(y_s))`` is pathwise; it is
     **biased** (the relaxation, as for :class:`storch.method.GumbelSoftmax`, and the jumps of the
@@ -153,11 +159,21 @@ class UnorderedSetGumbelSoftmax(Method):
     Examples:
         >>> import torch, storch
         >>> from torch.distributions import OneHotCategorical
+        >>> _ = torch.manual_seed(0)
         >>> theta = torch.tensor([1.0, 0.0, -1.0, 0.5], requires_grad=True)
+        >>> v = torch.tensor([1.0, 2.0, 3.0, 4.0])
         >>> z = UnorderedSetGumbelSoftmax("z", k=2, initial_temperature=0.5)(OneHotCategorical(logits=theta))
-        >>> storch.add_cost((z * torch.tensor([1.0, 2.0, 3.0, 4.0])).sum(-1), "f")
-        >>> _ = storch.backward(); theta.grad.shape
-        torch.Size([4])
+        >>> z.shape, bool(torch.allclose(z._tensor.sum(-1), torch.ones(2)))   # 2 relaxed one-hot samples
+        (torch.Size([2, 4]), True)
+        >>> storch.add_cost((z * v).sum(-1), "f")
+        >>> _ = storch.backward()
+        >>> theta.grad.shape, abs(theta.grad.sum().item()) < 1e-5   # softmax logits: the entries sum to 0
+        (torch.Size([4]), True)
+        >>> # the whole support (k = 4), straight-through: weights p(s), forward value E_p[f] exactly
+        >>> zs = UnorderedSetGumbelSoftmax("zs", k=4, straight_through=True)(OneHotCategorical(logits=theta))
+        >>> storch.add_cost((zs * v).sum(-1), "g")
+        >>> bool(torch.isclose(storch.backward(), (theta.softmax(-1) * v).sum()))
+        True
     """
 
     reparameterized = True

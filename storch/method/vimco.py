@@ -33,12 +33,19 @@ import torch
 
 from storch.inference import add_cost
 from storch.method.method import Method, log_prob
-from storch.plate import Plate
-from storch.reduce import reduce_plates
-from storch.reduce import sum as plate_sum
+from storch.extend import (
+    CostTensor,
+    Plate,
+    StochasticTensor,
+    Tensor,
+    layout_of,
+    magic_box,
+    no_dispatch,
+    wrap_new,
+)
+from storch.reductions import reduce_plates
+from storch.reductions import sum as plate_sum
 from storch.sampling.method import check_count
-from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout_of, wrap_new
-from storch.util import magic_box
 
 __all__ = ["VIMCO", "iwae_bound", "leave_one_out_bounds"]
 
@@ -109,14 +116,19 @@ class VIMCO(Method):
         self.baseline = bool(baseline)
         self._bounds: dict[str, _Bound] = {}
 
+    handles_joint_bound = True
+
+    def on_joint_bound(self, cost_name: str, plate: Plate, log_w: Tensor, later: Sequence[Plate] = ()) -> None:
+        self.register_bound(cost_name, plate, log_w, later)
+
     def register_bound(self, cost_name: str, plate: Plate, log_w: Tensor, later: Sequence[Plate] = ()) -> None:
         """Remember the leave-one-out baselines of the bound registered as cost ``cost_name``.
 
         Called by :func:`iwae_bound`. ``later`` are the plates of reparameterized nodes sampled after
         this one: the cost reaches this node with them reduced, so the baselines are reduced too.
         """
-        layout = log_w._layout
-        with _Disable():
+        layout = layout_of(log_w)
+        with no_dispatch():
             baseline = -leave_one_out_bounds(log_w.detach().view_as(log_w), layout.index(plate))
         baseline_t = wrap_new(baseline, layout)
         if later:
@@ -223,7 +235,7 @@ def iwae_bound(
                 f"{type(p.node.method).__name__}; a per-sample estimator there would be biased for the "  # type: ignore[union-attr]
                 "joint bound. Reparameterize it, or sample it inside the bound's node."
             )
-    if not (isinstance(method, VIMCO) or method.reparameterized):
+    if not (method.handles_joint_bound or method.reparameterized):
         raise ValueError(
             f"iwae_bound: node {plate.name!r} is sampled with {type(method).__name__}, which credits each "
             f"sample with its own cost; the bound is a joint function of all {plate.size} samples. Use "
@@ -231,13 +243,12 @@ def iwae_bound(
         )
     k = plate.size
     i = layout.index(plate)
-    with _Disable():
+    with no_dispatch():
         values = log_w.view_as(log_w)
         kept = torch.logsumexp(values, i, keepdim=True) - math.log(k)
         bound = kept.squeeze(i)
         cost = (-kept).expand_as(values)
     bound_t = wrap_new(bound, layout.without([plate]))
-    if isinstance(method, VIMCO):
-        method.register_bound(name, plate, log_w, newer)  # type: ignore[arg-type]
+    method.on_joint_bound(name, plate, log_w, newer)
     add_cost(wrap_new(cost, layout), name)
     return bound_t

@@ -1,8 +1,8 @@
 """Sampling methods (``storch.sampling``): the proposal component of an estimator.
 
-:mod:`storch.sampling.seq` and :mod:`storch.sampling.unordered_set` give the manual's module paths
-to classes defined in :mod:`storch.sampling.swor`, :mod:`storch.sampling.decoding`,
-:mod:`storch.sampling.unordered` and :mod:`storch.plate`.
+:mod:`storch.sampling.seq` gives the manual's module path to classes defined in
+:mod:`storch.sampling.swor`, :mod:`storch.sampling.decoding` and :mod:`storch.plate`;
+:mod:`storch.sampling.unordered_set` is both the manual's path and the home of unordered sets.
 """
 
 from storch.sampling.decoding import MCDecoder
@@ -10,7 +10,7 @@ from storch.sampling.expect import Enumerate
 from storch.sampling.importance import ImportanceSampling
 from storch.sampling.method import MonteCarlo, SamplingMethod
 from storch.sampling.swor import SampleWithoutReplacement, SequenceSampler
-from storch.sampling.unordered import GumbelSoftmaxWOR, UnorderedSet
+from storch.sampling.unordered_set import GumbelSoftmaxWOR, UnorderedSet
 from storch.sampling import seq, unordered_set  # the manual's module paths
 
 __all__ = [

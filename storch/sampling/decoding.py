@@ -26,7 +26,7 @@ __all__ = ["MCDecoder"]
 class MCDecoder(SequenceSampler):
     """``k`` i.i.d. sequences decoded step by step (ancestral sampling), each with weight ``1/k``.
 
-    Use it as the proposal of :class:`storch.method.wor.ScoreFunctionWOR`, which then is the plain
+    Use it as the proposal of :class:`storch.method.score_function_wor.ScoreFunctionWOR`, which then is the plain
     score function over sequences: ``ScoreFunctionWOR("seq", k, sampling_method=MCDecoder("seq", k,
     eos=EOS))``, called once per step as for sampling without replacement.
 
@@ -38,7 +38,7 @@ class MCDecoder(SequenceSampler):
     Examples:
         >>> import torch, storch
         >>> from torch.distributions import Categorical
-        >>> from storch.method.wor import ScoreFunctionWOR
+        >>> from storch.method.score_function_wor import ScoreFunctionWOR
         >>> method = ScoreFunctionWOR("seq", 5, sampling_method=MCDecoder("seq", 5, eos=0))
         >>> x1 = method(Categorical(logits=torch.zeros(3)))
         >>> x2 = method(Categorical(logits=x1.unsqueeze(-1) * torch.tensor([0.0, 1.0, 2.0])))

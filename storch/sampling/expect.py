@@ -14,13 +14,11 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 from torch.distributions import Bernoulli, Categorical, Distribution, OneHotCategorical
 
-from storch.plate import Plate
+from storch.extend import Plate, layout_of, log_prob_of_own_samples, no_dispatch, wrap_new
 from storch.sampling.method import SamplingMethod, check_count
-from storch.tensor import _Disable, wrap_new
-from storch.util import log_prob_of_own_samples
 
 if TYPE_CHECKING:  # pragma: no cover
-    from storch.tensor import StochasticTensor
+    from storch.extend import StochasticTensor
 
 __all__ = ["Enumerate"]
 
@@ -76,8 +74,8 @@ class Enumerate(SamplingMethod):
 
     def weighting_function(self, tensor: "StochasticTensor", plate: Plate) -> Optional[torch.Tensor]:
         """The joint probability ``p(x)`` of each configuration (differentiable)."""
-        layout = tensor._layout
-        with _Disable():
+        layout = layout_of(tensor)
+        with no_dispatch():
             p = probability_of_value(tensor.distribution, tensor)
             if p is None:
                 p = log_prob_of_own_samples(tensor.distribution, tensor).exp()

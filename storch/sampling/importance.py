@@ -21,13 +21,11 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 import torch
 from torch.distributions import Distribution
 
-from storch.plate import Plate
+from storch.extend import Plate, layout_of, log_prob_of_own_samples, node_of, wrap_new
 from storch.sampling.method import SamplingMethod, check_count
-from storch.tensor import wrap_new
-from storch.util import log_prob_of_own_samples
 
 if TYPE_CHECKING:  # pragma: no cover
-    from storch.tensor import StochasticTensor
+    from storch.extend import StochasticTensor
 
 __all__ = ["ImportanceSampling"]
 
@@ -58,15 +56,18 @@ class ImportanceSampling(SamplingMethod):
         >>> import torch, storch
         >>> from torch.distributions import OneHotCategorical
         >>> from storch.method import ScoreFunction
-        >>> theta = torch.zeros(3, requires_grad=True)
-        >>> uniform = OneHotCategorical(probs=torch.ones(3) / 3)
-        >>> z = ScoreFunction("z", sampling_method=ImportanceSampling("z", 4, uniform))(
+        >>> _ = torch.manual_seed(0)
+        >>> theta = torch.zeros(3, requires_grad=True)          # p uniform
+        >>> r = OneHotCategorical(probs=torch.tensor([0.5, 0.25, 0.25]))
+        >>> z = ScoreFunction("z", sampling_method=ImportanceSampling("z", 1000, r))(
         ...     OneHotCategorical(logits=theta))
-        >>> z.plate.weight.shape       # one weight p(x)/(n r(x)) per sample
-        torch.Size([4])
+        >>> w = z.plate.weight._tensor    # one weight p(x)/(n r(x)) per sample
+        >>> w.shape, bool(torch.allclose(w, (1 / 3) / (1000 * r.probs[z._tensor.argmax(-1)])))
+        (torch.Size([1000]), True)
         >>> storch.add_cost((z * torch.tensor([1.0, 2.0, 3.0])).sum(-1), "f")
-        >>> _ = storch.backward(); theta.grad.shape
-        torch.Size([3])
+        >>> _ = storch.backward()   # exact: ∂/∂θ Σ_k π_k v_k = π (v − πᵀv) = [−1/3, 0, 1/3]
+        >>> theta.grad.shape, bool(torch.allclose(theta.grad, torch.tensor([-1 / 3, 0.0, 1 / 3]), atol=0.1))
+        (torch.Size([3]), True)
     """
 
     def __init__(self, plate_name: str, n_samples: int, proposal: Proposal) -> None:
@@ -131,12 +132,12 @@ class ImportanceSampling(SamplingMethod):
     def weighting_function(self, tensor: "StochasticTensor", plate: Plate) -> Optional[torch.Tensor]:
         """The detached importance weights ``p(x) / (n r(x))``, one per sample and per parent plate."""
         pending, self._pending = self._pending, None
-        if pending is None or pending[0] is not tensor._node.samples:
+        if pending is None or pending[0] is not node_of(tensor).samples:
             raise RuntimeError(
                 f"ImportanceSampling({self.plate_name!r}): weights are computed right after sampling; "
                 "call the method on a distribution instead of using the sampling method directly."
             )
-        return wrap_new(pending[1].exp(), tensor._layout)
+        return wrap_new(pending[1].exp(), layout_of(tensor))
 
     def reset(self) -> None:
         self._pending = None

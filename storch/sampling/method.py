@@ -19,10 +19,11 @@ import torch
 from torch import nn
 from torch.distributions import Distribution
 
-from storch.plate import Plate
+from storch.extend import Plate
 
 if TYPE_CHECKING:  # pragma: no cover
-    from storch.tensor import StochasticTensor
+    from storch.extend import StochasticTensor
+    from storch.method.method import Method
 
 __all__ = ["SamplingMethod", "MonteCarlo", "check_count"]
 
@@ -30,7 +31,7 @@ SampleFn = Callable[[Distribution, Sequence[Plate], int], torch.Tensor]
 WeightFn = Callable[["StochasticTensor", Plate], Optional[torch.Tensor]]
 
 
-def _describe(value: Any) -> str:
+def describe_argument(value: Any) -> str:
     """``value`` for an error message: a short one-line repr and its type, e.g. ``2.5 (float)``."""
     if isinstance(value, nn.Module):
         text = f"a {type(value).__name__} module"
@@ -62,11 +63,11 @@ def check_count(value: Any, name: str, owner: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or type(value).__name__ in ("bool_", "bool") or (
         isinstance(value, torch.Tensor) and (value.dtype == torch.bool or value.dim() != 0)
     ):
-        raise TypeError(f"{owner}: {name} must be {kind}, got {_describe(value)}.")
+        raise TypeError(f"{owner}: {name} must be {kind}, got {describe_argument(value)}.")
     try:
         count = operator.index(value)
     except TypeError:
-        raise TypeError(f"{owner}: {name} must be {kind}, got {_describe(value)}.") from None
+        raise TypeError(f"{owner}: {name} must be {kind}, got {describe_argument(value)}.") from None
     if count < minimum:
         raise ValueError(f"{owner}: {name} must be at least {minimum}, got {count}.")
     return count
@@ -78,9 +79,12 @@ class SamplingMethod(nn.Module, ABC):
     Hooks:
         * :meth:`sample` — draw the sample set;
         * :meth:`weighting_function` — weight of each sample (``None``: uniform ``1/n``);
-        * :meth:`set_mc_sample`, :meth:`set_mc_weighting_function` — let a gradient estimator
-          replace how plain Monte Carlo samples are drawn or weighted (e.g. ``rsample`` instead of
-          ``sample``), so estimators and proposals combine freely;
+        * :attr:`delegate` — the estimator that owns this proposal (set by
+          :class:`storch.method.Method`); plain Monte Carlo draws and weights come from its
+          ``proposal_dist`` and ``weighting_function`` (e.g. ``rsample`` instead of ``sample``), so
+          estimators and proposals combine freely;
+        * :meth:`set_mc_sample`, :meth:`set_mc_weighting_function` — replace those two functions
+          explicitly (the manual's hooks; they take precedence over the delegate);
         * :meth:`update_parameters` — called once after every :func:`storch.backward`;
         * :meth:`reset` — forget any state.
 
@@ -100,11 +104,31 @@ class SamplingMethod(nn.Module, ABC):
         >>> storch.reset()
     """
 
+    #: the number of samples drawn, where it is fixed in advance (subclasses set it; 1 otherwise,
+    #: e.g. for enumeration, whose number depends on the distribution)
+    n_samples: int = 1
+
     def __init__(self, plate_name: str) -> None:
         super().__init__()
         self.plate_name = plate_name
         self.mc_sample: SampleFn | None = None
         self.mc_weighting_function: WeightFn | None = None
+        self.set_delegate(None)
+
+    @property
+    def delegate(self) -> Optional["Method"]:
+        """The estimator whose ``proposal_dist`` and ``weighting_function`` define plain Monte Carlo
+        draws and weights (``None``: ``sample``/``rsample`` and uniform weights)."""
+        return self.__dict__["_delegate"]
+
+    def set_delegate(self, method: Optional["Method"]) -> "SamplingMethod":
+        """Make ``method`` the :attr:`delegate` of this proposal (done by ``Method.__init__``).
+
+        The estimator is held as a plain reference, not registered as a submodule: the estimator
+        owns its proposal, so registering it back would make the module tree a cycle.
+        """
+        self.__dict__["_delegate"] = method
+        return self
 
     def forward(self, distr: Distribution, plates: Sequence[Plate], requires_grad: bool) -> torch.Tensor:
         return self.sample(distr, plates, requires_grad)
@@ -127,6 +151,8 @@ class SamplingMethod(nn.Module, ABC):
         """
         if self.mc_weighting_function is not None:
             return self.mc_weighting_function(tensor, plate)
+        if self.delegate is not None:
+            return self.delegate.weighting_function(tensor.distribution, plate.size)
         return None
 
     def set_mc_sample(self, new_sample_func: SampleFn) -> "SamplingMethod":
@@ -152,8 +178,10 @@ class MonteCarlo(SamplingMethod):
     Examples:
         >>> import torch
         >>> from torch.distributions import Normal
-        >>> MonteCarlo("z", 4).sample(Normal(torch.zeros(3), 1.0), (), False).shape
-        torch.Size([4, 3])
+        >>> d = Normal(torch.zeros(3), 1.0)
+        >>> _ = torch.manual_seed(0); x = MonteCarlo("z", 4).sample(d, (), False)
+        >>> _ = torch.manual_seed(0); x.shape, torch.equal(x, d.sample((4,)))   # 4 plain draws of d
+        (torch.Size([4, 3]), True)
     """
 
     def __init__(self, plate_name: str, n_samples: int = 1) -> None:
@@ -163,6 +191,8 @@ class MonteCarlo(SamplingMethod):
     def sample(self, distr: Distribution, plates: Sequence[Plate], requires_grad: bool) -> torch.Tensor:
         if self.mc_sample is not None:
             return self.mc_sample(distr, plates, self.n_samples)
+        if self.delegate is not None:
+            return self.delegate.proposal_dist(distr, self.n_samples)
         if requires_grad:
             return distr.rsample((self.n_samples,))
         return distr.sample((self.n_samples,))

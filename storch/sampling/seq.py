@@ -25,10 +25,9 @@ from typing import Callable, Union
 
 import torch
 
-from storch.plate import AncestralPlate, merge_layouts
+from storch.extend import AncestralPlate, layout_of, merge_layouts
 from storch.sampling.decoding import MCDecoder
 from storch.sampling.swor import SequenceSampler
-from storch.tensor import layout_of
 from storch.wrappers import deterministic
 
 __all__ = [
@@ -142,8 +141,10 @@ def expand_with_ignore_as(tensor: torch.Tensor, expand_as: torch.Tensor, ignore_
 
     Examples:
         >>> import torch
-        >>> expand_with_ignore_as(torch.zeros(4, 2), torch.zeros(3, 4, 7), -1).shape
-        torch.Size([3, 4, 2])
+        >>> t = torch.arange(8).reshape(4, 2)
+        >>> out = expand_with_ignore_as(t, torch.zeros(3, 4, 7), -1)
+        >>> out.shape, bool((out == t).all())          # 3 copies of t
+        (torch.Size([3, 4, 2]), True)
     """
     if isinstance(ignore_dim, bool) or not isinstance(ignore_dim, (str, int)):
         raise TypeError(

@@ -53,14 +53,20 @@ import torch
 import torch.nn.functional as F
 from torch.distributions import Bernoulli, Categorical, Distribution, OneHotCategorical
 
-from storch.plate import Plate
-from storch.registry import TypeRegistry
+from storch.extend import (
+    Plate,
+    Tensor,
+    TypeRegistry,
+    layout_of,
+    log_prob_of_own_samples,
+    no_dispatch,
+    node_of,
+    wrap_new,
+)
 from storch.sampling.method import SamplingMethod, check_count
-from storch.tensor import Tensor, _Disable, wrap_new
-from storch.util import log_prob_of_own_samples
 
 if TYPE_CHECKING:  # pragma: no cover
-    from storch.tensor import StochasticTensor
+    from storch.extend import StochasticTensor
 
 __all__ = [
     "SequenceSampler", "SampleWithoutReplacement", "WORState", "WORSupport", "register_wor_support", "wor_support",
@@ -293,7 +299,7 @@ class SequenceSampler(SamplingMethod):
     """Base class of proposals that draw sets of values and extend them step by step (sequences).
 
     Subclasses implement :meth:`draw` (the set of one call), :meth:`extend` (extend the set of the
-    previous step of a sequence) and :meth:`weights`. :class:`storch.method.wor.ScoreFunctionWOR`
+    previous step of a sequence) and :meth:`weights`. :class:`storch.method.score_function_wor.ScoreFunctionWOR`
     calls them; each step's :class:`WORState` lives on its plate (``plate.info``).
 
     Args:
@@ -352,16 +358,16 @@ class SequenceSampler(SamplingMethod):
 
     def state_of(self, tensor: "StochasticTensor") -> WORState:
         """The :class:`WORState` behind ``tensor``'s plate."""
-        info = getattr(tensor.plate, "info", None)
+        info = tensor.plate.info
         if not isinstance(info, WORState):
             raise ValueError(
                 f"{type(self).__name__}({self.plate_name!r}): no sampled set is recorded on plate "
-                f"{tensor.plate.name!r}; sample it with storch.method.wor.ScoreFunctionWOR."
+                f"{tensor.plate.name!r}; sample it with storch.method.score_function_wor.ScoreFunctionWOR."
             )
         return info
 
     def weighting_function(self, tensor: "StochasticTensor", plate: Plate) -> Optional[torch.Tensor]:
-        state = getattr(plate, "info", None)
+        state = plate.info
         if not isinstance(state, WORState):  # drawn through the generic Method.forward
             state, self._pending = self._pending, None
         if state is None:
@@ -369,9 +375,9 @@ class SequenceSampler(SamplingMethod):
                 f"{type(self).__name__}({self.plate_name!r}): weighting_function called without a "
                 "preceding sample."
             )
-        with _Disable():
+        with no_dispatch():
             w = self.weights(state)
-        return None if w is None else wrap_new(w, tensor._layout)
+        return None if w is None else wrap_new(w, layout_of(tensor))
 
     def reset(self) -> None:
         self._pending = None
@@ -416,7 +422,7 @@ class SampleWithoutReplacement(SequenceSampler):
     the parameters' plates and weights each by ``p(s)/q_κ(s)`` (Kool, van Hoof & Welling 2019,
     ICML). Several independent variables (non-plate batch dimensions) are sampled jointly: the set
     holds distinct *joint* configurations, drawn by stochastic beam search over the variables.
-    Called step by step on a sequence (:class:`storch.method.wor.ScoreFunctionWOR`) it runs
+    Called step by step on a sequence (:class:`storch.method.score_function_wor.ScoreFunctionWOR`) it runs
     stochastic beam search over prefixes.
 
     Args:
@@ -623,12 +629,12 @@ class SumAndSampleRest(SamplingMethod):
         """``p(x)`` on the summed values and ``(1 − q)/n_sampled`` (i.i.d.) or ``p(x)/q_κ(x)``
         (without replacement) on the samples, detached."""
         pending, self._pending = self._pending, None
-        if pending is None or pending[0] is not tensor._node.samples:
+        if pending is None or pending[0] is not node_of(tensor).samples:
             raise RuntimeError(
                 f"{self._owner_name}({self.plate_name!r}): weights are computed right after sampling; call "
                 "the method on a distribution instead of using its sampling method directly."
             )
-        return wrap_new(pending[1], tensor._layout)
+        return wrap_new(pending[1], layout_of(tensor))
 
     def reset(self) -> None:
         self._pending = None
@@ -673,7 +679,7 @@ class SumAndSample(SumAndSampleRest):
         sample_size: how many values outside them are sampled (at least 1).
         without_replacement: draw the samples distinct (Gumbel-top-k, weights ``p(x)/q_κ(x)``)
             instead of i.i.d. (weights ``(1 − p(summed))/sample_size``).
-        eos: must be ``None``: sequences are decoded by :class:`storch.method.wor.ScoreFunctionWOR`
+        eos: must be ``None``: sequences are decoded by :class:`storch.method.score_function_wor.ScoreFunctionWOR`
             and :class:`storch.method.UnorderedSetEstimator`, not by this proposal.
 
     Examples:
@@ -702,7 +708,7 @@ class SumAndSample(SumAndSampleRest):
             raise ValueError(
                 f"{owner}: eos={eos!r} is for sequences, which this proposal does not decode (it sums and "
                 "samples one variable per plate element). Decode sequences with "
-                "storch.method.wor.ScoreFunctionWOR or storch.method.UnorderedSetEstimator."
+                "storch.method.score_function_wor.ScoreFunctionWOR or storch.method.UnorderedSetEstimator."
             )
         super().__init__(plate_name, sum_size + 1, sample_size, without_replacement)
 

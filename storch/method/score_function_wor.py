@@ -35,13 +35,24 @@ import torch
 from torch.distributions import Distribution
 
 from storch.method.method import Method
-from storch._dispatch import align_tensor
-from storch.plate import AncestralPlate, PlateLayout, layout_of_plates
-from storch.reduce import reduce_plate
+from storch.extend import (
+    AncestralPlate,
+    CostTensor,
+    PlateLayout,
+    StochasticNode,
+    StochasticTensor,
+    alias,
+    align_to,
+    distribution_layout,
+    layout_of,
+    layout_of_plates,
+    no_dispatch,
+    reduce_plate,
+    wrap,
+    wrap_new,
+)
 from storch.sampling.method import check_count
 from storch.sampling.swor import SampleWithoutReplacement, SequenceSampler, WORState, wor_support
-from storch.tensor import CostTensor, StochasticNode, StochasticTensor, Tensor, _alias, _Disable, wrap, wrap_new
-from storch.util import distribution_layout
 
 __all__ = ["ScoreFunctionWOR"]
 
@@ -50,12 +61,12 @@ def _to_layout(t: torch.Tensor, plates, layout: PlateLayout) -> torch.Tensor:
     """Plain ``t`` with leading ``plates`` laid out (expanded) as ``layout``."""
     if not layout.plates:
         return t
-    return align_tensor(wrap(t, layout_of_plates(tuple(plates))), layout, expand=True)
+    return align_to(wrap(t, layout_of_plates(tuple(plates))), layout, expand=True)
 
 
 def _to_beams(t: torch.Tensor, src: PlateLayout, parents: PlateLayout, beam_dim: int) -> torch.Tensor:
     """A tensor of the previous step (layout ``src``) laid out as ``parents``, beam dimension first."""
-    return align_tensor(wrap(t, src), parents, expand=True).movedim(beam_dim, 0)
+    return align_to(wrap(t, src), parents, expand=True).movedim(beam_dim, 0)
 
 
 class ScoreFunctionWOR(Method):
@@ -135,7 +146,7 @@ class ScoreFunctionWOR(Method):
         sampler: SequenceSampler = self.sampling_method  # type: ignore[assignment]
         if self.plate_name in parents.names:
             return self._next_step(distr, parents)
-        with _Disable():
+        with no_dispatch():
             samples, state = sampler.draw(distr, len(parents.plates))
         self._check_samples(distr, samples, parents.sizes)
         plate = AncestralPlate(self.plate_name, samples.shape[0], parents=parents.plates, info=state)
@@ -170,7 +181,7 @@ class ScoreFunctionWOR(Method):
                 "them on the tensors the decoder uses."
             )
         others_layout = layout_of_plates(others)
-        with _Disable():
+        with no_dispatch():
             aligned = WORState(
                 log_prob=_to_beams(parent.log_prob, parent_layout, parents, beam_dim),
                 perturbed=_to_beams(parent.perturbed, parent_layout, parents, beam_dim),
@@ -190,7 +201,7 @@ class ScoreFunctionWOR(Method):
         layout = layout_of_plates((plate,) + tuple(others))
         node = StochasticNode(self.plate_name, self, distr, samples, layout, plate)
         plate.node = node
-        tensor = StochasticTensor._from_node(_alias(samples), node)
+        tensor = StochasticTensor._from_node(alias(samples), node)
         weight = self.sampling_method.weighting_function(tensor, plate)
         if weight is not None:
             plate.weight = weight
@@ -200,7 +211,7 @@ class ScoreFunctionWOR(Method):
     def gradient_function(self, tensor: StochasticTensor) -> Optional[torch.Tensor]:
         """``log p(s)``: of the whole value (all variables), or of the prefix up to this step."""
         state: WORState = self.sampling_method.state_of(tensor)  # type: ignore[attr-defined]
-        return wrap_new(_alias(state.log_prob), tensor._layout)
+        return wrap_new(alias(state.log_prob), layout_of(tensor))
 
     def control_variate(self, tensor: StochasticTensor, cost: CostTensor) -> Optional[torch.Tensor]:
         """The built-in baseline ``B = Σ_S w̄(s) f(s)`` (normalised weights), biased variant only."""

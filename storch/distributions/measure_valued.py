@@ -101,7 +101,7 @@ class MeasureValuedDecomposition:
 
 
 _DECOMPOSITIONS: TypeRegistry[MeasureValuedDecomposition] = TypeRegistry(
-    "measure-valued decomposition", register_with="storch.method.measure_valued.register_measure_valued"
+    "measure-valued decomposition", register_with="storch.distributions.measure_valued.register_measure_valued"
 )
 
 

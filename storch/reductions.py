@@ -172,7 +172,7 @@ def logsumexp(tensor: torch.Tensor, dims: PlateRef | Sequence[PlateRef]) -> torc
     return _reduce_dims(tensor, dims, "logsumexp")
 
 
-def _plate_weight(plate: Plate, detach: bool) -> torch.Tensor | None:
+def plate_weight(plate: Plate, detach: bool) -> torch.Tensor | None:
     """The weight tensor of a plate, or ``None`` if it is the uniform ``1/size``."""
     w = plate.weight
     if w is uniform_weight(plate.size):  # identity check: no device sync to read the value
@@ -195,7 +195,7 @@ def reduce_plate(tensor: Tensor, plate: Plate, detach_weights: bool = True) -> t
     value of probability 0 whose cost is ``inf``): ``0 · ∞`` would poison the sum. Finite values of
     weight zero stay in, so the derivative with respect to their weight is kept.
     """
-    w = _plate_weight(plate, detach_weights)
+    w = plate_weight(plate, detach_weights)
     if w is None:
         return _reduce_one(tensor, plate, torch.mean)
     ignored = (w == 0) & ~torch.isfinite(tensor)

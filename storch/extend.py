@@ -1,0 +1,200 @@
+"""The interface for writing estimators and samplers: everything the in-tree ones use.
+
+An estimator (:class:`storch.method.Method`) or a proposal (:class:`storch.sampling.SamplingMethod`)
+works on the plain tensors underneath storch's plated ones, says which plates its results carry,
+and registers distribution-specific math. The estimators and samplers of ``storch.method`` and
+``storch.sampling`` import the engine from here and nowhere else (``tests/test_extend.py`` checks
+it), so this interface is proven by them; see ``docs/tutorials/writing-an-estimator.md``.
+
+**Running torch without plates.** Inside ``with no_dispatch():`` operations on storch tensors run
+as plain torch operations (no alignment, no wrapping, no plate checks); results are plain tensors.
+
+**Tensors and plates.**
+
+* ``layout_of(t)``: the :class:`~storch.plate.PlateLayout` of ``t`` (empty for plain tensors)
+* ``plain(t)``: a plain ``torch.Tensor`` view of ``t`` (same autograd graph)
+* ``wrap(t, layout)``: a storch view of ``t`` with ``layout`` (``t`` untouched)
+* ``wrap_new(t, layout)``: make a fresh plain result, held by nobody else, a storch tensor (no view)
+* ``node_of(t)``: the :class:`StochasticNode` of samples: ``samples``, ``distribution``, ``method``,
+  ``plate``, ``layout``, ``param_grads``
+* ``layout_of_plates(plates)``: the (cached) layout of plates in the order given
+* ``merge_layouts(layouts)``: the union of layouts, newest plate first
+* ``align_to(t, layout)``: a view of ``t`` laid out for a larger layout (under ``no_dispatch``)
+* ``expand_plain(t, layout)``: a plain tensor expanded to carry every plate of ``layout``
+* ``plate_weight(plate)``: a plate's weight tensor, or ``None`` for the uniform ``1/size``
+* ``reduce_plate(t, plate)``: the weighted sum of ``t`` over one plate
+* ``distribution_layout(d)``: the union of the plates of a distribution's parameters
+* ``get_distr_parameters(d)``: a distribution's parameters by name (those that require grad)
+* ``floating_dtype(d, samples)``: the floating dtype of a distribution's parameters (for weights)
+* ``restore_lazy_plates(d)``: re-wrap lazily computed parameters (``probs`` from ``logits``)
+* ``log_prob_of_own_samples``: ``d.log_prob(samples)`` without re-validating samples ``d`` produced
+* ``note_sampled(plate)``: mark a node that must reach a cost (the unused-node warning)
+* ``magic_box(l)``: ``exp(l - stopgrad(l))``: 1 in value, ``∇l`` in derivative (DiCE)
+* ``rsample_gumbel_softmax``: a reparameterized Gumbel-softmax draw
+
+**Operations.** :func:`register_operation` says how a function treats plates (elementwise, joins,
+dimension arguments, …) when it is not one of torch's that storch already knows.
+
+**Registries.** Distribution-specific math is kept in :class:`TypeRegistry` instances, each filled
+by one ``register_*`` function (most specific base class wins; ambiguity and double registration
+are errors). All of them are available here:
+
+* ``register_relaxation``: continuous relaxation of a discrete distribution (Gumbel, REBAR)
+* ``register_cumulants``: cumulants for generalized stochastic backpropagation
+* ``register_representation``: how GSB represents a distribution's samples
+* ``register_gsb_rule``: a distribution's GSB rule
+* ``register_measure_valued``: the measure-valued decomposition of a distribution (MVD)
+* ``register_coordinates``: the coordinates local expectation enumerates
+* ``register_one_hot_view``: the one-hot view straight-through estimators use
+* ``register_spsa_wrapper``: how SPSA perturbs a distribution's parameters
+* ``register_critic_inputs``: what a learned critic sees of a node
+* ``register_wor_support``: the support enumerated by sampling without replacement
+* ``register_relaxed_wor_value``: relaxed values of unordered sets (Gumbel-softmax without
+  replacement)
+
+The registries of estimators are imported when first asked for (``storch.extend.register_cumulants``
+imports ``storch.method.cumulants``), so that estimator modules can import this module without a
+cycle.
+
+Examples:
+    A proposal-independent estimator written with this interface only: the score function
+    ``E_q[f] ∇ log q`` with the log-probabilities computed on plain tensors:
+
+    >>> import torch, storch
+    >>> from torch.distributions import Bernoulli
+    >>> from storch.extend import layout_of, log_prob_of_own_samples, no_dispatch, node_of, wrap_new
+    >>> class PlainScore(storch.method.Method):
+    ...     def gradient_function(self, tensor):
+    ...         node = node_of(tensor)
+    ...         with no_dispatch():
+    ...             lp = log_prob_of_own_samples(node.distribution, node.samples)
+    ...         return wrap_new(lp, layout_of(tensor))
+    >>> _ = torch.manual_seed(0)
+    >>> p = torch.tensor(0.3, requires_grad=True)
+    >>> x = PlainScore("x", n_samples=20000)(Bernoulli(p))
+    >>> storch.add_cost((x - 2.0) ** 2, "f")                # E f = 4 - 3p, d/dp = -3
+    >>> _ = storch.backward()
+    >>> abs(p.grad.item() + 3.0) < 0.15
+    True
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from storch._dispatch import align_tensor as align_to
+from storch._dispatch import expand_plain, register_operation, union_of_layouts
+from storch._step import note_sampled
+from storch.distributions.measure_valued import register_measure_valued
+from storch.distributions.relaxation import register_relaxation
+from storch.plate import AncestralPlate, Plate, PlateLayout, layout_of_plates, merge_layouts, order_plates
+from storch.reductions import plate_weight, reduce_plate
+from storch.registry import AmbiguousLookupError, DuplicateRegistrationError, TypeRegistry, ambiguity_message
+from storch.tensor import (
+    CostTensor,
+    IndependentTensor,
+    StochasticNode,
+    StochasticTensor,
+    Tensor,
+    alias,
+    layout_of,
+    node_of,
+    plain,
+    wrap,
+    wrap_new,
+)
+from storch.util import (
+    distribution_layout,
+    floating_dtype,
+    get_distr_parameters,
+    log_prob_of_own_samples,
+    magic_box,
+    restore_lazy_plates,
+    rsample_gumbel_softmax,
+)
+
+__all__ = [
+    "no_dispatch",
+    # tensors and plates
+    "Tensor",
+    "StochasticTensor",
+    "CostTensor",
+    "IndependentTensor",
+    "StochasticNode",
+    "Plate",
+    "AncestralPlate",
+    "PlateLayout",
+    "layout_of",
+    "node_of",
+    "plain",
+    "alias",
+    "wrap",
+    "wrap_new",
+    "layout_of_plates",
+    "merge_layouts",
+    "union_of_layouts",
+    "order_plates",
+    "align_to",
+    "expand_plain",
+    "plate_weight",
+    "reduce_plate",
+    "distribution_layout",
+    "get_distr_parameters",
+    "floating_dtype",
+    "restore_lazy_plates",
+    "log_prob_of_own_samples",
+    "note_sampled",
+    # surrogate-loss helpers
+    "magic_box",
+    "rsample_gumbel_softmax",
+    # operations
+    "register_operation",
+    # registries
+    "TypeRegistry",
+    "AmbiguousLookupError",
+    "DuplicateRegistrationError",
+    "ambiguity_message",
+    "register_relaxation",
+    "register_cumulants",
+    "register_representation",
+    "register_gsb_rule",
+    "register_measure_valued",
+    "register_coordinates",
+    "register_one_hot_view",
+    "register_spsa_wrapper",
+    "register_critic_inputs",
+    "register_wor_support",
+    "register_relaxed_wor_value",
+]
+
+#: ``with no_dispatch():`` runs operations on storch tensors as plain torch operations.
+no_dispatch = torch._C.DisableTorchFunctionSubclass
+
+# Registries that live with their estimators, imported on first access (see the module docstring).
+_LAZY_REGISTRIES = {
+    "register_cumulants": "storch.method.cumulants",
+    "register_representation": "storch.method.gsb",
+    "register_gsb_rule": "storch.method.gsb",
+    "register_coordinates": "storch.method.local_expectation",
+    "register_one_hot_view": "storch.method.straight_through",
+    "register_spsa_wrapper": "storch.method.spsa",
+    "register_critic_inputs": "storch.method.critic",
+    "register_wor_support": "storch.sampling.swor",
+    "register_relaxed_wor_value": "storch.sampling.unordered_set",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY_REGISTRIES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'storch.extend' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY_REGISTRIES))
