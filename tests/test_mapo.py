@@ -419,3 +419,11 @@ def test_sparse_reward_example_tiny():
     assert sum(r.solved_at is not None for r in mapo) >= 2
     assert sum(r.solved_at is not None for r in reinforce) <= 1
     assert "solved" in mapo_sparse.table(runs)
+
+
+def test_a_baseline_that_needs_its_correction_is_refused_when_built():
+    """The Q critic depends on the sample itself; MAPO's conditional score cannot add its
+    expectation correction, so the pair is refused at construction, not after a backward pass."""
+    with pytest.raises(ValueError, match="QCritic baseline depends on the node's own sample"):
+        MAPO("y", n_samples=2, baseline_factory="q_critic")
+    assert MAPO("y", n_samples=2, baseline_factory="critic").baseline is not None

@@ -31,6 +31,10 @@ __all__ = [
 class Baseline(nn.Module, ABC):
     """A control variate for the score function, computed per registered cost."""
 
+    #: whether the baseline depends on the node's own sample, so that a method using it must add
+    #: :meth:`correction` to stay unbiased (methods that cannot refuse such a baseline when built)
+    needs_correction: bool = False
+
     @abstractmethod
     def compute_baseline(self, tensor: StochasticTensor, cost_node: CostTensor) -> torch.Tensor:
         """The baseline for ``cost_node`` (the downstream cost estimate, one value per sample)."""

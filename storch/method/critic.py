@@ -596,8 +596,9 @@ class QCritic(Critic):
     (:func:`storch.method.local_expectation.register_coordinates`: ``Bernoulli``, ``Categorical``,
     ``OneHotCategorical``, each with any batch shape). The correction is added by
     :class:`storch.method.ScoreFunction` (and :class:`storch.method.Infer`) through
-    :meth:`correction`; a method that uses the baseline's value without it gets an error after the
-    backward pass, since its gradient would be biased.
+    :meth:`correction` (``needs_correction = True``); a method that cannot apply it refuses the
+    baseline when it is built (:class:`storch.method.MAPO`), and one that uses the baseline's value
+    without it gets an error after the backward pass, since its gradient would be biased.
 
     Takes the arguments of :class:`Critic`.
 
@@ -612,6 +613,8 @@ class QCritic(Critic):
         >>> z.method.baseline.head("f").out_features   # one value per category
         3
     """
+
+    needs_correction = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

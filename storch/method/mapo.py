@@ -332,6 +332,13 @@ class MAPO(Method):
         self.systematic_exploration = systematic_exploration
         self.leave_one_out = isinstance(baseline_factory, str) and baseline_factory == "batch_average"
         self.baseline: Optional[Baseline] = None if self.leave_one_out else make_baseline(baseline_factory)
+        if self.baseline is not None and self.baseline.needs_correction:
+            raise ValueError(
+                f"{owner}: the {type(self.baseline).__name__} baseline depends on the node's own sample and "
+                "needs its expectation correction, which MAPO's conditional score cannot apply (the "
+                "gradient would be biased). Use baseline_factory='critic', 'moving_average' or "
+                "'batch_average' with MAPO, or the Q critic with ScoreFunction."
+            )
         if self.leave_one_out and n < 2:
             raise ValueError(
                 f"{owner}: the batch_average baseline averages the other samples' costs and needs "
