@@ -45,6 +45,7 @@ from storch.extend import (
     AncestralPlate,
     CostTensor,
     Plate,
+    PlateLayout,
     StochasticNode,
     StochasticTensor,
     alias,
@@ -202,6 +203,16 @@ def _sequence_support(distr: Distribution, owner: str) -> tuple[WORSupport, torc
             "storch.sampling.swor.register_wor_support."
         ) from None
     return support, support.log_probs
+
+
+def _log_mass_outside(lp: torch.Tensor, excluded: torch.Tensor, excl_valid: torch.Tensor) -> torch.Tensor:
+    """``log(1 − π(X))`` per element ``(F,)``: the differentiable log-mass outside the excluded
+    sequences ``X`` (the buffer), whose conditional score the baselines go through."""
+    if not excluded.shape[1]:
+        return lp.new_zeros((lp.shape[0],))
+    lp_x = _gather_log_prob(lp, excluded.transpose(0, 1))
+    mass_x = torch.where(excl_valid.transpose(0, 1), lp_x.exp(), torch.zeros_like(lp_x)).sum(0)
+    return torch.log((1.0 - mass_x).clamp_min(1e-30))
 
 
 def _gather_log_prob(lp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -560,6 +571,7 @@ class MAPO(Method):
         _sequence_support(distr, f"MAPO({self.plate_name!r})")
 
     def forward(self, distr: Distribution, key: Any = None) -> StochasticTensor:  # type: ignore[override]
+        """Sum the buffer of each datum exactly and sample ``n`` values outside it (see the class)."""
         owner = f"MAPO({self.plate_name!r})"
         if not isinstance(distr, Distribution):
             return super().forward(distr)  # raises the common error
@@ -570,71 +582,25 @@ class MAPO(Method):
                 f"{owner}: the distribution's parameters already carry a plate named {self.plate_name!r}; "
                 "give this node another name."
             )
-        plates = parents.plates
-        sizes = tuple(parents.sizes)
-        n_plates = len(plates)
-        n = self.n_samples
+        plates, sizes, n = parents.plates, tuple(parents.sizes), self.n_samples
         with no_dispatch():
-            support, lp_full = _sequence_support(distr, owner)
-            lp_full = plain(lp_full)
-            if tuple(lp_full.shape[:n_plates]) != sizes:
-                raise ValueError(
-                    f"{owner}: the distribution has batch shape {tuple(distr.batch_shape)}, which does not "
-                    f"start with the sizes {sizes} of its plates {list(parents.names)}."
-                )
-            var_shape = tuple(lp_full.shape[n_plates:-1])
-            n_values = lp_full.shape[-1]
-            self._init_memory(var_shape, n_values, lp_full.device)
-            n_elem, d = math.prod(sizes), math.prod(var_shape)
-            lp = lp_full.reshape((n_elem, d, n_values))
+            support, lp, var_shape = self._flat_log_probs(distr, parents, owner)  # lp: (F, D, V)
+            n_elem, d = lp.shape[0], lp.shape[1]
             keys = self._keys(plates, key)  # (*P) broadcast
-            keys_flat = keys.expand(sizes).reshape(n_elem)
-            self._ensure_keys(int(keys_flat.max()) if n_elem else 0)
-            buf_tokens = self._buf_tokens[keys_flat]  # (F, B, D)
-            buf_valid = self._buf_valid[keys_flat]
-            m = int(buf_valid.sum(-1).max()) if n_elem else 0
-            buf_tokens, buf_valid = buf_tokens[:, :m], buf_valid[:, :m]
-            excluded, excl_valid = buf_tokens, buf_valid
-            if self.systematic_exploration:
-                excluded = torch.cat([excluded, self._exp_tokens[keys_flat]], 1)
-                excl_valid = torch.cat([excl_valid, self._exp_valid[keys_flat]], 1)
+            buf_tokens, buf_valid, excluded, excl_valid = self._buffered(keys.expand(sizes).reshape(n_elem))
+            m = buf_tokens.shape[1]
             lp_detached = lp.detach().double()
             samples_tok, outside = sample_outside(lp_detached, excluded, excl_valid, n)
             tokens = torch.cat([buf_tokens.transpose(0, 1), samples_tok], 0)  # (rows, F, D)
             rows = m + n
             row_valid = torch.cat([buf_valid.transpose(0, 1), buf_valid.new_ones((n, n_elem))], 0)
-            # weights, in float64 from the detached log-probabilities
-            lp_rows = _gather_log_prob(lp_detached, tokens)  # (rows, F)
-            lp_buf = torch.where(row_valid[:m], lp_rows[:m], torch.full_like(lp_rows[:m], -math.inf))
-            log_pi_b = lp_buf.logsumexp(0) if m else lp_detached.new_full((n_elem,), -math.inf)
-            has_buffer = log_pi_b > -math.inf
-            pi_b = log_pi_b.exp()
-            w_b = pi_b if self.clip is None else torch.where(has_buffer, pi_b.clamp_min(self.clip), torch.zeros_like(pi_b))
-            within = torch.where(has_buffer, (lp_buf - log_pi_b.clamp_min(-1e300)).exp(), torch.zeros_like(lp_buf))
-            w_buffer = torch.where(row_valid[:m], within * w_b, torch.zeros_like(within))
-            if self.clip is None:
-                out_total = outside
-            else:
-                out_b = (1.0 - pi_b).clamp_min(0.0)
-                if self.systematic_exploration:
-                    out_b = torch.maximum(out_b, outside)
-                ratio = torch.where(out_b > 0, outside / out_b.clamp_min(1e-300), torch.zeros_like(out_b))
-                out_total = (1.0 - w_b).clamp_min(0.0) * ratio
-            w_samples = (out_total / n).unsqueeze(0).expand(n, n_elem)
-            weight64 = torch.cat([w_buffer, w_samples], 0)
-            # the differentiable log π(y) of each row
-            log_prob = _gather_log_prob(lp, tokens)
+            weight64, pi_b = self._row_weights(lp_detached, tokens, row_valid, m, outside)
+            log_prob = _gather_log_prob(lp, tokens)  # the differentiable log π(y) of each row
             used = row_valid & (weight64 > 0) & torch.isfinite(log_prob.detach())
             log_prob = torch.where(used, log_prob, torch.zeros_like(log_prob))
             log_outside = None
             if self.baseline is not None or self.leave_one_out:
-                lp_x = _gather_log_prob(lp, excluded.transpose(0, 1)) if excluded.shape[1] else None
-                if lp_x is None:
-                    log_outside = lp.new_zeros((n_elem,))
-                else:
-                    mass_x = torch.where(excl_valid.transpose(0, 1), lp_x.exp(), torch.zeros_like(lp_x)).sum(0)
-                    log_outside = torch.log((1.0 - mass_x).clamp_min(1e-30))
-                log_outside = log_outside.reshape(sizes)
+                log_outside = _log_mass_outside(lp, excluded, excl_valid).reshape(sizes)
             values = support.values(tokens.reshape((rows,) + sizes + var_shape))
             if values.dtype.is_floating_point and lp.dtype != values.dtype:
                 values = values.to(lp.dtype)
@@ -650,13 +616,81 @@ class MAPO(Method):
             outside_mass=outside.reshape(sizes),
             log_outside=log_outside,
         )
-        plate = AncestralPlate(self.plate_name, rows, parents=plates, info=state)
+        return self._make_node(distr, values, plates, state)
+
+    def _flat_log_probs(self, distr: Distribution, parents: PlateLayout, owner: str):
+        """The support and the log-probabilities of every value of every variable, flattened to
+        ``(F, D, V)`` (elements of the plates, variables, values), and the variables' shape."""
+        support, lp_full = _sequence_support(distr, owner)
+        lp_full = plain(lp_full)
+        sizes = tuple(parents.sizes)
+        n_plates = len(sizes)
+        if tuple(lp_full.shape[:n_plates]) != sizes:
+            raise ValueError(
+                f"{owner}: the distribution has batch shape {tuple(distr.batch_shape)}, which does not "
+                f"start with the sizes {sizes} of its plates {list(parents.names)}."
+            )
+        var_shape = tuple(lp_full.shape[n_plates:-1])
+        n_values = lp_full.shape[-1]
+        self._init_memory(var_shape, n_values, lp_full.device)
+        lp = lp_full.reshape((math.prod(sizes), math.prod(var_shape), n_values))
+        return support, lp, var_shape
+
+    def _buffered(self, keys_flat: torch.Tensor):
+        """The buffered sequences of each element ``(F, m, D)`` and their validity ``(F, m)`` (``m``
+        the longest buffer), and the sequences the samples must avoid: the buffer, plus those
+        already explored with ``systematic_exploration``."""
+        n_elem = keys_flat.shape[0]
+        self._ensure_keys(int(keys_flat.max()) if n_elem else 0)
+        buf_tokens = self._buf_tokens[keys_flat]  # (F, B, D)
+        buf_valid = self._buf_valid[keys_flat]
+        m = int(buf_valid.sum(-1).max()) if n_elem else 0
+        buf_tokens, buf_valid = buf_tokens[:, :m], buf_valid[:, :m]
+        excluded, excl_valid = buf_tokens, buf_valid
+        if self.systematic_exploration:
+            excluded = torch.cat([excluded, self._exp_tokens[keys_flat]], 1)
+            excl_valid = torch.cat([excl_valid, self._exp_valid[keys_flat]], 1)
+        return buf_tokens, buf_valid, excluded, excl_valid
+
+    def _row_weights(
+        self, lp: torch.Tensor, tokens: torch.Tensor, row_valid: torch.Tensor, m: int, outside: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight of each row ``(rows, F)`` in float64, and the buffer mass ``π_B`` ``(F,)``.
+
+        Buffer rows get ``π(y)`` (with clipping: ``max(π_B, α) · π(y)/π_B``); the ``n`` samples share
+        the mass outside, ``(1 − π_B)/n`` (with clipping: ``(1 − w_B)/n`` times the share of the
+        complement the samples were drawn from).
+        """
+        n_elem, n = tokens.shape[1], tokens.shape[0] - m
+        lp_rows = _gather_log_prob(lp, tokens)  # (rows, F)
+        lp_buf = torch.where(row_valid[:m], lp_rows[:m], torch.full_like(lp_rows[:m], -math.inf))
+        log_pi_b = lp_buf.logsumexp(0) if m else lp.new_full((n_elem,), -math.inf)
+        has_buffer = log_pi_b > -math.inf
+        pi_b = log_pi_b.exp()
+        w_b = pi_b if self.clip is None else torch.where(has_buffer, pi_b.clamp_min(self.clip), torch.zeros_like(pi_b))
+        within = torch.where(has_buffer, (lp_buf - log_pi_b.clamp_min(-1e300)).exp(), torch.zeros_like(lp_buf))
+        w_buffer = torch.where(row_valid[:m], within * w_b, torch.zeros_like(within))
+        if self.clip is None:
+            out_total = outside
+        else:
+            out_b = (1.0 - pi_b).clamp_min(0.0)
+            if self.systematic_exploration:
+                out_b = torch.maximum(out_b, outside)
+            ratio = torch.where(out_b > 0, outside / out_b.clamp_min(1e-300), torch.zeros_like(out_b))
+            out_total = (1.0 - w_b).clamp_min(0.0) * ratio
+        w_samples = (out_total / n).unsqueeze(0).expand(n, n_elem)
+        return torch.cat([w_buffer, w_samples], 0), pi_b
+
+    def _make_node(
+        self, distr: Distribution, values: torch.Tensor, plates: tuple[Plate, ...], state: MAPOState
+    ) -> StochasticTensor:
+        """The node of the rows, its plate carrying ``state`` and the rows' weights."""
+        plate = AncestralPlate(self.plate_name, values.shape[0], parents=plates, info=state)
         layout = layout_of_plates((plate,) + plates)
         node = StochasticNode(self.plate_name, self, distr, values, layout, plate)
         plate.node = node
         tensor = StochasticTensor._from_node(alias(values), node)
-        dtype = floating_dtype(distr, values)
-        state.weight = state.weight.to(dtype)
+        state.weight = state.weight.to(floating_dtype(distr, values))
         plate.weight = wrap_new(state.weight.clone(), layout)
         restore_lazy_plates(distr)
         if torch.is_grad_enabled() and get_distr_parameters(distr):
