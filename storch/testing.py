@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from storch.compiler import skip_storch_frames
 from storch.inference import backward
 from storch.reductions import denote_independent
 from storch.tensor import IndependentTensor
@@ -130,3 +131,6 @@ def variance_with_stderr(samples: torch.Tensor) -> tuple[float, float]:
     m4 = (c**4).mean().item()
     se2 = (m4 - var**2 * (r - 3) / (r - 1)) / r
     return var, max(se2, 0.0) ** 0.5
+
+
+skip_storch_frames()  # imported after storch's __init__ registered the others (see storch.compiler)

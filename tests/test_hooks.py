@@ -159,3 +159,19 @@ def test_cost_names_are_typed_fields():
     [cost] = storch.registered_costs()
     assert type(cost) is storch.CostTensor and cost.name == "twice"
     storch.reset()
+
+
+def test_gsb_hidden_leaves_are_kept_by_the_rule_not_on_the_samples():
+    from storch.extend import node_of
+    from storch.method import GSB
+    from storch.method.gsb import leaf_of
+
+    mu = torch.tensor(0.2, requires_grad=True)
+    z = GSB("z", n_samples=3)(Normal(mu, 1.0))
+    samples = node_of(z).samples
+    assert not hasattr(samples, "_gsb_leaf")  # nothing stuck onto the tensor
+    leaf = leaf_of(z)
+    assert leaf.requires_grad and leaf.grad_fn is None and leaf.shape == samples.shape
+    with pytest.raises(RuntimeError, match="no differentiable leaf"):
+        leaf_of(ScoreFunction("y", n_samples=2)(Normal(mu, 1.0)))  # not drawn by GSB's rule
+    storch.reset()

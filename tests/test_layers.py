@@ -41,6 +41,7 @@ LAYERS: dict[str, int] = {
     "storch": 4,
     "storch.storch": 4,
     "storch.testing": 4,
+    "storch.compiler": 4,
     "storch.bench": 4,
     "storch.demo": 4,
 }

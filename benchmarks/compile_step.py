@@ -1,0 +1,113 @@
+"""A whole training step under ``torch.compile``: eager and compiled, storch and hand-written.
+
+Two models, each step as in the other benchmarks (one thread, CPU):
+
+* ``sbn-linear`` 784-[200] on binarized MNIST, batch 50 (``benchmarks/sbn_step.py``), with
+  REINFORCE (n=1) and ARM (one pair);
+* the discrete VAE of ``benchmarks/run.py`` (20×10 one-hot latents), batch 8, ScoreFunction with
+  8 samples and the leave-one-out baseline (``benchmarks/handwritten.py``).
+
+For each, four variants are timed, interleaved in blocks (medians over blocks): storch eager,
+storch compiled (``torch.compile`` of the whole step function, default backend), hand-written
+eager and hand-written compiled. Compilation happens before timing (its time is printed). Under
+``torch.compile`` storch's own frames run eagerly (``storch.compiler``), so every operation on a
+storch tensor is a graph break: expect compiled storch ≈ eager storch.
+
+Usage::
+
+    .venv/bin/python benchmarks/compile_step.py               # ~2 minutes
+    .venv/bin/python benchmarks/compile_step.py --blocks 3 --steps 5   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT.parent))
+
+import storch  # noqa: E402
+import sbn_step as sbn  # noqa: E402
+from handwritten import handwritten_step, make_data, make_model_and_optimizer  # noqa: E402
+from run import _make_method, storch_step  # noqa: E402
+
+
+def sbn_variants(name: str, data: torch.Tensor) -> Dict[str, Callable[[], object]]:
+    hand = sbn.hw_grad(name)
+    models = [sbn.make_model(0)[0] for _ in range(4)]
+    method_eager, method_compiled = sbn.make_method(name), sbn.make_method(name)
+    storch_compiled, hand_compiled = torch.compile(sbn.storch_grad), torch.compile(hand)
+    return {
+        "storch eager": lambda: sbn.storch_grad(models[0], data, method_eager),
+        "storch compiled": lambda: storch_compiled(models[1], data, method_compiled),
+        "hand-written eager": lambda: hand(models[2], data),
+        "hand-written compiled": lambda: hand_compiled(models[3], data),
+    }
+
+
+def vae_variants(batch: int = 8, n_samples: int = 8) -> Dict[str, Callable[[], object]]:
+    data = make_data(batch)
+    pairs = [make_model_and_optimizer() for _ in range(4)]
+    methods = [_make_method(storch, n_samples) for _ in range(2)]
+    storch_compiled = torch.compile(storch_step)
+    hand_compiled = torch.compile(handwritten_step)
+    return {
+        "storch eager": lambda: storch_step(storch, *pairs[0], methods[0], data),
+        "storch compiled": lambda: storch_compiled(storch, *pairs[1], methods[1], data),
+        "hand-written eager": lambda: handwritten_step(*pairs[2], data, n_samples),
+        "hand-written compiled": lambda: hand_compiled(*pairs[3], data, n_samples),
+    }
+
+
+def time_variants(variants: Dict[str, Callable[[], object]], blocks: int, steps: int) -> Dict[str, float]:
+    for name, fn in variants.items():  # compile and warm up
+        start = time.perf_counter()
+        for _ in range(3):
+            fn()
+        print(f"    {name}: first 3 calls {time.perf_counter() - start:.2f} s", flush=True)
+    times: Dict[str, list] = {k: [] for k in variants}
+    for _ in range(blocks):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            times[name].append((time.perf_counter() - start) / steps * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    data = sbn.load_train(sbn.DEFAULT_DATA)[:50]
+    rows = []
+    for label, make in [
+        ("sbn-linear REINFORCE", lambda: sbn_variants("REINFORCE", data)),
+        ("sbn-linear ARM", lambda: sbn_variants("ARM", data)),
+        ("discrete VAE, batch 8", vae_variants),
+    ]:
+        print(label, flush=True)
+        rows.append((label, time_variants(make(), args.blocks, args.steps)))
+    print(f"\nms/step, medians of {args.blocks} interleaved blocks of {args.steps} steps, 1 thread")
+    head = ["storch eager", "storch compiled", "hand-written eager", "hand-written compiled"]
+    print("model | " + " | ".join(head) + " | compiled storch / compiled hand | compiled storch / eager hand")
+    for label, t in rows:
+        cells = " | ".join(f"{t[h]:.3f}" for h in head)
+        r1 = t["storch compiled"] / t["hand-written compiled"]
+        r2 = t["storch compiled"] / t["hand-written eager"]
+        print(f"{label} | {cells} | {r1:.2f} | {r2:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""A whole training step under ``torch.compile`` (issue 11, item 1; see ``storch.compiler``).
+
+The step (sample, ``add_cost``, ``backward``) is given to plain ``torch.compile`` (default backend).
+storch's own frames run eagerly, so for the same seed the compiled step gives the eager step's
+estimate and gradients exactly, for every core and multi-evaluation estimator, over several steps
+(state such as a moving-average baseline carries over); a compiled model also passes an
+unbiasedness test against the exact gradient.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributions import Bernoulli, Normal
+
+import storch
+from storch.method import ARM, MVD, DisARM, Expect, LocalExpectation, Reparameterization, ScoreFunction
+from storch.testing import assert_unbiased, replicated_gradients
+
+@pytest.fixture(autouse=True, scope="module")
+def _forget_compiled_code():
+    yield
+    torch._dynamo.reset()  # drop this module's compiled frames (and their guards) before the others
+
+
+DISCRETE = {
+    "score_function": lambda: ScoreFunction("z", n_samples=3),
+    "score_function_moving_average": lambda: ScoreFunction("z", n_samples=2, baseline_factory="moving_average"),
+    "score_function_batch_average": lambda: ScoreFunction("z", n_samples=3, baseline_factory="batch_average"),
+    "expect": lambda: Expect("z"),
+    "arm": lambda: ARM("z", n_samples=2),
+    "disarm": lambda: DisARM("z", n_samples=2),
+    "local_expectation": lambda: LocalExpectation("z", n_samples=2),
+    "mvd": lambda: MVD("z", n_samples=2),
+}
+
+
+class SBN(nn.Module):
+    """A small sigmoid belief network 8-[3] (the sbn-linear model in miniature)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder, self.decoder = nn.Linear(8, 3), nn.Linear(3, 8)
+
+    def step(self, x: torch.Tensor, method: storch.method.Method) -> torch.Tensor:
+        x = storch.denote_independent(x, 0, "data")
+        q = Bernoulli(logits=self.encoder(x))
+        z = method(q)
+        log_px = Bernoulli(logits=self.decoder(z)).log_prob(x).sum(-1)
+        storch.add_cost(-log_px + q.log_prob(z).sum(-1), "neg_elbo")
+        return storch.backward()
+
+
+def _run(step, model: SBN, method, data: torch.Tensor, steps: int = 3):
+    out = []
+    for i in range(steps):
+        model.zero_grad()
+        torch.manual_seed(100 + i)
+        estimate = step(data, method)
+        out.append((estimate.detach().clone(), [p.grad.detach().clone() for p in model.parameters()]))
+    return out
+
+
+@pytest.mark.parametrize("name", list(DISCRETE))
+def test_a_compiled_step_equals_the_eager_step(name):
+    data = (torch.rand(4, 8, generator=torch.Generator().manual_seed(1)) < 0.5).float()
+    eager_model, compiled_model = SBN(), SBN()
+    eager = _run(eager_model.step, eager_model, DISCRETE[name](), data)
+    compiled = _run(torch.compile(compiled_model.step), compiled_model, DISCRETE[name](), data)
+    for (e_est, e_grads), (c_est, c_grads) in zip(eager, compiled):
+        assert torch.equal(e_est, c_est)
+        for e, c in zip(e_grads, c_grads):
+            assert torch.equal(e, c)
+
+
+def test_a_compiled_reparameterized_step_equals_the_eager_step():
+    mu = torch.tensor([0.5, -1.0], requires_grad=True)
+
+    def step():
+        x = Reparameterization("x", n_samples=4)(Normal(mu, 1.0))
+        storch.add_cost(((x - 1.0) ** 2).sum(-1), "f")
+        return storch.backward()
+
+    results = []
+    for f in (step, torch.compile(step)):
+        mu.grad = None
+        torch.manual_seed(3)
+        results.append((f(), mu.grad.clone()))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_a_compiled_model_is_unbiased():
+    logits = torch.tensor([0.3, -0.5, 1.0])
+    target = torch.tensor([0.49, 0.499, 0.8])
+    p = torch.sigmoid(logits)
+    exact = p * (1 - p) * ((1 - target) ** 2 - target**2)  # d/dlogits E[(z - t)^2], per coordinate
+
+    def model(copies):
+        z = ScoreFunction("z", n_samples=2, baseline_factory="batch_average")(Bernoulli(logits=copies))
+        storch.add_cost(((z - target) ** 2).sum(-1), "f")
+
+    [estimates] = replicated_gradients([logits], 4000, torch.compile(model))  # seeded by conftest
+    assert_unbiased(estimates, exact, label="compiled ScoreFunction")
+
+
+def test_storch_frames_are_registered_as_skipped():
+    assert storch.compiler.REGISTERED
+    storch.compiler.skip_storch_frames()  # storch modules imported since (e.g. storch.bench)
+    assert storch.compiler.skip_storch_frames() == 0  # everything imported is already marked
+    step_code = storch.method.method.Method.forward.__code__
+    assert step_code in storch.compiler._DONE
