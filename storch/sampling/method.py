@@ -119,7 +119,7 @@ class SamplingMethod(nn.Module, ABC):
     def delegate(self) -> Optional["Method"]:
         """The estimator whose ``proposal_dist`` and ``weighting_function`` define plain Monte Carlo
         draws and weights (``None``: ``sample``/``rsample`` and uniform weights)."""
-        return self.__dict__["_delegate"]
+        return self.__dict__.get("_delegate")
 
     def set_delegate(self, method: Optional["Method"]) -> "SamplingMethod":
         """Make ``method`` the :attr:`delegate` of this proposal (done by ``Method.__init__``).
