@@ -19,6 +19,7 @@ Examples:
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -54,8 +55,12 @@ def _single_value(method: Any, what: str) -> Any:
 
     def convert(self: "Tensor") -> Any:
         self._check_single_sample(what)
-        with _Disable():
-            return method(self)
+        with warnings.catch_warnings(record=True) as caught, _Disable():
+            warnings.simplefilter("always")
+            value = method(self)
+        for w in caught:  # torch's warnings (e.g. a scalar from a tensor that requires grad), at the caller
+            warnings.warn(w.message, w.category, stacklevel=2)
+        return value
 
     convert.__name__ = method.__name__
     convert.__doc__ = f"{what} of a tensor whose plates all have size 1 (else ValueError)."

@@ -211,6 +211,16 @@ def test_bool_item_tolist_allowed_on_size_one_plates():
     assert z.tolist() == [z._tensor.item()]
 
 
+def test_torchs_conversion_warning_points_at_the_callers_line():
+    """float() of a tensor that requires grad warns in torch; the warning names the user's line,
+    not storch's conversion wrapper."""
+    mu = torch.tensor(0.5, requires_grad=True)
+    x = Reparameterization("x", n_samples=1)(Normal(mu, 1.0))
+    with pytest.warns(UserWarning, match="requires_grad=True to a scalar") as record:
+        float(x * 1.0)
+    assert [w.filename for w in record] == [__file__]
+
+
 def test_conversions_without_plates_work_normally():
     t = storch.Tensor(torch.tensor([1.0, 2.0]))
     assert t.tolist() == [1.0, 2.0]
