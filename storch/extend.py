@@ -15,6 +15,7 @@ as plain torch operations (no alignment, no wrapping, no plate checks); results 
 * ``plain(t)``: a plain ``torch.Tensor`` view of ``t`` (same autograd graph)
 * ``wrap(t, layout)``: a storch view of ``t`` with ``layout`` (``t`` untouched)
 * ``wrap_new(t, layout)``: make a fresh plain result, held by nobody else, a storch tensor (no view)
+* ``new_node(method, distribution, samples, plate, parents)``: make plain samples a node on ``plate``
 * ``node_of(t)``: the :class:`StochasticNode` of samples: ``samples``, ``distribution``, ``method``,
   ``plate``, ``layout``, ``param_grads``
 * ``layout_of_plates(plates)``: the (cached) layout of plates in the order given
@@ -101,6 +102,7 @@ from storch.tensor import (
     Tensor,
     alias,
     layout_of,
+    new_node,
     node_of,
     plain,
     wrap,
@@ -129,6 +131,7 @@ __all__ = [
     "PlateLayout",
     "layout_of",
     "node_of",
+    "new_node",
     "plain",
     "alias",
     "wrap",

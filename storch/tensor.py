@@ -206,6 +206,20 @@ class StochasticNode:
         return StochasticTensor._from_node(alias(self.samples), self)
 
 
+def new_node(
+    method: "Method", distribution: Distribution, samples: torch.Tensor, plate: Plate, parents: Sequence[Plate]
+) -> "StochasticTensor":
+    """Make the plain ``samples`` (``(plate.size, *sizes of parents, *event)``) a stochastic node on
+    ``plate`` over the ``parents`` plates, owned by ``method``; returns its :class:`StochasticTensor`.
+
+    ``plate`` becomes the node's plate (``plate.node``); its weight is left as it is.
+    """
+    layout = layout_of_plates((plate,) + tuple(parents))
+    node = StochasticNode(plate.name, method, distribution, samples, layout, plate)
+    plate.node = node
+    return node.stochastic_tensor()
+
+
 class StochasticTensor(Tensor):
     """Samples of a stochastic node.
 

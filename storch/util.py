@@ -12,7 +12,7 @@ from torch.distributions.utils import lazy_property
 from storch.distributions.relaxation import conditional_gumbel_rsample, relaxation_for
 from storch._dispatch import union_of_layouts
 from storch.plate import EMPTY_LAYOUT, Plate, PlateLayout, layout_of_plates, order_plates
-from storch.tensor import CostTensor, StochasticTensor, Tensor, alias, _Disable, layout_of, wrap_new
+from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout_of, wrap, wrap_new
 
 __all__ = [
     "magic_box", "get_distr_parameters", "distribution_layout", "has_differentiable_path",
@@ -152,7 +152,7 @@ def restore_lazy_plates(d: Distribution) -> None:
                 layout = distribution_layout(dist)
             sizes = layout.sizes
             if sizes and tuple(value.shape[: len(sizes)]) == sizes:
-                dist.__dict__[name] = wrap_new(alias(value), layout)
+                dist.__dict__[name] = wrap(value, layout)
 
 
 def log_prob_of_own_samples(d: Distribution, samples: torch.Tensor) -> torch.Tensor:

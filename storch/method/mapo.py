@@ -46,9 +46,7 @@ from storch.extend import (
     CostTensor,
     Plate,
     PlateLayout,
-    StochasticNode,
     StochasticTensor,
-    alias,
     align_to,
     distribution_layout,
     floating_dtype,
@@ -56,10 +54,12 @@ from storch.extend import (
     layout_of,
     layout_of_plates,
     magic_box,
+    new_node,
     no_dispatch,
     note_sampled,
     plain,
     restore_lazy_plates,
+    wrap,
     wrap_new,
 )
 from storch.method.baseline import Baseline, BaselineFactory, make_baseline
@@ -686,12 +686,9 @@ class MAPO(Method):
     ) -> StochasticTensor:
         """The node of the rows, its plate carrying ``state`` and the rows' weights."""
         plate = AncestralPlate(self.plate_name, values.shape[0], parents=plates, info=state)
-        layout = layout_of_plates((plate,) + plates)
-        node = StochasticNode(self.plate_name, self, distr, values, layout, plate)
-        plate.node = node
-        tensor = StochasticTensor._from_node(alias(values), node)
+        tensor = new_node(self, distr, values, plate, plates)
         state.weight = state.weight.to(floating_dtype(distr, values))
-        plate.weight = wrap_new(state.weight.clone(), layout)
+        plate.weight = wrap_new(state.weight.clone(), layout_of(tensor))
         restore_lazy_plates(distr)
         if torch.is_grad_enabled() and get_distr_parameters(distr):
             note_sampled(plate)
@@ -727,7 +724,7 @@ class MAPO(Method):
     # ------------------------------------------------------------------ estimator
     def gradient_function(self, tensor: StochasticTensor) -> Optional[torch.Tensor]:
         state = self._state(tensor)
-        return wrap_new(alias(state.log_prob), layout_of(tensor))
+        return wrap(state.log_prob, layout_of(tensor))
 
     def _state(self, tensor: StochasticTensor) -> MAPOState:
         info = tensor.plate.info
@@ -754,7 +751,7 @@ class MAPO(Method):
             b = wrap_new(b, layout_of(cost))
         else:
             b = self.baseline.compute_baseline(tensor, cost)  # type: ignore[union-attr]
-        conditional = l - wrap_new(alias(state.log_outside), layout_of_plates(tensor.plate.parents))  # type: ignore[arg-type]
+        conditional = l - wrap(state.log_outside, layout_of_plates(tensor.plate.parents))  # type: ignore[arg-type]
         return l, (1.0 - magic_box(conditional)) * b * mask
 
     def update_parameters(self, result_triples: Sequence[tuple]) -> None:

@@ -50,16 +50,15 @@ from torch.distributions import Distribution
 from storch.extend import (
     CostTensor,
     Plate,
-    StochasticNode,
     StochasticTensor,
     Tensor,
-    alias,
     distribution_layout,
     floating_dtype,
     get_distr_parameters,
     layout_of_plates,
     log_prob_of_own_samples,
     magic_box,
+    new_node,
     no_dispatch,
     node_of,
     note_sampled,
@@ -219,10 +218,7 @@ class Method(nn.Module):
             samples = self.sampling_method(distr, parents.plates, self.reparameterized)
         self._check_samples(distr, samples, parents.sizes)
         plate = Plate(self.plate_name, samples.shape[0], parents=parents.plates)
-        layout = layout_of_plates((plate,) + parents.plates)
-        node = StochasticNode(self.plate_name, self, distr, samples, layout, plate)
-        plate.node = node
-        tensor = StochasticTensor._from_node(alias(samples), node)
+        tensor = new_node(self, distr, samples, plate, parents.plates)
         plate.weight = self._plate_weight(tensor, plate)
         restore_lazy_plates(distr)  # parameters computed while sampling with dispatch disabled
         if not self.reparameterized and torch.is_grad_enabled() and get_distr_parameters(distr):

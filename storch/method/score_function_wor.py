@@ -39,17 +39,15 @@ from storch.extend import (
     AncestralPlate,
     CostTensor,
     PlateLayout,
-    StochasticNode,
     StochasticTensor,
-    alias,
     align_to,
     distribution_layout,
     layout_of,
     layout_of_plates,
+    new_node,
     no_dispatch,
     reduce_plate,
     wrap,
-    wrap_new,
 )
 from storch.sampling.method import check_count
 from storch.sampling.swor import SampleWithoutReplacement, SequenceSampler, WORState, wor_support
@@ -198,10 +196,7 @@ class ScoreFunctionWOR(Method):
         return self._make_node(distr, samples, plate, others)
 
     def _make_node(self, distr: Distribution, samples: torch.Tensor, plate: AncestralPlate, others: tuple) -> StochasticTensor:
-        layout = layout_of_plates((plate,) + tuple(others))
-        node = StochasticNode(self.plate_name, self, distr, samples, layout, plate)
-        plate.node = node
-        tensor = StochasticTensor._from_node(alias(samples), node)
+        tensor = new_node(self, distr, samples, plate, others)
         weight = self.sampling_method.weighting_function(tensor, plate)
         if weight is not None:
             plate.weight = weight
@@ -211,7 +206,7 @@ class ScoreFunctionWOR(Method):
     def gradient_function(self, tensor: StochasticTensor) -> Optional[torch.Tensor]:
         """``log p(s)``: of the whole value (all variables), or of the prefix up to this step."""
         state: WORState = self.sampling_method.state_of(tensor)  # type: ignore[attr-defined]
-        return wrap_new(alias(state.log_prob), layout_of(tensor))
+        return wrap(state.log_prob, layout_of(tensor))
 
     def control_variate(self, tensor: StochasticTensor, cost: CostTensor) -> Optional[torch.Tensor]:
         """The built-in baseline ``B = Σ_S w̄(s) f(s)`` (normalised weights), biased variant only."""
