@@ -38,16 +38,6 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    # drop code compiled by torch.compile (tests/test_compile.py, docs/scaling.md) before the
-    # interpreter exits: TorchDynamo's weak-reference callbacks otherwise print noise at shutdown
-    if "torch._dynamo" in sys.modules:
-        sys.modules["torch._dynamo"].reset()
-        import gc
-
-        gc.collect()
-
-
 def pytest_report_header(config: pytest.Config) -> str | None:
     return f"STORCH_TEST_SEED={SEED_OFFSET}: every test's seed is offset by {SEED_OFFSET}" if SEED_OFFSET else None
 
