@@ -27,7 +27,15 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from storch.plate import EMPTY_LAYOUT, AncestralPlate, Plate, PlateLayout, layout_of_plates, merge_layouts
+from storch.plate import (
+    EMPTY_LAYOUT,
+    AncestralPlate,
+    Plate,
+    PlateLayout,
+    layout_of_plates,
+    merge_layouts,
+    reraise_cuda_dimension_error,
+)
 
 _Disable = torch._C.DisableTorchFunctionSubclass
 _T = torch.Tensor
@@ -278,7 +286,11 @@ def torch_function(cls: type, func: Callable, types: tuple, args: tuple = (), kw
                 ragged = True
             if not same or (ragged and func in _ELEMENTWISE) or (func in _SPECIAL and _needs_special(func, args, kwargs)):
                 args, kwargs, layout = _align_call(func, args, kwargs)
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError as error:
+            reraise_cuda_dimension_error(error, layout.plates, _func_name(func))
+            raise
         if type(out) is _T:
             return _wrap_tensor(out, layout, func, args)
         return _wrap_output(out, layout, func, args)

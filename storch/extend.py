@@ -91,7 +91,15 @@ from storch._dispatch import expand_plain, register_operation, union_of_layouts
 from storch._step import note_sampled
 from storch.distributions.measure_valued import register_measure_valued
 from storch.distributions.relaxation import register_relaxation
-from storch.plate import AncestralPlate, Plate, PlateLayout, layout_of_plates, merge_layouts, order_plates
+from storch.plate import (
+    AncestralPlate,
+    Plate,
+    PlateLayout,
+    layout_of_plates,
+    merge_layouts,
+    order_plates,
+    reraise_cuda_dimension_error,
+)
 from storch.reductions import plate_weight, reduce_plate
 from storch.registry import AmbiguousLookupError, DuplicateRegistrationError, TypeRegistry, ambiguity_message
 from storch.tensor import (
@@ -150,6 +158,7 @@ __all__ = [
     "restore_lazy_plates",
     "log_prob_of_own_samples",
     "note_sampled",
+    "reraise_cuda_dimension_error",
     # surrogate-loss helpers
     "magic_box",
     "rsample_gumbel_softmax",

@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "Plate", "AncestralPlate", "PlateLayout", "order_plates", "PlateClashError", "TooManyPlatesError",
-    "layout_of_plates", "merge_layouts", "MAX_PLATES",
+    "layout_of_plates", "merge_layouts", "MAX_PLATES", "CUDA_MAX_DIMS", "CudaDimensionError",
 ]
 
 _creation_counter = itertools.count()
@@ -45,10 +45,14 @@ _uniform_weights: dict[int, torch.Tensor] = {}
 
 
 def uniform_weight(size: int) -> torch.Tensor:
-    """The (shared, read-only) weight ``1/size`` of i.i.d. samples."""
+    """The (shared, read-only) weight ``1/size`` of i.i.d. samples.
+
+    A CPU scalar, whatever ``torch.set_default_device`` says: a 0-dimensional CPU tensor combines
+    with tensors on any device, a CUDA scalar does not combine with CPU tensors.
+    """
     w = _uniform_weights.get(size)
     if w is None:
-        w = _uniform_weights[size] = torch.tensor(1.0 / size)
+        w = _uniform_weights[size] = torch.tensor(1.0 / size, device="cpu")
     return w
 
 
@@ -346,6 +350,33 @@ class TooManyPlatesError(ValueError):
             "dimension), or decode a sequence with one ancestral plate per chain (storch.sampling's "
             "decoders), which does not grow with its length."
         )
+
+
+#: CUDA kernels take tensors of at most 25 dimensions (torch's ``MAX_DIMS`` of its GPU iterators)
+CUDA_MAX_DIMS = 25
+_CUDA_DIMS_MESSAGE = "CUDA Tensors cannot have more than 25 dimensions"
+
+
+class CudaDimensionError(TooManyPlatesError):
+    """A CUDA kernel refused a tensor of more than :data:`CUDA_MAX_DIMS` dimensions, plates included."""
+
+    def __init__(self, plates: Sequence["Plate"], where: str) -> None:
+        ValueError.__init__(
+            self,
+            f"{where}: a CUDA kernel refused a tensor of more than {CUDA_MAX_DIMS} dimensions; it carries "
+            f"{len(plates)} plates ({', '.join(repr(p.name) for p in list(plates)[:6])}"
+            f"{', ...' if len(plates) > 6 else ''}) besides its own dimensions. On the CPU a tensor may "
+            f"hold {MAX_PLATES} plates, on a GPU plates and event dimensions together at most "
+            f"{CUDA_MAX_DIMS}. Every stochastic node adds its plate to everything computed from it: draw "
+            "several variables in one node (a distribution with a batch dimension), or decode a sequence "
+            "with one ancestral plate per chain (storch.sampling's decoders).",
+        )
+
+
+def reraise_cuda_dimension_error(error: RuntimeError, plates: Sequence["Plate"], where: str) -> None:
+    """Raise :class:`CudaDimensionError` from ``error`` if it is CUDA's dimension limit; else return."""
+    if _CUDA_DIMS_MESSAGE in str(error):
+        raise CudaDimensionError(plates, where) from error
 
 
 def _describe(plate: Plate) -> str:

@@ -308,7 +308,8 @@ def rsample_gumbel_softmax(
             f"No Gumbel-softmax relaxation is registered for {type(distr).__name__}; supported: "
             "OneHotCategorical, Bernoulli (register one with storch.distributions.relaxation.register_relaxation)."
         )
-    t = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))
+    # a CPU scalar combines with parameters on any device (also under torch.set_default_device)
+    t = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature), device="cpu")
     soft = relaxation.relaxed(distr, t).rsample((n,))
     if not straight_through:
         return soft

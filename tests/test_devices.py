@@ -1,4 +1,5 @@
-"""Devices and dtypes (issue 9, item 9): estimators run on the ``meta`` device and in float64.
+"""Devices and dtypes (issue 9, item 9; issue 11, item 4): estimators run on the ``meta`` device, in
+float64 and, where a GPU is available, on CUDA (those tests skip without one).
 
 On ``meta`` tensors have shapes but no values. The model's parameters live there, shapes flow
 through sampling, the surrogate and the backward pass, and every gradient has its parameter's
@@ -99,7 +100,19 @@ OTHERS = {
     ),
 }
 
-SETTINGS = [("meta", torch.float32), ("meta", torch.float64), ("cpu", torch.float64)]
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+SETTINGS = [
+    ("meta", torch.float32),
+    ("meta", torch.float64),
+    ("cpu", torch.float64),
+    pytest.param("cuda", torch.float32, marks=CUDA, id="cuda-float32"),
+    pytest.param("cuda", torch.float64, marks=CUDA, id="cuda-float64"),
+]
+
+
+def _setting_id(setting) -> str:
+    return setting.id if hasattr(setting, "id") else f"{setting[0]}-{str(setting[1])[6:]}"
 
 
 def _step(make, dist: str, device: str, dtype: torch.dtype, minibatch: bool) -> torch.Tensor:
@@ -126,7 +139,7 @@ def _check_grad(param: torch.Tensor, device: str, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("minibatch", [False, True], ids=["single", "minibatch"])
-@pytest.mark.parametrize("device,dtype", SETTINGS, ids=[f"{d}-{str(t)[6:]}" for d, t in SETTINGS])
+@pytest.mark.parametrize("device,dtype", SETTINGS, ids=[_setting_id(s) for s in SETTINGS])
 @pytest.mark.parametrize("name", list(CORE))
 def test_core_estimators(name: str, device: str, dtype: torch.dtype, minibatch: bool) -> None:
     make, dist = CORE[name]
@@ -138,6 +151,48 @@ def test_core_estimators(name: str, device: str, dtype: torch.dtype, minibatch: 
 def test_other_estimators_on_meta(name: str, minibatch: bool) -> None:
     make, dist = OTHERS[name]
     _check_grad(_step(make, dist, "meta", torch.float32, minibatch), "meta", torch.float32)
+
+
+@CUDA
+@pytest.mark.parametrize("minibatch", [False, True], ids=["single", "minibatch"])
+@pytest.mark.parametrize("name", list(OTHERS))
+def test_other_estimators_on_cuda(name: str, minibatch: bool) -> None:
+    make, dist = OTHERS[name]
+    _check_grad(_step(make, dist, "cuda", torch.float32, minibatch), "cuda", torch.float32)
+
+
+@CUDA
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_cuda_gradient_equals_the_exact_one(device: str) -> None:
+    """Expect on a GPU gives the exact gradient ``c·σ(φ)(1 − σ(φ))`` (float64), as on the CPU (the
+    cost is averaged over the data plate, so the 4 copies of φ share one gradient)."""
+    phi = torch.tensor([-0.7, 0.2, 1.3], dtype=torch.float64, device=device, requires_grad=True)
+    c = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64, device=device)
+    z = Expect("z")(Bernoulli(logits=storch.denote_independent(phi.expand(4, 3), 0, "data")))
+    storch.add_cost((z * c).sum(-1), "f")
+    storch.backward()
+    s = torch.sigmoid(phi.detach())
+    torch.testing.assert_close(phi.grad, c * s * (1 - s), rtol=1e-12, atol=1e-12)
+
+
+@CUDA
+def test_cuda_score_function_is_unbiased() -> None:
+    """A score function with the leave-one-out baseline on a GPU, against the exact gradient."""
+    from storch.testing import assert_unbiased, replicated_gradients
+
+    logits = torch.tensor([0.3, -0.5, 1.0], device="cuda")
+    target = torch.tensor([0.49, 0.499, 0.8], device="cuda")
+    p = torch.sigmoid(logits)
+    exact = p * (1 - p) * ((1 - target) ** 2 - target**2)
+
+    def model(copies):
+        z = ScoreFunction("z", n_samples=2, baseline_factory="batch_average")(Bernoulli(logits=copies))
+        assert z.device.type == "cuda"
+        storch.add_cost(((z - target) ** 2).sum(-1), "f")
+
+    [estimates] = replicated_gradients([logits], 4000, model)
+    assert estimates.device.type == "cuda"
+    assert_unbiased(estimates, exact, label="ScoreFunction on CUDA")
 
 
 def test_rao_blackwell_on_meta() -> None:
@@ -192,7 +247,7 @@ def test_relaxations_do_not_validate_again_on_meta() -> None:
 
 
 # ------------------------------------------------------------------------------------- dtype
-@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("device", ["cpu", "meta", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_plate_weights_follow_the_node(device: str, dtype: torch.dtype) -> None:
     """Group weights (ARM, DisARM, LocalExpectation, MVD) are made on the node's device and dtype."""
@@ -205,7 +260,7 @@ def test_plate_weights_follow_the_node(device: str, dtype: torch.dtype) -> None:
     assert weight.device.type == device and weight.dtype == dtype
 
 
-@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("device", ["cpu", "meta", pytest.param("cuda", marks=CUDA)])
 def test_moving_average_follows_the_cost(device: str) -> None:
     method = ScoreFunction("x", n_samples=2, baseline_factory="moving_average")
     logits = torch.zeros(3, device=device, dtype=torch.float64, requires_grad=True)

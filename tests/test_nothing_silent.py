@@ -317,6 +317,41 @@ def test_more_than_64_plates_in_one_tensor_says_why():
         storch.method.ScoreFunction("x64")(Bernoulli(0.25 + 0.5 * x))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_more_than_25_dimensions_on_cuda_says_why():
+    """CUDA kernels take at most 25 dimensions: the node that passes the limit is named, with its plates."""
+    from storch.plate import CudaDimensionError
+
+    p = torch.tensor(0.5, device="cuda", requires_grad=True)
+    x = storch.method.ScoreFunction("x0")(Bernoulli(p))
+    with pytest.raises(CudaDimensionError, match=r"ScoreFunction\('x\d+'\) sampling: .* at most 25"):
+        for i in range(1, 30):
+            x = storch.method.ScoreFunction(f"x{i}")(Bernoulli(0.25 + 0.5 * x))
+
+
+def test_cuda_dimension_limit_inside_an_operation_names_the_plates():
+    """The same translation for an operation on plated tensors (simulated on the CPU: the operation
+    raises CUDA's message)."""
+    from storch.plate import CudaDimensionError
+
+    def kernel(t: torch.Tensor) -> torch.Tensor:
+        if torch.overrides.has_torch_function((t,)):
+            return torch.overrides.handle_torch_function(kernel, (t,), t)
+        raise RuntimeError("CUDA Tensors cannot have more than 25 dimensions")
+
+    x = storch.method.ScoreFunction("x", n_samples=2)(Bernoulli(torch.tensor(0.5, requires_grad=True)))
+    with pytest.raises(CudaDimensionError, match=r"kernel: .* 1 plates \('x'\).*at most 25") as info:
+        kernel(x)
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+    def other(t: torch.Tensor) -> torch.Tensor:
+        if torch.overrides.has_torch_function((t,)):
+            return torch.overrides.handle_torch_function(other, (t,), t)
+        raise RuntimeError("something else")
+    with pytest.raises(RuntimeError, match="something else"):  # other errors pass unchanged
+        other(x)
+
+
 # ------------------------------------------------------------------ 12. zero-probability values
 def test_expect_ignores_an_infinite_cost_of_probability_zero():
     def run(last: float):

@@ -60,6 +60,7 @@ from storch.extend import (
     magic_box,
     new_node,
     no_dispatch,
+    reraise_cuda_dimension_error,
     node_of,
     note_sampled,
     restore_lazy_plates,
@@ -214,8 +215,12 @@ class Method(nn.Module):
                 f"{type(self).__name__}: the distribution's parameters already carry a plate named "
                 f"{self.plate_name!r}; give this node another name."
             )
-        with no_dispatch():
-            samples = self.sampling_method(distr, parents.plates, self.reparameterized)
+        try:
+            with no_dispatch():
+                samples = self.sampling_method(distr, parents.plates, self.reparameterized)
+        except RuntimeError as error:
+            reraise_cuda_dimension_error(error, parents.plates, f"{type(self).__name__}({self.plate_name!r}) sampling")
+            raise
         self._check_samples(distr, samples, parents.sizes)
         plate = Plate(self.plate_name, samples.shape[0], parents=parents.plates)
         tensor = new_node(self, distr, samples, plate, parents.plates)
