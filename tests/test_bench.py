@@ -163,9 +163,13 @@ def test_cli_seeds_compare_and_plots(tmp_path, capsys):
     assert cli.main(args) == 2  # the folders exist: refused without --overwrite
 
 
-def test_resume_repeats_an_uninterrupted_run(tmp_path, digits):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_resume_repeats_an_uninterrupted_run(tmp_path, digits, device):
     cfg = {**QUICK, "steps": 8, "eval_every": 2, "var_every": 4, "checkpoint_every": 4,
-           "estimator": "score-function", "baseline": "moving_average", "n_samples": 2}
+           "estimator": "score-function", "baseline": "moving_average", "n_samples": 2, "device": device}
     full = train.run(cfg, tmp_path / "full", progress=False, data=digits, log=lambda *_: None)
     train.run({**cfg, "steps": 4}, tmp_path / "part", progress=False, data=digits, log=lambda *_: None)
     assert (tmp_path / "part" / "checkpoint.pt").is_file()
@@ -176,3 +180,41 @@ def test_resume_repeats_an_uninterrupted_run(tmp_path, digits):
            [{k: v for k, v in r.items() if k not in timing} for r in b]
     for k in ("train_nelbo", "valid_nelbo", "test_nelbo", "test_nll", "grad_logvar", "steps"):
         assert full[k] == resumed[k], k
+
+
+@CUDA
+@pytest.mark.parametrize("cfg", [
+    dict(estimator="disarm", budget=4),
+    dict(estimator="relax", n_samples=1),
+    dict(model="categorical-vae", estimator="gumbel-softmax", latent_dim=3, categories=4),
+])
+def test_end_to_end_on_cuda(tmp_path, digits, cfg):
+    """The model and the methods' own parameters (RELAX's control variate) train on the GPU."""
+    s = train.run({**QUICK, **cfg, "device": "cuda"}, tmp_path / "run", progress=False, data=digits,
+                  log=lambda *_: None)
+    assert s["device"].startswith("cuda")
+    for k in ("train_nelbo", "valid_nelbo", "test_nelbo", "test_nll"):
+        assert math.isfinite(s[k]), k
+
+
+@CUDA
+def test_cli_on_cuda_keeps_the_cpu_run(tmp_path, capsys):
+    args = ["--steps", "2", "--eval-size", "20", "--eval-k", "2", "--latent-dim", "5", "--no-var", "--no-progress",
+            "--out", str(tmp_path)]
+    assert cli.main(args) == 0 and cli.main(args + ["--device", "cuda"]) == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["sbn-linear_digits_score-function_latent_dim=5_cuda_seed0",
+                     "sbn-linear_digits_score-function_latent_dim=5_seed0"]
+    summary = json.loads((tmp_path / names[0] / "summary.json").read_text())
+    assert summary["device"] == "cuda:0"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_a_gpu_is_a_clear_error(tmp_path, capsys):
+    assert cli.main(["--device", "cuda", "--steps", "2", "--out", str(tmp_path), "--no-progress"]) == 2
+    assert "--device cuda: no CUDA device is available" in capsys.readouterr().err
+
+
+def test_unknown_device_is_a_clear_error(tmp_path, capsys):
+    assert cli.main(["--device", "tpu", "--steps", "2", "--out", str(tmp_path), "--no-progress"]) == 2
+    assert "--device 'tpu'" in capsys.readouterr().err

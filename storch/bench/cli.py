@@ -4,9 +4,11 @@
     storch-bench list                   models, data sets and estimators
     storch-bench compare RUN_DIR ...    mean ± std over seeds, grouped by (model, data, estimator)
 
-Data parallel on N processes (gloo, CPU; rank 0 prints and writes the run folder)::
+Data parallel on N processes (gloo on the CPU, NCCL with ``--device cuda``; rank 0 prints and
+writes the run folder)::
 
     torchrun --standalone --nproc-per-node N -m storch.bench --distributed [options]
+    torchrun --standalone --nproc-per-node N -m storch.bench --distributed --device cuda [options]
 """
 
 from __future__ import annotations
@@ -81,11 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--out", default="runs", help="output folder: one sub-folder per run")
     a("--overwrite", action="store_true", help="replace existing run folders")
     a("--threads", type=int, default=None, help="torch.set_num_threads")
+    a("--device", default="cpu", help="where the model trains: cpu (default) or cuda / cuda:N (data are "
+                                      "prepared on the CPU); with --distributed, cuda means each rank's "
+                                      "LOCAL_RANK GPU and NCCL")
     a("--no-progress", action="store_true", help="no tqdm progress bar")
     a("--distributed", action="store_true",
       help="data parallel: join the process group that torchrun sets up (gloo), wrap the model in DDP, give "
            "each rank its slice of every minibatch; start with `torchrun --standalone --nproc-per-node N "
-           "-m storch.bench --distributed ...` (--batch-size: the whole minibatch, a multiple of N)")
+           "-m storch.bench --distributed ...` (--batch-size: the whole minibatch, a multiple of N; gloo on "
+           "the CPU, NCCL with --device cuda)")
     return p
 
 
@@ -159,6 +165,7 @@ def _config(args) -> Dict:
         latent_dim=args.latent_dim, categories=args.categories, batch_size=args.batch_size, lr=args.lr,
         steps=args.steps if args.steps is not None else 1000, eval_every=args.eval_every, eval_size=args.eval_size,
         eval_k=args.eval_k, var_reps=args.var_reps, checkpoint_every=args.checkpoint_every, threads=args.threads,
+        device=args.device,
     )
 
 
@@ -185,8 +192,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         torch.set_num_threads(args.threads)
     if not args.distributed:
         return _main(args)
+    backend = "nccl" if args.device.startswith("cuda") else "gloo"
     try:
-        distributed.init_process_group_from_env(backend="gloo")  # storch-bench trains on the CPU
+        distributed.init_process_group_from_env(backend=backend)  # NCCL: sets the LOCAL_RANK GPU current
     except RuntimeError as e:
         print(f"storch-bench: --distributed: {e}", file=sys.stderr)
         return 2
@@ -234,6 +242,8 @@ def _main(args) -> int:
         for key in ("budget", "n_samples", "baseline", "temperature", "spsa_c", "latent_dim", "categories"):
             if c.get(key) is not None:
                 parts.append(f"{key}={c[key]}")
+        if args.device != "cpu":  # a GPU run does not overwrite the CPU run of the same settings
+            parts.append(args.device)
         parts.append(f"seed{seed}")
         run_dir = Path(args.out) / _slug("_".join(parts))
         try:

@@ -79,7 +79,7 @@ def eval_subset(x: torch.Tensor, size: int, seed: int = 12345) -> torch.Tensor:
     harder than the rest, by about 40 nats under a pixel-mean model)."""
     if size >= x.shape[0]:
         return x
-    return x[torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed))[:size]]
+    return x[torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed), device="cpu")[:size]]
 
 
 def _fixed_binarize(x: torch.Tensor, seed: int) -> torch.Tensor:
@@ -92,7 +92,7 @@ def load_dataset(name: str, data_dir=None) -> Dataset:
         raise ValueError(f"unknown data set {name!r}; choose one of {', '.join(DATASETS)}")
     if name == "digits":
         x, _ = sd.load_digits_binarized()
-        perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(1234))
+        perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(1234), device="cpu")
         x = x[perm]
         return Dataset(name, x[:-500], x[-500:-250], x[-250:])
     if data_dir is None:

@@ -20,6 +20,13 @@ gradients, so one step is the step of one process on the whole minibatch with ``
 independent samples drawn. The methods keep their own state in sync (:mod:`storch.distributed`).
 Rank 0 alone evaluates, prints and writes files; a checkpoint holds every rank's random state and
 method state, and resumes with the same number of ranks.
+
+Devices (``--device cuda``): the model is initialised on the CPU (the same initialisation as a CPU
+run of the same seed), then moved with its methods to the device; minibatches are drawn and
+binarised on the CPU and moved there. The estimators then draw their samples from the device's
+generator, so a GPU run follows its own random stream; evaluations fork that generator too, and a
+checkpoint holds its state. Under ``torchrun`` each rank takes the GPU of its ``LOCAL_RANK`` and
+the process group uses NCCL.
 """
 
 from __future__ import annotations
@@ -50,8 +57,28 @@ DEFAULTS: Dict[str, Any] = dict(
     model="sbn-linear", data="digits", data_dir=None, estimator="score-function", objective="elbo",
     n_samples=None, budget=None, baseline=None, temperature=None, spsa_c=None, latent_dim=None, categories=None,
     batch_size=50, lr=1e-3, steps=1000, seed=0, eval_every=None, eval_size=1000, eval_k=200, eval_elbo_k=10,
-    var_every=None, var_reps=20, checkpoint_every=None, threads=None,
+    var_every=None, var_reps=20, checkpoint_every=None, threads=None, device="cpu",
 )
+
+
+def resolve_device(name: str) -> torch.device:
+    """``--device`` as a concrete device: ``cuda`` becomes the current CUDA device (under torchrun,
+    the one of ``LOCAL_RANK``). Raises ``ValueError`` when the device is not available."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ValueError(f"--device {name!r}: {error}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: no CUDA device is available (torch.cuda.is_available() is False); "
+                             "use --device cpu, or install a CUDA build of torch")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {name}: storch-bench runs on 'cpu' or 'cuda'")
+    return device
 
 
 def run_label(cfg: Dict[str, Any]) -> str:
@@ -115,10 +142,11 @@ class Run:
         if cfg["batch_size"] % self.world:
             raise ValueError(f"--batch-size {cfg['batch_size']} does not split evenly over {self.world} ranks; "
                              f"use a multiple of {self.world}")
+        self.device = resolve_device(cfg.get("device") or "cpu")
         self.data = data if data is not None else load_dataset(cfg["data"], cfg.get("data_dir"))
         torch.manual_seed(cfg["seed"])
         self.model: BenchModel = make_model(cfg["model"], self.data.input_dim, self.data.train_mean,
-                                            cfg.get("latent_dim"), cfg.get("categories"))
+                                            cfg.get("latent_dim"), cfg.get("categories")).to(self.device)
         est = ESTIMATORS[cfg["estimator"]]
         if cfg["objective"] == "iwae" and not self.model.iwae_ok:
             raise ValueError(f"--objective iwae: {cfg['model']} has several stochastic layers; the bound needs "
@@ -130,11 +158,14 @@ class Run:
         cfg["n_samples_resolved"], cfg["evals_per_datum"] = n, evals
         cfg["label"] = run_label(cfg)
         self.methods = build_methods(est, self.model.latents, n, _Namespace(cfg))
+        for method in self.methods.values():
+            method.to(self.device)  # control variates, temperatures, baselines' buffers
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg["lr"])
         # the module the training steps call: DDP averages its gradients over the ranks
         self.train_module: torch.nn.Module = self.model
         if self.world > 1:
-            self.train_module = torch.nn.parallel.DistributedDataParallel(self.model)
+            self.train_module = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
             torch.manual_seed((cfg["seed"] + 1) * 1_000_003 + self.rank)  # each rank its own samples
         self.batches = Batches(self.data.train.shape[0], cfg["batch_size"], cfg["seed"] + 1)
         self.bin_gen = torch.Generator().manual_seed(cfg["seed"] + 2)
@@ -143,8 +174,9 @@ class Run:
         # fixed evaluation subsets (dynamic data: binarised once) and the variance minibatch
         k = cfg["eval_size"]
         g = torch.Generator().manual_seed(12345)
-        self.eval_sets = {"train": self.data.binarize(eval_subset(self.data.train, k), g),
-                          "valid": eval_subset(self.data.valid, k), "test": eval_subset(self.data.test, k)}
+        eval_sets = {"train": self.data.binarize(eval_subset(self.data.train, k), g),
+                     "valid": eval_subset(self.data.valid, k), "test": eval_subset(self.data.test, k)}
+        self.eval_sets = {split: x.to(self.device) for split, x in eval_sets.items()}
         self.var_batch = self.eval_sets["train"][: cfg["batch_size"]]
 
     # ---------------------------------------------------------------- training
@@ -152,7 +184,7 @@ class Run:
         storch.reset()
         self.opt.zero_grad(set_to_none=True)
         # every rank draws (and binarises) the same minibatch, then keeps its own slice of it
-        x = self.data.binarize(self.data.train[self.batches.next()], self.bin_gen)
+        x = self.data.binarize(self.data.train[self.batches.next()], self.bin_gen).to(self.device)
         if self.world > 1:
             size = x.shape[0] // self.world
             x = x[self.rank * size:(self.rank + 1) * size]
@@ -163,13 +195,18 @@ class Run:
             distributed.all_reduce_mean_([loss])  # the objective on the whole minibatch
         return float(loss)
 
+    def _forked_rng(self):
+        """The random streams of the run's devices, restored on exit (evaluations and probes do not
+        change the training trajectory)."""
+        return torch.random.fork_rng(devices=[self.device.index] if self.device.type == "cuda" else [])
+
     def grad_log_variance(self) -> float:
         """log Σ_coordinates Var[ĝ] of the encoder's first layer weight over ``var_reps`` estimates on
         one fixed minibatch (each with a fresh copy of the estimators, so none learns from the probes)."""
         w = self.model.encoder_weight()
         grads = []
         # rank 0 alone probes: the methods' collectives must not run (local_only)
-        with torch.random.fork_rng(devices=[]), distributed.local_only():
+        with self._forked_rng(), distributed.local_only():
             torch.manual_seed(self.cfg["seed"] * 7919 + self.step + 1)
             for _ in range(self.cfg["var_reps"]):
                 methods = copy.deepcopy(self.methods)
@@ -184,7 +221,7 @@ class Run:
 
     def evaluate(self, final: bool = False) -> Dict[str, float]:
         out = {}
-        with torch.random.fork_rng(devices=[]):
+        with self._forked_rng():
             torch.manual_seed(self.cfg["seed"] * 104729 + self.step)
             for split, x in self.eval_sets.items():
                 out[f"{split}_nelbo"], _ = evaluate_bounds(self.model, x, self.cfg["eval_elbo_k"])
@@ -217,7 +254,10 @@ class Run:
     # ---------------------------------------------------------------- checkpoints
     def _rank_state(self) -> Dict[str, Any]:
         """What differs between ranks: the random stream and the methods' state (e.g. per-rank baselines)."""
-        return {"rng": torch.get_rng_state(), "methods": {k: m.state_dict() for k, m in self.methods.items()}}
+        state = {"rng": torch.get_rng_state(), "methods": {k: m.state_dict() for k, m in self.methods.items()}}
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        return state
 
     def save_checkpoint(self):
         """Write ``checkpoint.pt`` (state dicts only; every rank takes part, rank 0 writes)."""
@@ -257,6 +297,8 @@ class Run:
         for k, m in self.methods.items():
             m.load_state_dict(mine["methods"][k])
         torch.set_rng_state(mine["rng"])
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(mine["cuda_rng"], self.device)
         self.batches.load_state_dict(state["batches"])
         self.bin_gen.set_state(state["bin_gen"])
 
@@ -317,7 +359,7 @@ class Run:
             "eval_size": len(self.eval_sets["test"]),
             "grad_logvar": last_var[-1] if last_var else None,
             "ms_per_step": 1000.0 * self.train_time / self.step if self.step else None,
-            "train_seconds": self.train_time,
+            "train_seconds": self.train_time, "device": str(self.device),
         }
         with open(self.dir / "summary.json", "w") as f:
             json.dump(summary, f, indent=2)

@@ -489,7 +489,7 @@ def train(spec: MethodSpec, config: VAEConfig, out: TextIO, progress_bar: bool =
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     method = spec.make().to(device)
     gen = torch.Generator().manual_seed(config.seed)
-    eval_idx = torch.randperm(data.shape[0], generator=gen)[: config.eval_batch].to(device)
+    eval_idx = torch.randperm(data.shape[0], generator=gen, device="cpu")[: config.eval_batch].to(device)
     eval_data = data[eval_idx]
     shuffle = torch.Generator().manual_seed(config.seed + 1)
     nelbo_data = data[: config.nelbo_subset]
