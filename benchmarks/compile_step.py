@@ -1,6 +1,6 @@
 """A whole training step under ``torch.compile``: eager and compiled, storch and hand-written.
 
-Two models, each step as in the other benchmarks (one thread, CPU):
+Two models, each step as in the other benchmarks (one thread; CPU, or a GPU with ``--device cuda``):
 
 * ``sbn-linear`` 784-[200] on binarized MNIST, batch 50 (``benchmarks/sbn_step.py``), with
   REINFORCE (n=1) and ARM (one pair);
@@ -17,6 +17,11 @@ Usage::
 
     .venv/bin/python benchmarks/compile_step.py               # ~2 minutes
     .venv/bin/python benchmarks/compile_step.py --blocks 3 --steps 5   # smoke run
+    python benchmarks/compile_step.py --device cuda             # the same table on a GPU
+
+On a GPU the models and data live on the device and each timed block ends with
+``torch.cuda.synchronize()``; the models are small, so a step is bound by kernel launches and
+Python, which is where storch's overhead shows.
 """
 
 from __future__ import annotations
@@ -40,9 +45,10 @@ from handwritten import handwritten_step, make_data, make_model_and_optimizer  #
 from run import _make_method, storch_step  # noqa: E402
 
 
-def sbn_variants(name: str, data: torch.Tensor) -> Dict[str, Callable[[], object]]:
+def sbn_variants(name: str, data: torch.Tensor, device: torch.device) -> Dict[str, Callable[[], object]]:
     hand = sbn.hw_grad(name)
-    models = [sbn.make_model(0)[0] for _ in range(4)]
+    data = data.to(device)
+    models = [sbn.make_model(0)[0].to(device) for _ in range(4)]
     method_eager, method_compiled = sbn.make_method(name), sbn.make_method(name)
     storch_compiled, hand_compiled = torch.compile(sbn.storch_grad), torch.compile(hand)
     return {
@@ -53,9 +59,11 @@ def sbn_variants(name: str, data: torch.Tensor) -> Dict[str, Callable[[], object
     }
 
 
-def vae_variants(batch: int = 8, n_samples: int = 8) -> Dict[str, Callable[[], object]]:
-    data = make_data(batch)
+def vae_variants(device: torch.device, batch: int = 8, n_samples: int = 8) -> Dict[str, Callable[[], object]]:
+    data = make_data(batch).to(device)
     pairs = [make_model_and_optimizer() for _ in range(4)]
+    for model, _ in pairs:
+        model.to(device)  # moves the parameters in place: the optimizers keep them
     methods = [_make_method(storch, n_samples) for _ in range(2)]
     storch_compiled = torch.compile(storch_step)
     hand_compiled = torch.compile(handwritten_step)
@@ -67,18 +75,28 @@ def vae_variants(batch: int = 8, n_samples: int = 8) -> Dict[str, Callable[[], o
     }
 
 
-def time_variants(variants: Dict[str, Callable[[], object]], blocks: int, steps: int) -> Dict[str, float]:
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_variants(
+    variants: Dict[str, Callable[[], object]], blocks: int, steps: int, device: torch.device
+) -> Dict[str, float]:
     for name, fn in variants.items():  # compile and warm up
         start = time.perf_counter()
         for _ in range(3):
             fn()
+        _synchronize(device)
         print(f"    {name}: first 3 calls {time.perf_counter() - start:.2f} s", flush=True)
     times: Dict[str, list] = {k: [] for k in variants}
     for _ in range(blocks):
         for name, fn in variants.items():
+            _synchronize(device)
             start = time.perf_counter()
             for _ in range(steps):
                 fn()
+            _synchronize(device)
             times[name].append((time.perf_counter() - start) / steps * 1e3)
     return {k: statistics.median(v) for k, v in times.items()}
 
@@ -87,18 +105,25 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=15)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--data-dir", type=Path, default=sbn.DEFAULT_DATA, help="folder of binarized_mnist_packed.npz")
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
     torch.set_num_threads(1)
-    data = sbn.load_train(sbn.DEFAULT_DATA)[:50]
+    data = sbn.load_train(args.data_dir)[:50]
     rows = []
     for label, make in [
-        ("sbn-linear REINFORCE", lambda: sbn_variants("REINFORCE", data)),
-        ("sbn-linear ARM", lambda: sbn_variants("ARM", data)),
-        ("discrete VAE, batch 8", vae_variants),
+        ("sbn-linear REINFORCE", lambda: sbn_variants("REINFORCE", data, device)),
+        ("sbn-linear ARM", lambda: sbn_variants("ARM", data, device)),
+        ("discrete VAE, batch 8", lambda: vae_variants(device)),
     ]:
         print(label, flush=True)
-        rows.append((label, time_variants(make(), args.blocks, args.steps)))
-    print(f"\nms/step, medians of {args.blocks} interleaved blocks of {args.steps} steps, 1 thread")
+        rows.append((label, time_variants(make(), args.blocks, args.steps, device)))
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"\nms/step on {where} (torch {torch.__version__}), medians of {args.blocks} interleaved blocks of "
+          f"{args.steps} steps, 1 CPU thread")
     head = ["storch eager", "storch compiled", "hand-written eager", "hand-written compiled"]
     print("model | " + " | ".join(head) + " | compiled storch / compiled hand | compiled storch / eager hand")
     for label, t in rows:
