@@ -21,6 +21,8 @@ import doctest
 import io
 import os
 import re
+import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,7 +96,11 @@ _FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 def run_page(path: Path) -> None:
     """Run the Python blocks of one page; raise ``AssertionError`` naming the first that fails."""
     blocks = [b for b in parse_blocks(path.read_text(encoding="utf-8")) if b.language == "python"]
-    namespace: dict = {"__name__": f"docs_page_{path.stem}"}
+    # the page runs as a module of its own, registered while it runs: TorchDynamo (torch 2.11) looks
+    # up the module of the code it compiles by its __name__
+    page = types.ModuleType(f"docs_page_{path.stem.replace('-', '_')}")
+    namespace: dict = page.__dict__
+    sys.modules[page.__name__] = page
     rel = path.relative_to(ROOT)
     storch.reset()
     torch.manual_seed(0)
@@ -118,6 +124,7 @@ def run_page(path: Path) -> None:
                     f"--- page shows:\n{block.output}--- printed:\n{captured.getvalue()}"
                 )
     finally:
+        sys.modules.pop(page.__name__, None)
         os.chdir(cwd)
         torch.set_num_threads(threads)
         storch.reset()
