@@ -303,3 +303,19 @@ def test_print_costs_on_meta_prints_no_values(capsys: pytest.CaptureFixture) -> 
     storch.backward(print_costs=True)
     assert capsys.readouterr().out == "f: (meta)\n"
     assert logits.grad.shape == (3,) and logits.grad.is_meta
+
+
+@CUDA
+def test_group_weights_are_copied_to_the_gpu_once() -> None:
+    """ARM's group weights reach the GPU without a host-to-device copy (a wait) in every step."""
+    logits = torch.zeros(3, device="cuda", requires_grad=True)
+    method = ARM("a", n_samples=2)
+    first = storch.extend.plain(method(Bernoulli(logits=logits)).plate.weight).clone()
+    storch.reset()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        second = storch.extend.plain(method(Bernoulli(logits=logits, validate_args=False)).plate.weight)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert second.device.type == "cuda" and torch.equal(first, second)

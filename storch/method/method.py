@@ -135,6 +135,28 @@ def log_prob(tensor: StochasticTensor) -> Tensor:
     return wrap_new(lp, layout)
 
 
+# CPU weights (e.g. the group weights of ARM, LocalExpectation, MVD) copied to an accelerator, by
+# device, dtype and values: a copy from host memory waits for the device's queue, once per step
+# otherwise. Small and bounded: methods make a handful of distinct weight vectors.
+_DEVICE_COPIES: dict[tuple, torch.Tensor] = {}
+_MAX_DEVICE_COPIES = 256
+
+
+def _on_device(weight: Any, device: torch.device) -> torch.Tensor:
+    """``weight`` as a tensor on ``device``; a small CPU tensor is copied to an accelerator only once
+    (the copy is shared: callers must not write into it)."""
+    if device.type in ("cpu", "meta") or not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" \
+            or weight.numel() > 1024:
+        return torch.as_tensor(weight, device=device)
+    key = (device, weight.dtype, tuple(weight.shape), tuple(weight.flatten().tolist()))
+    copy = _DEVICE_COPIES.get(key)
+    if copy is None:
+        if len(_DEVICE_COPIES) >= _MAX_DEVICE_COPIES:
+            _DEVICE_COPIES.clear()
+        copy = _DEVICE_COPIES[key] = weight.to(device)
+    return copy
+
+
 class Method(nn.Module):
     """Base class of gradient estimators: sample a distribution and say how to differentiate it.
 
@@ -262,7 +284,7 @@ class Method(nn.Module):
         if isinstance(weight, Tensor):
             return weight
         samples = node_of(tensor).samples  # a plain weight follows the node's device and floating dtype
-        weight = torch.as_tensor(weight, device=samples.device)
+        weight = _on_device(weight, samples.device)
         if weight.is_floating_point():
             weight = weight.to(floating_dtype(tensor.distribution, samples))
         if weight.dim() == 0:
