@@ -71,7 +71,7 @@ CORE = {
     ),
 }
 
-# the other estimators, on meta only (their float64 values are checked in their own test files)
+# the other estimators, on meta and CUDA (their float64 values are checked in their own test files)
 OTHERS = {
     "indecater": (lambda dev: IndeCateR("x", n_samples=2), "categorical"),
     "infer": (lambda dev: Infer("x", n_samples=2), "bernoulli"),
@@ -146,19 +146,12 @@ def test_core_estimators(name: str, device: str, dtype: torch.dtype, minibatch: 
     _check_grad(_step(make, dist, device, dtype, minibatch), device, dtype)
 
 
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("minibatch", [False, True], ids=["single", "minibatch"])
 @pytest.mark.parametrize("name", list(OTHERS))
-def test_other_estimators_on_meta(name: str, minibatch: bool) -> None:
+def test_other_estimators(name: str, minibatch: bool, device: str) -> None:
     make, dist = OTHERS[name]
-    _check_grad(_step(make, dist, "meta", torch.float32, minibatch), "meta", torch.float32)
-
-
-@CUDA
-@pytest.mark.parametrize("minibatch", [False, True], ids=["single", "minibatch"])
-@pytest.mark.parametrize("name", list(OTHERS))
-def test_other_estimators_on_cuda(name: str, minibatch: bool) -> None:
-    make, dist = OTHERS[name]
-    _check_grad(_step(make, dist, "cuda", torch.float32, minibatch), "cuda", torch.float32)
+    _check_grad(_step(make, dist, device, torch.float32, minibatch), device, torch.float32)
 
 
 @CUDA
