@@ -60,9 +60,9 @@ from storch.extend import (
     magic_box,
     new_node,
     no_dispatch,
-    reraise_cuda_dimension_error,
     node_of,
     note_sampled,
+    reraise_cuda_dimension_error,
     restore_lazy_plates,
     wrap_new,
 )
