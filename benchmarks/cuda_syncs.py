@@ -1,10 +1,13 @@
-"""Where a storch training step waits for the GPU: every host-device synchronisation, with its line.
+"""Where a storch training step waits for the GPU (every host-device synchronisation, with its
+line), and how many kernels it launches against the hand-written step.
 
 A training step on a GPU is fast when the host queues kernels without waiting for them; each
 synchronisation (``.item()``, ``bool(tensor)``, a copy to the CPU, ``nonzero``, ...) drains the
 queue. This runs a few ``sbn-linear`` steps (``benchmarks/sbn_step.py``) under
 ``torch.cuda.set_sync_debug_mode("warn")`` and prints, per estimator, each synchronising call site
-in storch (or the model) with how often it ran per step.
+in storch (or the model) with how often it ran per step. Then it counts, with ``torch.profiler``,
+the CUDA kernels and the operators dispatched per step by storch's and the hand-written step: on a
+GPU a small model's step is bound by launching them.
 
 Usage (needs a CUDA device)::
 
@@ -67,6 +70,22 @@ def sync_sites(name: str, steps: int = 3) -> collections.Counter:
     return collections.Counter({k: v / steps for k, v in sites.items()})
 
 
+def launches(step, steps: int = 5) -> tuple:
+    """(CUDA kernels, aten operators) per call of ``step``, counted by ``torch.profiler``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()  # warm-up
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = prof.events()
+    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    ops = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("aten::"))
+    return kernels / steps, ops / steps
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("cuda_syncs.py needs a CUDA device", file=sys.stderr)
@@ -76,6 +95,14 @@ def main() -> int:
         print(f"{name}: {sum(sites.values()):.0f} synchronisations per step")
         for where, n in sites.most_common():
             print(f"  {n:4.1f}  {where}")
+    print("\nper step (sbn-linear, batch 50): CUDA kernels | aten operators (incl. nested), storch vs hand-written")
+    data = (torch.rand(50, sbn.X_DIM, device="cuda") < 0.5).float()
+    for name in sbn.ESTIMATORS:
+        model = sbn.make_model(0)[0].cuda()
+        method, hand = sbn.make_method(name), sbn.hw_grad(name)
+        s_k, s_o = launches(lambda: sbn.storch_grad(model, data, method))
+        h_k, h_o = launches(lambda: hand(model, data))
+        print(f"  {name:<10} kernels {s_k:5.0f} vs {h_k:5.0f} ({s_k / h_k:.2f}x) | operators {s_o:5.0f} vs {h_o:5.0f}")
     return 0
 
 
