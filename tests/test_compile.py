@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributions import Bernoulli, Normal
 
+import problems  # tests/problems.py (on the path through conftest)
 import storch
 from storch.method import ARM, MVD, DisARM, Expect, LocalExpectation, Reparameterization, ScoreFunction
 from storch.testing import assert_unbiased, replicated_gradients
@@ -109,19 +110,11 @@ def test_a_compiled_reparameterized_step_equals_the_eager_step():
 
 @pytest.mark.parametrize("name", list(DISCRETE))
 def test_a_compiled_model_is_unbiased(name):
-    """Each discrete estimator, compiled, against the exact gradient of E[sum_i (z_i - t_i)^2]."""
-    logits = torch.tensor([0.3, -0.5, 1.0])
-    target = torch.tensor([0.49, 0.499, 0.8])
-    p = torch.sigmoid(logits)
-    exact = p * (1 - p) * ((1 - target) ** 2 - target**2)  # d/dlogits E[(z - t)^2], per coordinate
-    method = DISCRETE[name]()
-
-    def model(copies):
-        z = method(Bernoulli(logits=copies))
-        storch.add_cost(((z - target) ** 2).sum(-1), "f")
-
-    [estimates] = replicated_gradients([logits], 4000, torch.compile(model))  # seeded by conftest
-    assert_unbiased(estimates, exact, label=f"compiled {name}")
+    """Each discrete estimator, compiled, on the shared Bernoulli problem (tests/problems.py)."""
+    problem = problems.bernoulli(interaction=0.0)  # f = sum_i (x_i - t_i)^2
+    model = torch.compile(problem.model(DISCRETE[name]()))
+    [estimates] = replicated_gradients([problem.phi], 4000, model)  # seeded by conftest
+    assert_unbiased(estimates, problem.exact(), label=f"compiled {name}")
 
 
 @pytest.mark.parametrize("name", ["reparameterization", "mvd"])

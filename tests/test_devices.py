@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch.distributions import Bernoulli, Distribution, Normal, OneHotCategorical
 
+import problems  # tests/problems.py (on the path through conftest)
 import storch
 from storch.method import (
     ARM, GSB, MVD, REBAR, RELAX, SPSA, VIMCO, DisARM, Expect, GumbelRao, GumbelSoftmax, IndeCateR, Infer,
@@ -173,19 +174,18 @@ def test_cuda_score_function_is_unbiased() -> None:
     """A score function with the leave-one-out baseline on a GPU, against the exact gradient."""
     from storch.testing import assert_unbiased, replicated_gradients
 
-    logits = torch.tensor([0.3, -0.5, 1.0], device="cuda")
-    target = torch.tensor([0.49, 0.499, 0.8], device="cuda")
-    p = torch.sigmoid(logits)
-    exact = p * (1 - p) * ((1 - target) ** 2 - target**2)
+    problem = problems.bernoulli(interaction=0.0)  # tests/problems.py; exact gradient on the CPU
+    on_gpu = problems.BernoulliBits(problem.phi.cuda(), problem.target.cuda(), problem.interaction)
+    score_function = ScoreFunction("z", n_samples=2, baseline_factory="batch_average")
 
-    def model(copies):
-        z = ScoreFunction("z", n_samples=2, baseline_factory="batch_average")(Bernoulli(logits=copies))
+    def method(distribution: Distribution) -> torch.Tensor:
+        z = score_function(distribution)
         assert z.device.type == "cuda"
-        storch.add_cost(((z - target) ** 2).sum(-1), "f")
+        return z
 
-    [estimates] = replicated_gradients([logits], 4000, model)
+    [estimates] = replicated_gradients([on_gpu.phi], 4000, on_gpu.model(method))
     assert estimates.device.type == "cuda"
-    assert_unbiased(estimates, exact, label="ScoreFunction on CUDA")
+    assert_unbiased(estimates, problem.exact().cuda(), label="ScoreFunction on CUDA")
 
 
 def test_rao_blackwell_on_meta() -> None:
