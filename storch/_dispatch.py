@@ -38,6 +38,7 @@ from storch.plate import (
 )
 
 _Disable = torch._C.DisableTorchFunctionSubclass
+_call_plain = torch._C._disabled_torch_function_impl
 _T = torch.Tensor
 
 # Functions whose result never carries storch metadata: attribute access, hooks, size queries.
@@ -235,8 +236,7 @@ def torch_function(cls: type, func: Callable, types: tuple, args: tuple = (), kw
     all plated arguments, one tensor returned) is kept short.
     """
     if func in PASSTHROUGH or type(func) in _OPERATOR_TYPES:
-        with _Disable():
-            return func(*args, **kwargs) if kwargs else func(*args)
+        return _call_plain(func, types, args, kwargs)  # in C: func(*args, **kwargs), subclasses off
     with _Disable():
         layout = None
         first = None

@@ -75,7 +75,8 @@ def get_distr_parameters(d: Distribution, filter_requires_grad: bool = True) -> 
     """
     params = dict(_named_parameters(d))
     if filter_requires_grad:
-        params = {k: v for k, v in params.items() if v.requires_grad}
+        with _Disable():  # a plain attribute read, not a trip through storch's dispatch
+            params = {k: v for k, v in params.items() if v.requires_grad}
     return params
 
 

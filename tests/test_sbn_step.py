@@ -44,3 +44,22 @@ def test_check_is_sensitive_to_the_draws(batch, name):
     torch.manual_seed(1)
     sbn_step.hw_grad(name)(model, data)
     assert (g_s - model.encoder.weight.grad).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", sbn_step.ESTIMATORS)
+def test_floor_variant_computes_the_handwritten_step(batch, name):
+    """The benchmark's floor (the hand-written step on a do-nothing tensor subclass) does the same
+    work as the hand-written step: same draws, same gradients, and its tensors are the subclass."""
+    data = batch.double()
+    grads = []
+    for grad in (sbn_step.hw_grad(name), sbn_step.floor_grad(name)):
+        model, _ = sbn_step.make_model(0, train_mean=data.mean(0), dtype=torch.float64)
+        torch.manual_seed(3)
+        value = grad(model, data)
+        assert type(value) is torch.Tensor
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert grads[0].abs().max() > 1e-3
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    wrapped = data.view_as(data)
+    wrapped.__class__ = sbn_step.FloorTensor
+    assert type(wrapped * 2 + 1) is sbn_step.FloorTensor
