@@ -39,7 +39,11 @@ from storch.plate import (
 
 _Disable = torch._C.DisableTorchFunctionSubclass
 _call_plain = torch._C._disabled_torch_function_impl
+# The C accessors: storch.Tensor overrides ``dim``/``shape`` for its users (see storch.tensor); here,
+# with torch functions already disabled, the C versions are cheaper than a Python method call.
 _T = torch.Tensor
+_dim = _T.dim
+_shape = _T.shape.__get__
 
 # Functions whose result never carries storch metadata: attribute access, hooks, size queries.
 _PROPERTIES = (
@@ -236,7 +240,8 @@ def torch_function(cls: type, func: Callable, types: tuple, args: tuple = (), kw
     all plated arguments, one tensor returned) is kept short.
     """
     if func in PASSTHROUGH or type(func) in _OPERATOR_TYPES:
-        return _call_plain(func, types, args, kwargs)  # in C: func(*args, **kwargs), subclasses off
+        # in C: func(*args, **kwargs) with subclasses off (getters take no keywords, not even {})
+        return _call_plain(func, types, args, kwargs) if kwargs else _call_plain(func, types, args)
     with _Disable():
         layout = None
         first = None
@@ -251,11 +256,11 @@ def torch_function(cls: type, func: Callable, types: tuple, args: tuple = (), kw
                         layout, first = lay, a
                     elif lay is not layout and lay.plates != layout.plates:
                         same = False
-                    elif a.dim() != first.dim():
+                    elif _dim(a) != _dim(first):
                         ragged = True
             elif isinstance(a, _T):
-                if a.dim() > plain_ndim:
-                    plain_ndim = a.dim()
+                if _dim(a) > plain_ndim:
+                    plain_ndim = _dim(a)
             elif type(a) is list or type(a) is tuple:
                 for b in a:
                     if isinstance(b, Tensor) and b._layout.sizes:
@@ -270,10 +275,10 @@ def torch_function(cls: type, func: Callable, types: tuple, args: tuple = (), kw
                         layout, first = a._layout, a
                     elif a._layout is not layout and a._layout.plates != layout.plates:
                         same = False
-                    elif a.dim() != first.dim():
+                    elif _dim(a) != _dim(first):
                         ragged = True
-                elif isinstance(a, _T) and a.dim() > plain_ndim:
-                    plain_ndim = a.dim()
+                elif isinstance(a, _T) and _dim(a) > plain_ndim:
+                    plain_ndim = _dim(a)
         else:
             kwargs = {}
         if layout is None:
@@ -282,7 +287,7 @@ def torch_function(cls: type, func: Callable, types: tuple, args: tuple = (), kw
             spec = _DIM_SPECS.get(func)
             if spec is not None:
                 _check_dim_args(func, spec, args, kwargs)
-            if plain_ndim > first.dim() - len(layout.sizes):
+            if plain_ndim > _dim(first) - len(layout.sizes):
                 ragged = True
             if not same or (ragged and func in _ELEMENTWISE) or (func in _SPECIAL and _needs_special(func, args, kwargs)):
                 args, kwargs, layout = _align_call(func, args, kwargs)
@@ -306,10 +311,10 @@ def _needs_special(func: Callable, args: tuple, kwargs: dict) -> bool:
     if func in _BROADCAST_FIRST:
         shape = None
         for a in (args + tuple(kwargs.values())) if kwargs else args:
-            if isinstance(a, _T) and a.dim() > 0:
+            if isinstance(a, _T) and _dim(a) > 0:
                 if shape is None:
-                    shape = a.shape
-                elif a.shape != shape:
+                    shape = _shape(a)
+                elif _shape(a) != shape:
                     return True
         return False
     members = args[0] if args and (type(args[0]) is list or type(args[0]) is tuple) else args
@@ -339,7 +344,7 @@ def _check_dim_args(func: Callable, spec: tuple[tuple[int, ...], int], args: tup
     for key in _DIM_KEYWORDS:
         if key in kwargs:
             values += _dim_values(kwargs[key])
-    ndim = subject.dim() + extra
+    ndim = _dim(subject) + extra
     if not values and func in _IMPLICIT_DIMS and ndim >= 2:
         values = list(_IMPLICIT_DIMS[func])
     n_plates = len(subject._layout.sizes)
@@ -356,7 +361,7 @@ def plate_index_error(func: Callable, dim: int, position: int, t: torch.Tensor) 
     n = len(layout.sizes)
     return ValueError(
         f"{name} got dimension {dim}, which is plate {plate.name!r} (size {plate.size}) of a tensor of "
-        f"shape {tuple(t.shape)} whose first {n} dimensions are the plates {list(layout.names)}. "
+        f"shape {tuple(_shape(t))} whose first {n} dimensions are the plates {list(layout.names)}. "
         "Dimension arguments must index event dimensions: count from the right (e.g. dim=-1), as for "
         "a single sample. To reduce a plate on purpose use storch.reduce_plates(t, "
         f"{plate.name!r}) (weighted) or storch.sum/mean(t, {plate.name!r})."
@@ -435,9 +440,9 @@ def _align_call(func: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict,
     for a in (args + tuple(kwargs.values())) if kwargs else args:
         if isinstance(a, Tensor) and a._layout.sizes:
             layouts.append(a._layout)
-            event = a.dim() - len(a._layout.sizes)
+            event = _dim(a) - len(a._layout.sizes)
         elif isinstance(a, _T):
-            event = a.dim()  # a plain tensor is one sample's worth of event dimensions
+            event = _dim(a)  # a plain tensor is one sample's worth of event dimensions
         elif type(a) is list or type(a) is tuple:
             for b in a:
                 if isinstance(b, Tensor) and b._layout.sizes:
@@ -559,7 +564,7 @@ def align_tensor(
     """
     src = t._layout
     n_src = len(src.sizes)
-    pad = 0 if event_ndim is None else max(0, event_ndim - (t.dim() - n_src))
+    pad = 0 if event_ndim is None else max(0, event_ndim - (_dim(t) - n_src))
     if src is union or src.plates == union.plates:
         if pad:
             t = t[(slice(None),) * n_src + (None,) * pad]
@@ -570,10 +575,10 @@ def align_tensor(
             n_src = len(src.sizes)
             perm, index = _plan(src, union)
         if perm is not None:
-            t = t.permute(*perm, *range(n_src, t.dim()))
+            t = t.permute(*perm, *range(n_src, _dim(t)))
         t = t[index + (None,) * pad] if pad else t[index]
     if expand:
-        t = t.expand(*union.sizes, *t.shape[len(union.sizes):])
+        t = t.expand(*union.sizes, *_shape(t)[len(union.sizes):])
     return t
 
 
@@ -639,7 +644,7 @@ def _reindex_step(t: torch.Tensor, src: PlateLayout, step: AncestralPlate) -> tu
     rest_union = merge_layouts([rest, index_rest])
     x = align_tensor(_as_layout(t.movedim(i, -1), rest), rest_union)  # (*rest_union, *event, old)
     idx = align_tensor(_as_layout(step.parent_index.movedim(0, -1), index_rest), rest_union)
-    n_event = x.dim() - len(rest_union.sizes) - 1
+    n_event = _dim(x) - len(rest_union.sizes) - 1
     idx = idx.reshape(tuple(idx.shape[:-1]) + (1,) * n_event + (idx.shape[-1],))
     y = torch.take_along_dim(x, idx, -1)  # (*rest_union, *event, step)
     new = merge_layouts([rest_union, layout_of_plates((step,))])
@@ -651,7 +656,7 @@ def expand_plain(t: torch.Tensor, union: PlateLayout) -> torch.Tensor:
     n = len(union.sizes)
     if n == 0:
         return t
-    return t[(None,) * n].expand(*union.sizes, *t.shape)
+    return t[(None,) * n].expand(*union.sizes, *_shape(t))
 
 
 def _broadcast_shape(shapes: list[torch.Size]) -> tuple[int, ...]:
@@ -670,13 +675,13 @@ def _broadcast_shape(shapes: list[torch.Size]) -> tuple[int, ...]:
 def _broadcast_tensor_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Expand the top-level tensor arguments to their common broadcast shape."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor) and _dim(v) > 0]
     if len(tensors) < 2:
         return args, kwargs
-    shape = _broadcast_shape([t.shape for t in tensors])
+    shape = _broadcast_shape([_shape(t) for t in tensors])
     new_args = tuple(a.expand(shape) if isinstance(a, torch.Tensor) else a for a in args)
     new_kwargs = {
-        k: (v.expand(shape) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+        k: (v.expand(shape) if isinstance(v, torch.Tensor) and _dim(v) > 0 else v)
         for k, v in kwargs.items()
     }
     return new_args, new_kwargs

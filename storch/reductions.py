@@ -195,12 +195,43 @@ def reduce_plate(tensor: Tensor, plate: Plate, detach_weights: bool = True) -> t
     value of probability 0 whose cost is ``inf``): ``0 · ∞`` would poison the sum. Finite values of
     weight zero stay in, so the derivative with respect to their weight is kept.
     """
+    vector = _weight_vector(plate)
+    if vector is not None:
+        return _reduce_by_vector(tensor, plate, vector.detach() if detach_weights else vector)
     w = plate_weight(plate, detach_weights)
     if w is None:
         return _reduce_one(tensor, plate, torch.mean)
     ignored = (w == 0) & ~torch.isfinite(tensor)
     weighted = torch.where(ignored, torch.zeros((), dtype=tensor.dtype, device=tensor.device), tensor) * w
     return _reduce_one(weighted, plate, torch.sum)
+
+
+def _weight_vector(plate: Plate) -> torch.Tensor | None:
+    """The plate's weight as a plain vector when it is one weight per sample of this plate alone
+    (a plain 1-d tensor, or a storch tensor whose only plate is ``plate``); else ``None``."""
+    w = plate.weight
+    if type(w) is torch.Tensor:
+        return w if w.dim() == 1 and w.shape[0] == plate.size else None
+    if isinstance(w, Tensor):
+        plates = w._layout.plates
+        if len(plates) == 1 and plates[0] is plate and w.dim() == 1:
+            with _Disable():
+                return w.view_as(w)  # a plain view
+    return None
+
+
+def _reduce_by_vector(tensor: Tensor, plate: Plate, w: torch.Tensor) -> Tensor:
+    """:func:`reduce_plate` for a plain weight vector, one weight per sample of ``plate`` (groups of
+    ARM, DisARM, LocalExpectation, MVD; importance weights): the same arithmetic on the plain
+    values, with ``w`` laid along the plate's dimension, instead of six aligned operations."""
+    layout = tensor._layout
+    i = layout.position(plate)
+    with _Disable():
+        w = w.reshape((plate.size,) + (1,) * (tensor.dim() - i - 1))
+        ignored = (w == 0) & ~torch.isfinite(tensor)
+        weighted = torch.where(ignored, torch.zeros((), dtype=tensor.dtype, device=tensor.device), tensor) * w
+        out = weighted.sum(i)
+    return wrap_new(out, layout.without_position(i))
 
 
 def _reduce_one(tensor: Tensor, plate: Plate, op) -> Tensor:

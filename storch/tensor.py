@@ -113,8 +113,10 @@ class Tensor(torch.Tensor):
     def dim(self) -> int:
         return _call_plain(_T.dim, (), (self,))
 
-    def size(self, *dim: Any) -> Any:
-        return _call_plain(_T.size, (), (self, *dim))
+    def size(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:  # size(dim=0)
+            return _call_plain(_T.size, (), (self, *args), kwargs)
+        return _call_plain(_T.size, (), (self, *args))
 
     @property
     def shape(self) -> torch.Size:

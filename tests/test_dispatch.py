@@ -44,6 +44,23 @@ def test_same_plates_fast_path_keeps_layout_and_values():
     assert w._layout is z._layout and w.shape == (3, 2)
 
 
+def test_metadata_queries_read_plain_values():
+    """Shape queries bypass the dispatch (read in C) and answer as for a plain tensor; getters and
+    methods that torch hands over with an empty keyword dict work too."""
+    plain = torch.zeros(3, 2, dtype=torch.float64)
+    x = storch.denote_independent(plain, 0, "data")
+    assert (x.shape, x.size(), x.size(-1), x.size(dim=0), x.dim(), x.ndim) == (
+        plain.shape, plain.size(), 2, 3, 2, 2
+    )
+    assert (x.dtype, x.device) == (torch.float64, plain.device)
+    assert type(x.shape) is torch.Size
+    grad_getter = torch.Tensor.grad.__get__
+    assert torch.overrides.handle_torch_function(grad_getter, (x,), x) is None  # kwargs={}
+    assert torch.overrides.handle_torch_function(torch.Tensor.size, (x,), x, dim=1) == 2
+    with pytest.raises(IndexError):
+        x.size(5)
+
+
 def test_methods_that_return_tensors_keep_plates():
     z = _node("z", 3)
     for out in (z.detach(), z.double(), z.to(torch.float64), z.clone(), z.unsqueeze(-1), z.sum(-1)):
