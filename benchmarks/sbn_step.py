@@ -31,6 +31,11 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/sbn_step.py --blocks 4 --steps 5 --warmup 5   # smoke run
     .venv/bin/python benchmarks/sbn_step.py --train 3000 --seeds 0 1 2   # same test -ELBO within 1 nat?
 
+The timing table has a third variant, the *floor*: the hand-written step with its data wrapped in
+:class:`FloorTensor`, a tensor subclass whose ``__torch_function__`` only calls the function. It is
+what any ``__torch_function__`` library pays before doing work of its own; ``storch - floor`` is
+storch's own cost.
+
 ``--check`` seeds both versions identically: storch draws its samples with the same torch calls
 (``Bernoulli.sample((n,))`` for the score function, ``torch.rand((n, *logits.shape))`` for
 ARM/DisARM), so the draws align exactly and the gradients are compared directly, in float64.
