@@ -39,9 +39,9 @@ from storch.plate import (
 
 _Disable = torch._C.DisableTorchFunctionSubclass
 _call_plain = torch._C._disabled_torch_function_impl
+_T = torch.Tensor
 # The C accessors: storch.Tensor overrides ``dim``/``shape`` for its users (see storch.tensor); here,
 # with torch functions already disabled, the C versions are cheaper than a Python method call.
-_T = torch.Tensor
 _dim = _T.dim
 _shape = _T.shape.__get__
 
