@@ -14,8 +14,9 @@ affects all of them alike):
 * one training step of the discrete VAE of ``handwritten.py`` (784-512-256-(20x10)-256-512-784,
   score function with 8 samples and the leave-one-out baseline, KL to a uniform prior + Bernoulli
   reconstruction cost, Adam) at batch 8 and 100: hand-written in plain PyTorch, the same with raw
-  tensor ops instead of ``torch.distributions`` (for information), and with storch, written as in
-  the manual's tutorial.
+  tensor ops instead of ``torch.distributions`` (for information), the hand-written step on a
+  do-nothing ``__torch_function__`` subclass (the *floor*, ``common.FloorTensor``: what any such
+  library pays before its own work), and with storch, written as in the manual's tutorial.
 
 Then, when ``.venv-storchastic/bin/python`` exists, it runs ``storchastic_step.py`` in that
 interpreter (Storchastic 0.3.7 also imports as ``storch``, so it needs its own process) and
@@ -48,7 +49,7 @@ if _REPO not in sys.path:  # our storch, also when it is not pip-installed
 
 import torch  # noqa: E402
 
-from common import FULL, QUICK, OpBench, StepBench, add_measurement_arguments, chunks  # noqa: E402
+from common import FULL, QUICK, OpBench, StepBench, add_measurement_arguments, chunks, floor_view  # noqa: E402
 from handwritten import (  # noqa: E402
     CLASSES,
     LATENTS,
@@ -131,6 +132,9 @@ def make_step_bench(storch, batch: int, n_samples: int, warmup: int) -> StepBenc
     fns["handwritten"] = lambda: handwritten_step(mh, oh, data, n_samples)
     mr, or_ = make_model_and_optimizer()
     fns["handwritten_raw"] = lambda: handwritten_step_raw(mr, or_, data, n_samples)
+    mf, of = make_model_and_optimizer()
+    floor_data = floor_view(data)
+    fns["floor"] = lambda: handwritten_step(mf, of, floor_data, n_samples)
     if storch is not None:
         ms, os_ = make_model_and_optimizer()
         method = _make_method(storch, n_samples)
@@ -143,6 +147,7 @@ def step_summary(bench: StepBench) -> dict:
     out = {f"{k}_ms": v for k, v in t.items()}
     out["steps"] = len(bench.times["handwritten"])
     out["raw_ratio"] = bench.ratio("handwritten_raw", "handwritten")
+    out["floor_ratio"] = bench.ratio("floor", "handwritten")
     if "storch" in t:
         out["ratio"] = bench.ratio("storch", "handwritten")
     return out
@@ -259,18 +264,21 @@ def format_table(res: dict) -> str:
 
     L.append(f"Discrete-VAE training step, 784-512-256-(20x10)-256-512-784, ScoreFunction "
              f"n={res['n_samples']} + batch_average, Adam (median, ms)")
-    hdr = (f"  {'batch':>5s}{'hand':>9s}{'raw ops':>9s}{'storch':>9s}{'storch/hand':>13s}  |"
-           f"{'hand*':>9s}{'Storchastic':>13s}{'Sc/hand':>9s}")
+    hdr = (f"  {'batch':>5s}{'hand':>9s}{'raw ops':>9s}{'floor':>9s}{'floor/hand':>12s}{'storch':>9s}"
+           f"{'storch/hand':>13s}  |{'hand*':>9s}{'Storchastic':>13s}{'Sc/hand':>9s}")
     L.append(hdr)
     L.append("  " + "-" * (len(hdr) - 2))
     for b, st in res["steps"].items():
         s = ((sc or {}).get("steps") or {}).get(b, {})
         L.append(f"  {b:>5s}{_f(st.get('handwritten_ms')):>9s}{_f(st.get('handwritten_raw_ms')):>9s}"
+                 f"{_f(st.get('floor_ms')):>9s}{_f(st.get('floor_ratio'), '{:.3f}'):>12s}"
                  f"{_f(st.get('storch_ms')):>9s}{_f(st.get('ratio'), '{:.3f}'):>13s}  |"
                  f"{_f(s.get('handwritten_ms')):>9s}{_f(s.get('storchastic_ms')):>13s}"
                  f"{_f(s.get('ratio'), '{:.3f}'):>9s}")
     L.append("  hand: plain PyTorch with torch.distributions (the reference); raw ops: the same "
              "estimator without torch.distributions")
+    L.append("  floor: the hand-written step on a tensor subclass whose __torch_function__ only calls the "
+             "function (what any __torch_function__ library pays before its own work)")
     L.append("  ratios: median over rounds of the ratio of the two steps timed in the same round")
     L.append("  (* measured in Storchastic's process, where Storchastic has switched off "
              "torch.distributions argument validation globally)")

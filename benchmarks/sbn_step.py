@@ -60,6 +60,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import storch  # noqa: E402
+from common import FloorTensor, floor_view  # noqa: E402,F401  (FloorTensor: for the tests)
 
 X_DIM = 784
 Z_DIM = 200
@@ -200,36 +201,12 @@ def storch_grad(model: LinearSBN, data: torch.Tensor, method) -> torch.Tensor:
     return storch.backward().detach()
 
 
-class FloorTensor(torch.Tensor):
-    """A tensor subclass whose ``__torch_function__`` does nothing but call the function.
-
-    The hand-written step run on it (``x`` wrapped, so every operation downstream of the data is a
-    ``FloorTensor``) costs what *any* library built on a ``__torch_function__`` subclass pays before
-    doing any work of its own: the trip from torch's C++ into Python and back for every operation
-    and every shape query (about 0.8 us each). storch's own cost is what it adds above this floor.
-    """
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs) if kwargs else func(*args)
-        if type(out) is torch.Tensor:
-            out.__class__ = cls
-        elif type(out) is tuple:
-            for o in out:
-                if type(o) is torch.Tensor:
-                    o.__class__ = cls
-        return out
-
-
 def floor_grad(name: str) -> Callable[[LinearSBN, torch.Tensor], torch.Tensor]:
     """The hand-written step of ``name`` with the data as a :class:`FloorTensor`."""
     hw = hw_grad(name)
 
     def grad(model: LinearSBN, x: torch.Tensor) -> torch.Tensor:
-        x = x.view_as(x)
-        x.__class__ = FloorTensor
-        return hw(model, x).as_subclass(torch.Tensor)
+        return hw(model, floor_view(x)).as_subclass(torch.Tensor)
 
     return grad
 
