@@ -55,3 +55,14 @@ def test_detached_weights_get_no_gradient():
     assert out.item() == 2.0
     out.backward()
     assert w.grad is None
+
+
+def test_a_non_finite_value_of_positive_weight_is_kept():
+    """Only values of weight zero are left out: a NaN or infinity with a positive weight reaches the
+    result (and storch.backward's finite check), whatever path the reduction takes."""
+    plate = Plate("z", 2)
+    plate.weight = torch.tensor([0.5, 0.5])
+    out = reduce_plate(storch.Tensor(torch.tensor([1.0, math.inf]), [plate]), plate)
+    assert out.item() == math.inf
+    out = reduce_plate(storch.Tensor(torch.tensor([1.0, math.nan]), [plate]), plate)
+    assert math.isnan(out.item())
