@@ -174,3 +174,15 @@ def test_bernoulli_logits_ignores_a_cached_plain_copy():
     d_probs = Bernoulli(probs=torch.sigmoid(phi))
     assert torch.allclose(bernoulli_logits(d_probs)._tensor, phi._tensor, atol=1e-5)
     assert [p.name for p in bernoulli_logits(d_probs).plates] == ["replicate"]
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_a_cost_without_the_logits_plates_is_refused_by_name(name):
+    """The logits vary over a minibatch plate that was reduced before add_cost: the per-variable
+    gradient has no cost value to pair with, so the estimator says which plate and which cost."""
+    phi = torch.zeros(4, 3, requires_grad=True)
+    x = storch.denote_independent(phi, 0, "data")
+    z = METHODS[name]("z", n_samples=2)(Bernoulli(logits=x))
+    storch.add_cost(storch.reduce_plates(z.sum(-1), "data"), "f")
+    with pytest.raises(ValueError, match=r"carry plates \['data'\] that the cost 'f' does not have"):
+        storch.backward()

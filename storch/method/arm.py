@@ -35,12 +35,12 @@ import torch
 from torch.distributions import Bernoulli, Distribution
 from torch.distributions.utils import probs_to_logits
 
-from storch.method.groups import GroupRecords, flatten_groups, group_plate, group_weights, split_groups, spread_groups
+from storch.method.groups import GroupRecords, flatten_groups, group_plate, group_weights
 from storch.method.method import Method
 from storch.extend import (
     CostTensor,
     StochasticTensor,
-    Tensor,
+    align_to,
     layout_of,
     layout_of_plates,
     no_dispatch,
@@ -97,28 +97,60 @@ class _AntitheticBernoulli(Method, ABC):
     def weighting_function(self, distr: Distribution, amt_samples: int) -> torch.Tensor:
         return group_weights(amt_samples // 2, [0.5, 0.5])
 
-    def _per_group(self, tensor: StochasticTensor, values: torch.Tensor) -> Tensor:
-        """Plain ``(n, *parameter plates, *C)`` values as a storch tensor over the group plate."""
-        node_layout = node_of(tensor).layout
-        groups = group_plate(tensor.plate, 2)
-        return wrap(values, layout_of_plates((groups,) + node_layout.plates[1:]))
-
     @abstractmethod
-    def _gradient(self, tensor: StochasticTensor, f_b: Tensor, f_b_tilde: Tensor, phi: torch.Tensor) -> torch.Tensor:
-        """The per-variable gradient estimate ``g_φ`` from the costs at ``b`` and ``b̃`` (ARM, DisARM)."""
+    def _gradient(
+        self, tensor: StochasticTensor, f_b: torch.Tensor, f_b_tilde: torch.Tensor, phi: torch.Tensor, per_group
+    ) -> torch.Tensor:
+        """The per-variable gradient estimate ``g_φ`` (ARM, DisARM), on plain values laid out alike:
+        ``f_b``, ``f_b_tilde`` the costs at ``b`` and ``b̃``, ``phi`` the detached logits, and
+        ``per_group(values)`` lays out plain ``(n, *parameter plates, *C)`` values (one per group,
+        as recorded at sampling) the same way."""
 
     def estimator(
         self, tensor: StochasticTensor, cost: CostTensor
     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(φ − stopgrad φ) · stopgrad(g_φ)``, summed over the coordinates, for each point of a group.
+
+        Computed on plain values: everything is laid out for the cost's plates with the node's plate
+        replaced by its ``n`` groups (``[groups, *other plates of the cost, *C]``); the term is then
+        given to both points of each group.
+        """
         plate = tensor.plate
-        per_group = split_groups(cost.detach(), plate, 2)
+        cost_layout = layout_of(cost)
+        node_plates = node_of(tensor).layout.plates[1:]  # the parameters' plates
+        groups = group_plate(plate, 2)
+        rest = [p for p in cost_layout.plates if p is not plate]
+        target = layout_of_plates([groups] + rest)
         phi = bernoulli_logits(tensor.distribution)  # type: ignore[arg-type]
-        g = self._gradient(tensor, per_group[..., 0], per_group[..., 1], phi.detach())
-        term = (phi - phi.detach()) * g
-        event = term.dim() - len(layout_of(term).sizes)
-        if event:
-            term = term.sum(tuple(range(-event, 0)))
-        return None, spread_groups(term, cost, plate, 2)
+        phi_layout = layout_of(phi)
+        extra = [p.name for p in phi_layout.plates if p not in target.plates]
+        if extra:
+            raise ValueError(
+                f"{type(self).__name__}({self.plate_name!r}): the logits carry plates {extra} that the cost "
+                f"{cost.name!r} does not have (its plates: {list(cost_layout.names)}); register the cost "
+                "before reducing them."
+            )
+        i = cost_layout.position(plate)
+        with no_dispatch():
+            n_event = phi.dim() - len(phi_layout.sizes)
+            phi = align_to(wrap(phi, phi_layout), target) if phi_layout.plates else phi
+            c = cost.detach().movedim(i, 0) if i else cost.detach()
+            c = c.reshape((groups.size, 2) + tuple(c.shape[1:]) + (1,) * n_event)
+            node_layout = layout_of_plates((groups,) + node_plates)
+
+            def per_group(values: torch.Tensor) -> torch.Tensor:
+                return align_to(wrap(values, node_layout), target)
+
+            g = self._gradient(tensor, c[:, 0], c[:, 1], phi.detach(), per_group)
+            term = (phi - phi.detach()) * g
+            if n_event:
+                term = term.sum(tuple(range(-n_event, 0)))
+            term = term.expand(target.sizes)  # (n, *rest): every plate of the cost
+            term = term.unsqueeze(1).expand((groups.size, 2) + tuple(term.shape[1:]))
+            term = term.reshape((plate.size,) + tuple(term.shape[2:]))
+            if i:
+                term = term.movedim(0, i)
+        return None, wrap(term, cost_layout)
 
     def extra_repr(self) -> str:
         return f"plate_name={self.plate_name!r}, n_samples={self.n_samples}"
@@ -157,9 +189,8 @@ class ARM(_AntitheticBernoulli):
     def _record(self, samples: torch.Tensor, u: torch.Tensor) -> None:
         self._noise.keep(samples, u)
 
-    def _gradient(self, tensor: StochasticTensor, f_b: Tensor, f_b_tilde: Tensor, phi: torch.Tensor) -> torch.Tensor:
-        u = self._noise.of(tensor)
-        return (f_b_tilde - f_b) * (self._per_group(tensor, u) - 0.5)
+    def _gradient(self, tensor, f_b, f_b_tilde, phi, per_group) -> torch.Tensor:
+        return (f_b_tilde - f_b) * (per_group(self._noise.of(tensor)) - 0.5)
 
 
 class DisARM(_AntitheticBernoulli):
@@ -187,10 +218,9 @@ class DisARM(_AntitheticBernoulli):
         (torch.Size([2]), True)
     """
 
-    def _gradient(self, tensor: StochasticTensor, f_b: Tensor, f_b_tilde: Tensor, phi: torch.Tensor) -> torch.Tensor:
+    def _gradient(self, tensor, f_b, f_b_tilde, phi, per_group) -> torch.Tensor:
         samples = node_of(tensor).samples
-        with no_dispatch():
-            pairs = samples.reshape((samples.shape[0] // 2, 2) + tuple(samples.shape[1:]))
-            b, b_tilde = pairs[:, 0], pairs[:, 1]
-            sign_disagree = (1.0 - 2.0 * b_tilde) * (b != b_tilde).to(samples.dtype)  # (−1)^{b̃} 1[b ≠ b̃]
-        return 0.5 * (f_b - f_b_tilde) * self._per_group(tensor, sign_disagree) * torch.sigmoid(phi.abs())
+        pairs = samples.reshape((samples.shape[0] // 2, 2) + tuple(samples.shape[1:]))
+        b, b_tilde = pairs[:, 0], pairs[:, 1]
+        sign_disagree = (1.0 - 2.0 * b_tilde) * (b != b_tilde).to(samples.dtype)  # (−1)^{b̃} 1[b ≠ b̃]
+        return 0.5 * (f_b - f_b_tilde) * per_group(sign_disagree) * torch.sigmoid(phi.abs())
