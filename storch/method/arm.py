@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.distributions import Bernoulli, Distribution
@@ -49,6 +49,9 @@ from storch.extend import (
 )
 
 __all__ = ["ARM", "DisARM", "bernoulli_logits"]
+
+#: lays out plain per-group values ``(n, *parameter plates, *C)`` like the estimator's other inputs
+PerGroup = Callable[[torch.Tensor], torch.Tensor]
 
 
 def bernoulli_logits(d: Bernoulli) -> torch.Tensor:
@@ -99,7 +102,12 @@ class _AntitheticBernoulli(Method, ABC):
 
     @abstractmethod
     def _gradient(
-        self, tensor: StochasticTensor, f_b: torch.Tensor, f_b_tilde: torch.Tensor, phi: torch.Tensor, per_group
+        self,
+        tensor: StochasticTensor,
+        f_b: torch.Tensor,
+        f_b_tilde: torch.Tensor,
+        phi: torch.Tensor,
+        per_group: PerGroup,
     ) -> torch.Tensor:
         """The per-variable gradient estimate ``g_φ`` (ARM, DisARM), on plain values laid out alike:
         ``f_b``, ``f_b_tilde`` the costs at ``b`` and ``b̃``, ``phi`` the detached logits, and
@@ -189,7 +197,14 @@ class ARM(_AntitheticBernoulli):
     def _record(self, samples: torch.Tensor, u: torch.Tensor) -> None:
         self._noise.keep(samples, u)
 
-    def _gradient(self, tensor, f_b, f_b_tilde, phi, per_group) -> torch.Tensor:
+    def _gradient(
+        self,
+        tensor: StochasticTensor,
+        f_b: torch.Tensor,
+        f_b_tilde: torch.Tensor,
+        phi: torch.Tensor,
+        per_group: PerGroup,
+    ) -> torch.Tensor:
         return (f_b_tilde - f_b) * (per_group(self._noise.of(tensor)) - 0.5)
 
 
@@ -218,7 +233,14 @@ class DisARM(_AntitheticBernoulli):
         (torch.Size([2]), True)
     """
 
-    def _gradient(self, tensor, f_b, f_b_tilde, phi, per_group) -> torch.Tensor:
+    def _gradient(
+        self,
+        tensor: StochasticTensor,
+        f_b: torch.Tensor,
+        f_b_tilde: torch.Tensor,
+        phi: torch.Tensor,
+        per_group: PerGroup,
+    ) -> torch.Tensor:
         samples = node_of(tensor).samples
         pairs = samples.reshape((samples.shape[0] // 2, 2) + tuple(samples.shape[1:]))
         b, b_tilde = pairs[:, 0], pairs[:, 1]
