@@ -85,7 +85,7 @@ class Plate:
         (True, ('gradients', 1000))
     """
 
-    __slots__ = ("name", "size", "weight", "parents", "node", "order", "info", "__weakref__")
+    __slots__ = ("name", "size", "_weight", "_weight_plates", "parents", "node", "order", "info", "__weakref__")
 
     def __init__(
         self,
@@ -113,6 +113,36 @@ class Plate:
     def n(self) -> int:
         """The plate size (the Storchastic manual's name for :attr:`size`)."""
         return self.size
+
+    @property
+    def weight(self) -> "torch.Tensor | float":
+        """The weight of each sample when the plate is reduced (see the class docstring).
+
+        A storch weight that carries this plate itself (one weight per sample, as for ``Expect``,
+        ARM or importance sampling) is kept as its plain values and the *other* plates, and given
+        back as a storch tensor on each read: stored as it is, it would hold this plate through its
+        layout, a reference cycle that keeps the node's samples and distribution (GPU memory) alive
+        until Python's cyclic garbage collector runs.
+        """
+        plates = self._weight_plates
+        if plates is None:
+            return self._weight
+        from storch.tensor import wrap  # storch.tensor imports this module
+
+        return wrap(self._weight, layout_of_plates(tuple(self if p is None else p for p in plates)))
+
+    @weight.setter
+    def weight(self, value: "torch.Tensor | float") -> None:
+        layout = getattr(value, "_layout", None)  # only storch tensors have one
+        if layout is not None and any(p is self for p in layout.plates):
+            # A plain copy, still in the autograd graph (clone saves nothing for its backward). Not a
+            # view: a view keeps its base's Python object, and so the base's layout, alive from C++.
+            with torch._C.DisableTorchFunctionSubclass():
+                self._weight = value.clone()
+            self._weight_plates = tuple(None if p is self else p for p in layout.plates)
+        else:
+            self._weight = value
+            self._weight_plates = None
 
     @property
     def is_stochastic(self) -> bool:

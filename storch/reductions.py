@@ -209,14 +209,11 @@ def reduce_plate(tensor: Tensor, plate: Plate, detach_weights: bool = True) -> t
 def _weight_vector(plate: Plate) -> torch.Tensor | None:
     """The plate's weight as a plain vector when it is one weight per sample of this plate alone
     (a plain 1-d tensor, or a storch tensor whose only plate is ``plate``); else ``None``."""
-    w = plate.weight
-    if type(w) is torch.Tensor:
-        return w if w.dim() == 1 and w.shape[0] == plate.size else None
-    if isinstance(w, Tensor):
-        plates = w._layout.plates
-        if len(plates) == 1 and plates[0] is plate and w.dim() == 1:
-            with _Disable():
-                return w.view_as(w)  # a plain view
+    w = plate._weight  # the plain values (see Plate.weight)
+    if plate._weight_plates == (None,) and w.dim() == 1:  # a storch weight over this plate only
+        return w
+    if plate._weight_plates is None and type(w) is torch.Tensor and w.dim() == 1 and w.shape[0] == plate.size:
+        return w
     return None
 
 

@@ -20,6 +20,7 @@ Examples:
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -210,11 +211,14 @@ _dispatch.Tensor = Tensor
 class StochasticNode:
     """What the surrogate loss needs to know about a sampled node; owned by its :class:`Plate`.
 
-    It keeps a plain view of the samples, not the user's :class:`StochasticTensor`, so that no
-    reference cycle ties the samples to their plate.
+    The plate holds the node (``plate.node``); the node refers back to its plate, and to its layout
+    (the plate and the parents' plates), only weakly. So no reference cycle ties a step's samples and
+    distribution to their plate: they are freed as soon as the last tensor carrying the plate goes,
+    without waiting for Python's cyclic garbage collector (on a GPU, that is device memory). It
+    keeps a plain view of the samples, not the user's :class:`StochasticTensor`, for the same reason.
     """
 
-    __slots__ = ("name", "method", "distribution", "samples", "layout", "param_grads", "plate")
+    __slots__ = ("name", "method", "distribution", "samples", "param_grads", "parents", "_plate", "_layout")
 
     def __init__(
         self,
@@ -229,9 +233,27 @@ class StochasticNode:
         self.method = method
         self.distribution = distribution
         self.samples = samples
-        self.layout = layout
         self.param_grads: dict[str, torch.Tensor] = {}
-        self.plate = plate
+        self.parents: tuple[Plate, ...] = tuple(layout.plates[1:])  # other nodes' plates: no cycle
+        self._plate = weakref.ref(plate)
+        self._layout = weakref.ref(layout)
+
+    @property
+    def plate(self) -> Plate:
+        """The node's plate (alive while any tensor carries it, which is whenever the node is used)."""
+        plate = self._plate()
+        if plate is None:  # pragma: no cover - only reachable through a node kept without its plate
+            raise RuntimeError(f"The plate of node {self.name!r} no longer exists: no tensor carries it.")
+        return plate
+
+    @property
+    def layout(self) -> PlateLayout:
+        """The plates of the samples: the node's plate, then its parents' plates."""
+        layout = self._layout()
+        if layout is None:  # every tensor with exactly this layout is gone: the interned one again
+            layout = layout_of_plates((self.plate,) + self.parents)
+            self._layout = weakref.ref(layout)
+        return layout
 
     def stochastic_tensor(self) -> "StochasticTensor":
         """A :class:`StochasticTensor` view of the samples (shares the node's ``param_grads``)."""

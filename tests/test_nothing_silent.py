@@ -66,6 +66,36 @@ def test_no_method_keeps_a_finished_step_alive(name):
     assert not alive, f"{name}: {len(alive)} of 3 finished steps are still alive"
 
 
+# Methods that differentiate the surrogate again after backward (RELAX, REBAR, LAX) keep the step's
+# graph, whose saved tensors refer back to the step: the cyclic collector frees those (test above).
+_WITHOUT_KEPT_GRAPH = sorted(
+    name for name, (build, _) in test_construction.METHODS.items() if not build().needs_graph_after_backward
+)
+
+
+@pytest.mark.parametrize("name", _WITHOUT_KEPT_GRAPH)
+def test_a_finished_step_is_freed_without_the_cyclic_garbage_collector(name):
+    """No reference cycle holds a step: its plate, node, samples and distribution go with the last
+    tensor that carries the plate, not at the next cyclic collection (on a GPU, device memory)."""
+    build, distr_factory = test_construction.METHODS[name]
+    model = test_construction.Model(build())
+    refs = []
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            distr = _non_leaf(distr_factory)
+            z, cost = model(distr)
+            storch.add_cost(cost, "f")
+            storch.backward()
+            refs += [weakref.ref(z.plate), weakref.ref(distr)]
+            del z, cost, distr
+        alive = [r() for r in refs if r() is not None]
+    finally:
+        gc.enable()
+    assert not alive, f"{name}: {len(alive)} plates or distributions of finished steps wait for the cyclic collector"
+
+
 def test_a_second_derivative_after_backward_keeps_nothing_alive():
     w = torch.tensor([0.3, -0.2], requires_grad=True)
     refs = []

@@ -64,6 +64,7 @@ from storch.extend import (
     note_sampled,
     reraise_cuda_dimension_error,
     restore_lazy_plates,
+    wrap,
     wrap_new,
 )
 from storch.sampling.method import MonteCarlo, SamplingMethod, check_count, describe_argument
@@ -295,7 +296,7 @@ class Method(nn.Module):
                 f"have shape ({plate.size},), one weight per sample; got {tuple(weight.shape)}. Return "
                 "a storch tensor for weights that depend on other plates."
             )
-        return wrap_new(weight.clone(), layout_of_plates((plate,)))
+        return wrap(weight, layout_of_plates((plate,)))  # a view: the plate keeps a copy (Plate.weight)
 
     # ------------------------------------------------------------- components
     def check_distribution(self, distr: Distribution) -> None:
