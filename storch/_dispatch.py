@@ -361,7 +361,7 @@ def plate_index_error(func: Callable, dim: int, position: int, t: torch.Tensor) 
     n = len(layout.sizes)
     return ValueError(
         f"{name} got dimension {dim}, which is plate {plate.name!r} (size {plate.size}) of a tensor of "
-        f"shape {tuple(_shape(t))} whose first {n} dimensions are the plates {list(layout.names)}. "
+        f"shape {tuple(t.shape)} whose first {n} dimensions are the plates {list(layout.names)}. "
         "Dimension arguments must index event dimensions: count from the right (e.g. dim=-1), as for "
         "a single sample. To reduce a plate on purpose use storch.reduce_plates(t, "
         f"{plate.name!r}) (weighted) or storch.sum/mean(t, {plate.name!r})."

@@ -144,6 +144,17 @@ class Plate:
             self._weight = value
             self._weight_plates = None
 
+    def weight_vector(self) -> torch.Tensor | None:
+        """The weight as a plain vector, one value per sample, when it depends on this plate alone
+        (a plain 1-d tensor of this plate's size, or a storch weight whose only plate is this one);
+        ``None`` for the uniform weight, a scalar, or a weight that also varies over other plates."""
+        w = self._weight
+        if self._weight_plates == (None,):
+            return w if w.dim() == 1 else None
+        if self._weight_plates is None and type(w) is torch.Tensor and w.dim() == 1 and w.shape[0] == self.size:
+            return w
+        return None
+
     @property
     def is_stochastic(self) -> bool:
         """True if this plate holds the samples of a stochastic node."""

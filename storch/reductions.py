@@ -195,7 +195,7 @@ def reduce_plate(tensor: Tensor, plate: Plate, detach_weights: bool = True) -> t
     value of probability 0 whose cost is ``inf``): ``0 · ∞`` would poison the sum. Finite values of
     weight zero stay in, so the derivative with respect to their weight is kept.
     """
-    vector = _weight_vector(plate)
+    vector = plate.weight_vector()
     if vector is not None:
         return _reduce_by_vector(tensor, plate, vector.detach() if detach_weights else vector)
     w = plate_weight(plate, detach_weights)
@@ -204,17 +204,6 @@ def reduce_plate(tensor: Tensor, plate: Plate, detach_weights: bool = True) -> t
     ignored = (w == 0) & ~torch.isfinite(tensor)
     weighted = torch.where(ignored, torch.zeros((), dtype=tensor.dtype, device=tensor.device), tensor) * w
     return _reduce_one(weighted, plate, torch.sum)
-
-
-def _weight_vector(plate: Plate) -> torch.Tensor | None:
-    """The plate's weight as a plain vector when it is one weight per sample of this plate alone
-    (a plain 1-d tensor, or a storch tensor whose only plate is ``plate``); else ``None``."""
-    w = plate._weight  # the plain values (see Plate.weight)
-    if plate._weight_plates == (None,) and w.dim() == 1:  # a storch weight over this plate only
-        return w
-    if plate._weight_plates is None and type(w) is torch.Tensor and w.dim() == 1 and w.shape[0] == plate.size:
-        return w
-    return None
 
 
 def _reduce_by_vector(tensor: Tensor, plate: Plate, w: torch.Tensor) -> Tensor:
