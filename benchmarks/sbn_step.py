@@ -32,7 +32,7 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/sbn_step.py --train 3000 --seeds 0 1 2   # same test -ELBO within 1 nat?
 
 The timing table has a third variant, the *floor*: the hand-written step with its data wrapped in
-:class:`FloorTensor`, a tensor subclass whose ``__torch_function__`` only calls the function. It is
+``common.FloorTensor``, a tensor subclass whose ``__torch_function__`` only calls the function. It is
 what any ``__torch_function__`` library pays before doing work of its own; ``storch - floor`` is
 storch's own cost.
 
@@ -60,7 +60,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import storch  # noqa: E402
-from common import FloorTensor, floor_view  # noqa: E402,F401  (FloorTensor: for the tests)
+from common import floor_view  # noqa: E402
 
 X_DIM = 784
 Z_DIM = 200
@@ -202,7 +202,7 @@ def storch_grad(model: LinearSBN, data: torch.Tensor, method) -> torch.Tensor:
 
 
 def floor_grad(name: str) -> Callable[[LinearSBN, torch.Tensor], torch.Tensor]:
-    """The hand-written step of ``name`` with the data as a :class:`FloorTensor`."""
+    """The hand-written step of ``name`` with the data as a ``common.FloorTensor``."""
     hw = hw_grad(name)
 
     def grad(model: LinearSBN, x: torch.Tensor) -> torch.Tensor:
