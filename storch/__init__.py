@@ -25,6 +25,7 @@ from storch.wrappers import deterministic, make_left_broadcastable, reduce, stoc
 from storch import storch  # the manual's storch.storch module of utilities
 from storch import compiler
 from storch.compiler import compile  # noqa: A004 - torch.compile with storch's frames left eager
+from storch.compiled_step import compile_step
 
 __version__ = "0.1.0"
 
@@ -34,7 +35,7 @@ __all__ = [
     "denote_independent", "gather_samples", "reduce_plates", "variance", "mean", "sum", "logsumexp",
     "cat", "gather", "expand_as", "grad", "order_plates", "conditional_gumbel_rsample",
     "deterministic", "reduce", "make_left_broadcastable", "stochastic",
-    "method", "sampling", "nn", "util", "exceptions", "distributed", "compile", "compiler",
+    "method", "sampling", "nn", "util", "exceptions", "distributed", "compile", "compiler", "compile_step",
 ]
 
 compiler.skip_storch_frames()  # storch's own frames run eagerly under torch.compile (storch.compiler)

@@ -1,6 +1,8 @@
 """Exceptions raised by storch."""
 
-__all__ = ["IllegalStorchExposeError", "NonFiniteCostError", "StaleCostError", "UnusedNodeWarning"]
+__all__ = [
+    "CompileStepError", "IllegalStorchExposeError", "NonFiniteCostError", "StaleCostError", "UnusedNodeWarning",
+]
 
 
 class IllegalStorchExposeError(Exception):
@@ -25,3 +27,11 @@ class StaleCostError(ValueError):
 
 class UnusedNodeWarning(UserWarning):
     """A score-function-like node whose parameters require grad appears in no registered cost."""
+
+
+class CompileStepError(RuntimeError):
+    """:func:`storch.compile_step` cannot turn a step into one fixed graph without changing what it
+    computes: the step reads a tensor's value on the host (an ``if`` on a tensor, ``.item()``), uses
+    an estimator that keeps state between steps, captures a tensor that requires grad from outside
+    the given modules, or returns a storch tensor. The message names what and where; the step still
+    runs eagerly."""

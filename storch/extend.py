@@ -32,6 +32,11 @@ as plain torch operations (no alignment, no wrapping, no plate checks); results 
 * ``note_sampled(plate)``: mark a node that must reach a cost (the unused-node warning)
 * ``magic_box(l)``: ``exp(l - stopgrad(l))``: 1 in value, ``∇l`` in derivative (DiCE)
 * ``rsample_gumbel_softmax``: a reparameterized Gumbel-softmax draw
+* ``is_tracing()``: whether :func:`storch.compile_step` is tracing the step (take no branch that reads
+  a tensor's value on the host)
+* ``state_declared_for(obj, hook)``: whether ``obj.keeps_state_between_steps`` was written by the
+  class that defines its ``hook`` (``update_parameters``): an override of the hook alone counts as
+  keeping state
 
 **Operations.** :func:`register_operation` says how a function treats plates (elementwise, joins,
 dimension arguments, …) when it is not one of torch's that storch already knows.
@@ -89,6 +94,8 @@ import torch
 from storch._dispatch import align_tensor as align_to
 from storch._dispatch import expand_plain, register_operation, union_of_layouts
 from storch._step import note_sampled
+from storch._tracing import active as is_tracing
+from storch._tracing import state_declared_for
 from storch.distributions.measure_valued import register_measure_valued
 from storch.distributions.relaxation import register_relaxation
 from storch.plate import (
@@ -162,6 +169,9 @@ __all__ = [
     # surrogate-loss helpers
     "magic_box",
     "rsample_gumbel_softmax",
+    # storch.compile_step
+    "is_tracing",
+    "state_declared_for",
     # operations
     "register_operation",
     # registries

@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from storch import _tracing
 from storch._dispatch import union_of_layouts
 from storch._step import forget_sampled, sampled_plates
-from storch.exceptions import NonFiniteCostError, StaleCostError, UnusedNodeWarning
+from storch.exceptions import CompileStepError, NonFiniteCostError, StaleCostError, UnusedNodeWarning
 from storch.plate import MAX_PLATES, Plate, PlateClashError  # MAX_PLATES: re-exported
 from storch.reductions import reduce_plate
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, alias, layout_of, plain, wrap_new
@@ -267,20 +268,39 @@ def _keep_grad(grads: dict, name: str, layout: Any, grad: torch.Tensor) -> None:
     grads[name] = wrap_new(value, layout) if layout.plates else value
 
 
+def _named_costs(costs: tuple[CostTensor, ...]) -> list[tuple[str, torch.Tensor, list[str]]]:
+    """``(name, detached plain values, plate names)`` of each cost, for :func:`non_finite_error`."""
+    return [(cost.name, plain(cost).detach(), cost.plate_names) for cost in costs]
+
+
 def _check_finite(loss: torch.Tensor, costs: tuple[CostTensor, ...]) -> None:
     """Raise :class:`NonFiniteCostError`, naming the costs, if the surrogate loss is NaN or infinite."""
     if loss.device.type == "meta" or math.isfinite(loss.item()):  # meta tensors hold no values
         return
+    raise non_finite_error(
+        loss.item(), _named_costs(costs),
+        "Nothing was differentiated, no baseline or method state was updated, and the registry was cleared.",
+    )
+
+
+def non_finite_error(
+    loss: float, costs: list[tuple[str, torch.Tensor, list[str]]], consequence: str
+) -> NonFiniteCostError:
+    """The error for a non-finite surrogate loss: which costs are not finite, and where.
+
+    ``costs`` holds ``(name, plain values, plate names)`` per cost; ``consequence`` says what was
+    (not) done about the step.
+    """
     with _Disable():
         found = []
-        for cost in costs:
-            bad = ~torch.isfinite(cost.detach())
+        for name, values, plate_names in costs:
+            bad = ~torch.isfinite(values)
             n_bad = int(bad.sum())
             if n_bad:
                 where = tuple(int(i) for i in bad.nonzero()[0]) if bad.dim() else ()
                 found.append(
-                    f"{cost.name!r} at {n_bad} of {bad.numel()} values (plates {cost.plate_names}; "
-                    f"first at index {where}: {cost.detach()[where].item()})"
+                    f"{name!r} at {n_bad} of {bad.numel()} values (plates {plate_names}; "
+                    f"first at index {where}: {values[where].item()})"
                 )
     detail = (
         "Non-finite costs: " + "; ".join(found) + "."
@@ -288,10 +308,25 @@ def _check_finite(loss: torch.Tensor, costs: tuple[CostTensor, ...]) -> None:
         else "Every cost is finite, so a log-probability, weight or control variate of an estimator is "
         "not (e.g. log p(x) = -inf for a sample outside the support)."
     )
-    raise NonFiniteCostError(
-        f"storch.backward: the surrogate loss is {loss.item()}. {detail} Nothing was differentiated, "
-        "no baseline or method state was updated, and the registry was cleared."
-    )
+    return NonFiniteCostError(f"storch.backward: the surrogate loss is {loss}. {detail} {consequence}")
+
+
+def _refuse_state_between_steps(record: _Record) -> None:
+    """In a trace of :func:`storch.compile_step`: refuse methods whose state changes after each step.
+
+    The compiled step replays the traced operations only; a method that updates a baseline, a
+    temperature or a learned control variate in ``update_parameters`` would be frozen at its state
+    of the traced step, silently.
+    """
+    for method, _ in record.triples.values():
+        if method.keeps_state_between_steps:
+            raise CompileStepError(
+                f"storch.compile_step: {type(method).__name__}({method.plate_name!r}) keeps state between "
+                "steps (it updates a baseline, a temperature schedule or learned parameters after each "
+                "storch.backward), and a compiled step replays the traced operations only, so that state "
+                "would stay frozen. Run this step eagerly, or choose a stateless configuration (e.g. "
+                "baseline_factory='batch_average' instead of 'moving_average', annealing_rate=0)."
+            )
 
 
 def _warn_unused_nodes(costs: tuple[CostTensor, ...]) -> None:
@@ -352,7 +387,12 @@ def backward(
                 "outside that block, or use storch.surrogate_loss() to only estimate the cost."
             )
         loss = _surrogate(costs, record)
-        _check_finite(loss, costs)
+        trace = _tracing.current()
+        if trace is None:
+            _check_finite(loss, costs)
+        else:  # storch.compile_step checks the loss after each replay: no host read in the graph
+            _refuse_state_between_steps(record)
+            trace.note_loss(loss.detach(), _named_costs(costs))
         _warn_unused_nodes(costs)
         if print_costs:
             for cost in costs:

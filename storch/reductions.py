@@ -15,6 +15,7 @@ from typing import Sequence, Union
 
 import torch
 
+from storch import _tracing
 from storch._dispatch import align_tensor, expand_plain
 from storch.plate import Plate, layout_of_plates, merge_layouts, uniform_weight
 from storch.tensor import IndependentTensor, Tensor, _Disable, layout_of, wrap, wrap_new
@@ -214,7 +215,8 @@ def _reduce_by_vector(tensor: Tensor, plate: Plate, w: torch.Tensor) -> Tensor:
     i = layout.position(plate)
     with _Disable():
         w = w.reshape((plate.size,) + (1,) * (tensor.dim() - i - 1))
-        if w.device.type == "cpu" and not bool((w == 0).any()):  # read on the host: no device sync
+        # read on the host (no device sync); a traced step (storch.compile_step) must not branch on it
+        if w.device.type == "cpu" and not _tracing.active() and not bool((w == 0).any()):
             weighted = tensor * w  # no weight of zero, so nothing to leave out
         else:
             ignored = (w == 0) & ~torch.isfinite(tensor)

@@ -20,6 +20,7 @@ LAYERS: dict[str, int] = {
     "storch.registry": 0,
     "storch.plate": 0,
     "storch._step": 0,
+    "storch._tracing": 0,
     "storch.distributions": 0,
     "storch.datasets": 0,
     # 1. the engine: the tensor type, dispatch, reductions, costs and the surrogate loss
@@ -42,6 +43,7 @@ LAYERS: dict[str, int] = {
     "storch.storch": 4,
     "storch.testing": 4,
     "storch.compiler": 4,
+    "storch.compiled_step": 4,
     "storch.bench": 4,
     "storch.demo": 4,
 }

@@ -51,6 +51,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch.distributions import Bernoulli, Categorical, Distribution, Exponential, Normal, OneHotCategorical, Poisson
 
+from storch.distributions.one_hot import one_hot
 from storch.registry import TypeRegistry
 
 __all__ = [
@@ -248,7 +249,7 @@ def _categorical_gradient(params: Params, x, f_x, f_points) -> torch.Tensor:
 
 def _one_hot_points(params: Params, x: torch.Tensor) -> torch.Tensor:
     k = params["probs"].shape[-1]
-    return torch.nn.functional.one_hot(_other_categories(x.argmax(-1), k), k).to(x.dtype)
+    return one_hot(_other_categories(x.argmax(-1), k), k, x.dtype)
 
 
 def _one_hot_gradient(params: Params, x, f_x, f_points) -> torch.Tensor:

@@ -34,6 +34,7 @@ from torch.distributions import (
 from torch.distributions.relaxed_bernoulli import LogitRelaxedBernoulli
 from torch.distributions.transforms import SigmoidTransform
 
+from storch.distributions.one_hot import one_hot
 from storch.registry import TypeRegistry
 
 __all__ = [
@@ -104,7 +105,7 @@ def relaxation_for(distr: Distribution) -> Relaxation | None:
 
 
 def _one_hot_argmax(x: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).to(x.dtype)
+    return one_hot(x.argmax(-1), x.shape[-1], x.dtype)
 
 
 def _uniform(shape: torch.Size | tuple[int, ...], like: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from torch import nn
 from storch import distributed
 from storch.reductions import reduce_plates
 from storch.reductions import sum as plate_sum
-from storch.extend import CostTensor, StochasticTensor, plain
+from storch.extend import CostTensor, StochasticTensor, plain, state_declared_for
 
 __all__ = [
     "Baseline", "MovingAverageBaseline", "BatchAverageBaseline", "BatchAverage", "make_baseline", "BaselineFactory",
@@ -44,6 +44,13 @@ class Baseline(nn.Module, ABC):
 
     def update(self) -> None:
         """Called once after each backward pass."""
+
+    @property
+    def keeps_state_between_steps(self) -> bool:
+        """Whether :meth:`update` changes the baselines of later steps (a running average, a trained
+        critic); an override of ``update`` counts as keeping state unless its class also overrides
+        this property."""
+        return not state_declared_for(self, "update")
 
     def correction(self, tensor: StochasticTensor, cost_node: CostTensor) -> Optional[torch.Tensor]:
         """An extra surrogate term beside ``(1 − □(l)) · b``, of forward value 0; ``None`` (default): none.

@@ -77,3 +77,8 @@ class GumbelSoftmax(AnnealedTemperature, Method):
     def update_parameters(self, result_triples) -> None:
         super().update_parameters(result_triples)
         self.anneal()
+
+    @property
+    def keeps_state_between_steps(self) -> bool:
+        """Only an annealed temperature changes between steps (``annealing_rate > 0``)."""
+        return super().keeps_state_between_steps or self.annealing_rate != 0

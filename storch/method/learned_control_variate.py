@@ -234,6 +234,11 @@ class LearnedControlVariate(Method):
                     total_sq = sq if total_sq is None else total_sq + sq
         return total_sq
 
+    @property
+    def keeps_state_between_steps(self) -> bool:
+        """The control variate is trained after each step (``train_control_variate``)."""
+        return super().keeps_state_between_steps or bool(self.train_control_variate)
+
     def update_parameters(self, result_triples: Sequence[tuple[Any, ...]]) -> None:
         super().update_parameters(result_triples)
         params = self.control_variate_parameters()

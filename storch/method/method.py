@@ -55,6 +55,7 @@ from storch.extend import (
     distribution_layout,
     floating_dtype,
     get_distr_parameters,
+    is_tracing,
     layout_of_plates,
     log_prob_of_own_samples,
     magic_box,
@@ -64,6 +65,7 @@ from storch.extend import (
     note_sampled,
     reraise_cuda_dimension_error,
     restore_lazy_plates,
+    state_declared_for,
     wrap,
     wrap_new,
 )
@@ -147,7 +149,7 @@ def _on_device(weight: Any, device: torch.device) -> torch.Tensor:
     """``weight`` as a tensor on ``device``; a small CPU tensor is copied to an accelerator only once
     (the copy is shared: callers must not write into it)."""
     if device.type in ("cpu", "meta") or not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" \
-            or weight.numel() > 1024:
+            or weight.numel() > 1024 or is_tracing():  # the cache key reads the values on the host
         return torch.as_tensor(weight, device=device)
     key = (device, weight.dtype, tuple(weight.shape), tuple(weight.flatten().tolist()))
     copy = _DEVICE_COPIES.get(key)
@@ -347,6 +349,19 @@ class Method(nn.Module):
     def update_parameters(self, result_triples: Sequence[tuple]) -> None:
         """Called once after each :func:`storch.backward` that used this method."""
         self.sampling_method.update_parameters(result_triples)
+
+    @property
+    def keeps_state_between_steps(self) -> bool:
+        """Whether :meth:`update_parameters` changes what later steps compute (a baseline's running
+        average, a temperature schedule, learned control-variate parameters).
+
+        :func:`storch.compile_step` refuses such methods: a compiled step replays the traced
+        operations only, so the state would stay frozen. A subclass that overrides
+        ``update_parameters`` counts as keeping state unless it overrides this property too.
+        """
+        if not state_declared_for(self, "update_parameters"):
+            return True
+        return self.sampling_method.keeps_state_between_steps
 
     def reset(self) -> None:
         self.sampling_method.reset()

@@ -83,3 +83,10 @@ class ScoreFunction(Method):
         super().update_parameters(result_triples)
         if self.baseline is not None:
             self.baseline.update()
+
+    @property
+    def keeps_state_between_steps(self) -> bool:
+        """The state of the sampling method and of the baseline (``moving_average`` keeps one)."""
+        return super().keeps_state_between_steps or (
+            self.baseline is not None and self.baseline.keeps_state_between_steps
+        )

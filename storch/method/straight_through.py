@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.distributions import Bernoulli, Distribution, OneHotCategorical
 
 from storch.method.method import DEFAULT_N_SAMPLES, Method
+from storch.distributions.one_hot import one_hot
 from storch.distributions.relaxation import conditional_gumbel_rsample
 from storch.extend import TypeRegistry
 from storch.sampling.method import SamplingMethod, check_count
@@ -100,7 +101,7 @@ _VIEWS.register(OneHotCategorical)(OneHotView(logits=lambda d: d.logits, to_samp
 def sample_one_hot(logits: torch.Tensor, n: int) -> torch.Tensor:
     """``n`` one-hot samples ``(n, *logits.shape)`` of the categorical with these logits."""
     index = torch.distributions.Categorical(logits=logits.detach(), validate_args=False).sample((n,))
-    return F.one_hot(index, logits.shape[-1]).to(logits.dtype)
+    return one_hot(index, logits.shape[-1], logits.dtype)
 
 
 def straight_through(logits: torch.Tensor, hard: torch.Tensor) -> torch.Tensor:

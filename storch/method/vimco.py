@@ -156,6 +156,11 @@ class VIMCO(Method):
         super().update_parameters(result_triples)
         self._bounds.clear()
 
+    @property
+    def keeps_state_between_steps(self) -> bool:
+        """The bounds noted in a step are cleared after it: nothing carries over."""
+        return super().keeps_state_between_steps
+
     def reset(self) -> None:
         super().reset()
         self._bounds.clear()

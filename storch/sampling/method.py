@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributions import Distribution
 
-from storch.extend import Plate
+from storch.extend import Plate, state_declared_for
 
 if TYPE_CHECKING:  # pragma: no cover
     from storch.extend import StochasticTensor
@@ -167,6 +167,13 @@ class SamplingMethod(nn.Module, ABC):
 
     def update_parameters(self, result_triples: Sequence[tuple]) -> None:
         """Called after each :func:`storch.backward` with ``(node, cost, contribution)`` triples."""
+
+    @property
+    def keeps_state_between_steps(self) -> bool:
+        """Whether :meth:`update_parameters` changes what later steps compute (see
+        :attr:`storch.method.Method.keeps_state_between_steps`); an override of it counts as
+        keeping state unless the overriding class also overrides this property."""
+        return not state_declared_for(self, "update_parameters")
 
     def reset(self) -> None:
         """Forget any state kept between samples."""

@@ -63,6 +63,7 @@ from storch.extend import (
     node_of,
     wrap_new,
 )
+from storch.distributions.one_hot import one_hot
 from storch.sampling.method import SamplingMethod, check_count
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -131,7 +132,7 @@ def _categorical_support(d: Categorical) -> WORSupport:
 def _one_hot_support(d: OneHotCategorical) -> WORSupport:
     logits = d.logits
     size = logits.shape[-1]
-    return WORSupport(logits, lambda idx: F.one_hot(idx, size).to(logits.dtype))
+    return WORSupport(logits, lambda idx: one_hot(idx, size, logits.dtype))
 
 
 @_SUPPORTS.register(Bernoulli)

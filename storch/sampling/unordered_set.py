@@ -41,6 +41,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.distributions import Bernoulli, Distribution, OneHotCategorical
 
+from storch.distributions.one_hot import one_hot
 from storch.distributions.relaxation import AnnealedTemperature
 from storch.extend import Plate, TypeRegistry
 from storch.sampling.swor import SampleWithoutReplacement, WORState, wor_support
@@ -396,7 +397,7 @@ class GumbelSoftmaxWOR(AnnealedTemperature, UnorderedSet):
             u = w / tau
             y = torch.softmax(u, -1)
             if self.straight_through:
-                hard = torch.nn.functional.one_hot(chosen[..., j], size).to(y.dtype)
+                hard = one_hot(chosen[..., j], size, y.dtype)
                 y_out = hard + y - y.detach()
             else:
                 y_out = y
@@ -424,6 +425,11 @@ class GumbelSoftmaxWOR(AnnealedTemperature, UnorderedSet):
     def update_parameters(self, result_triples) -> None:
         super().update_parameters(result_triples)
         self.anneal()
+
+    @property
+    def keeps_state_between_steps(self) -> bool:
+        """Only an annealed temperature changes between steps (``annealing_rate > 0``)."""
+        return super().keeps_state_between_steps or self.annealing_rate != 0
 
     def extra_repr(self) -> str:
         return (

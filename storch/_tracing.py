@@ -1,0 +1,79 @@
+"""Whether storch code runs inside the trace of :func:`storch.compile_step`, and what the trace collects.
+
+While a step is traced, storch keeps every check that reads a value on the host out of the traced
+graph and hands it to :mod:`storch.compiled_step` instead, which runs it after each replay:
+
+* :func:`storch.backward` notes its surrogate loss and costs here (:meth:`TraceState.note_loss`)
+  instead of reading the loss on the host; the compiled step checks that they are finite;
+* ``torch.distributions`` argument validation notes its boolean here (:meth:`TraceState.note_check`);
+* code that would choose a faster branch by reading a tensor on the host (the zero-weight test of
+  :func:`storch.reductions.reduce_plate`, the device-copy cache of plate weights) takes the general
+  branch when :func:`active`.
+
+Kept per context (thread, asyncio task) like the cost registry, so an eager step on another thread
+is not affected by a trace on this one.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+__all__ = ["TraceState", "active", "current", "state_declared_for"]
+
+
+@dataclass
+class TraceState:
+    """What one trace of a step collects for the checks after each replay."""
+
+    #: ``(boolean tensor, message)``: a ``torch.distributions`` validation that must hold
+    checks: list[tuple[torch.Tensor, str]] = field(default_factory=list)
+    #: ``(surrogate loss, [(cost name, cost values, plate names)])`` per ``storch.backward``
+    losses: list[tuple[torch.Tensor, list[tuple[str, torch.Tensor, list[str]]]]] = field(default_factory=list)
+
+    def note_check(self, valid: torch.Tensor, message: str) -> None:
+        self.checks.append((valid, message))
+
+    def note_loss(self, loss: torch.Tensor, costs: list[tuple[str, torch.Tensor, list[str]]]) -> None:
+        self.losses.append((loss, costs))
+
+
+_STATE: ContextVar[Optional[TraceState]] = ContextVar("storch_trace", default=None)
+
+
+def current() -> Optional[TraceState]:
+    """The state of the trace running in this context, or ``None`` when storch runs eagerly."""
+    return _STATE.get()
+
+
+def active() -> bool:
+    """True while :func:`storch.compile_step` traces a step in this context."""
+    return _STATE.get() is not None
+
+
+def start(state: TraceState):
+    """Begin tracing in this context; returns the token for :func:`stop`."""
+    return _STATE.set(state)
+
+
+def stop(token) -> None:
+    _STATE.reset(token)
+
+
+def _defining_class(cls: type, name: str) -> type:
+    return next(c for c in cls.__mro__ if name in vars(c))
+
+
+def state_declared_for(obj: object, hook: str) -> bool:
+    """Whether ``obj``'s ``keeps_state_between_steps`` was written knowing its ``hook`` (the method
+    called after each step: ``update_parameters``, a baseline's ``update``).
+
+    True when the class that defines the property is the class that defines the hook, or a subclass
+    of it. A subclass that overrides the hook but not the property is assumed to keep state: an
+    unknown update is never traced as if it did nothing.
+    """
+    cls = type(obj)
+    return issubclass(_defining_class(cls, "keeps_state_between_steps"), _defining_class(cls, hook))

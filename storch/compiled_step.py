@@ -1,0 +1,642 @@
+"""``storch.compile_step``: a training step traced once into a graph of torch operations, then replayed.
+
+In eager mode storch aligns plates, wraps results and builds the surrogate loss in Python, on every
+operation of every step: on a small model that is a fixed cost of a few hundred microseconds per
+step (``docs/benchmarks.md``). None of that work depends on the values in the tensors, only on
+their shapes and on the structure of the step. So a step can be run once under
+``torch.fx.experimental.proxy_tensor.make_fx``, which records every operation the step performs at
+the level of ``torch.ops.aten``: the model, the sampling, storch's surrogate loss *and* the backward
+pass of ``storch.backward()``. Later calls replay that graph: no storch Python, no plate
+bookkeeping, no autograd graph to build, only the recorded tensor operations. The graph can also be
+handed to ``torch.compile`` (``backend="inductor"``).
+
+Semantics (see :func:`compile_step` for the API):
+
+* **The first call is an eager step** (the trace runs the step for real): its values, gradients,
+  warnings and errors are those of eager mode. Each later call with arguments of the same shapes
+  replays the graph: the same operations, random draws included, so with ``backend="eager"`` a
+  compiled training run is bit for bit the eager run for the same seed
+  (``tests/test_compiled_step.py``).
+* **Gradients** of the parameters of the given modules are accumulated into ``.grad`` as
+  ``storch.backward()`` would. Buffers are inputs too: updates in place (running statistics) reach
+  the module's buffers on every call.
+* **Checks are kept.** ``torch.distributions`` argument validation and storch's check that the
+  surrogate loss is finite are read after each replay (one host read per step, as in eager mode):
+  a failure raises the same error as eager mode (``ValueError`` naming the parameter and the
+  constraint; :class:`storch.exceptions.NonFiniteCostError` naming the costs) and the step's
+  gradients are not applied.
+* **What cannot be replayed is refused**, with :class:`storch.exceptions.CompileStepError` naming
+  it, instead of being baked in silently: a value read on the host during the step (an ``if`` on a
+  tensor, ``.item()``), an estimator that keeps state between steps (a moving-average baseline, an
+  annealed temperature, a trained control variate: see
+  :attr:`storch.method.Method.keeps_state_between_steps`), a tensor that requires grad but is not
+  a parameter of the given modules, a storch tensor in the arguments or the result, costs left
+  registered without ``storch.backward()``.
+* A new trace is made when the shapes, dtypes or devices of the arguments or of the modules'
+  state change, or when a non-tensor argument changes value (it is part of the graph).
+
+Not available from a replayed step: ``StochasticTensor.param_grads`` and the plates of the step's
+tensors (they live during the trace only), ``print_costs``, and higher-order gradients kept on
+``.grad`` (``create_graph=True`` works inside the step; the ``.grad`` it leaves is plain).
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import sys
+import traceback
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from storch import _tracing
+from storch.exceptions import CompileStepError
+from storch.inference import non_finite_error, registered_costs, reset
+from storch.tensor import Tensor as StorchTensor
+from storch.tensor import plain
+
+__all__ = ["compile_step", "CompiledStep"]
+
+#: traces of one step beyond which a warning says that its arguments keep changing
+MAX_TRACES = 8
+
+_TENSOR = object()  # marks where a tensor goes in a step's result
+_VALIDATION = "[storch.compile_step validation] "  # prefix of the recorded validation assertions
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_STORCH_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def compile_step(
+    step: Callable[..., Any],
+    *modules: nn.Module,
+    backend: Union[str, Callable, None] = "eager",
+    **compile_options: Any,
+) -> "CompiledStep":
+    """Trace the training ``step`` once and replay it as a graph of torch operations.
+
+    Args:
+        step: the step as written for eager mode: it samples, registers costs with
+            :func:`storch.add_cost` and calls :func:`storch.backward` (its arguments: tensors, and
+            hashable values that become part of the graph; its result: plain tensors, ``None``,
+            numbers or strings, in any nesting of tuples, lists and dicts).
+        *modules: the modules whose parameters ``step`` trains (and whose buffers it may update),
+            including any estimator or baseline that has parameters of its own. Parameters are
+            inputs of the graph; ``.grad`` is accumulated as by ``storch.backward()``.
+        backend: ``"eager"`` (default) runs the recorded operations as they are; any other value is
+            given to ``torch.compile(graph, backend=...)`` (e.g. ``"inductor"``, which fuses them;
+            its random numbers differ from eager mode's unless
+            ``torch._inductor.config.fallback_random = True``).
+        **compile_options: further keywords for ``torch.compile`` (``mode``, ``dynamic``, ...).
+
+    Returns:
+        A :class:`CompiledStep`: call it as you would call ``step``.
+
+    Raises:
+        CompileStepError: (on the call that traces) what the step does that a replay cannot
+            reproduce, and where.
+
+    Examples:
+        >>> import torch, storch
+        >>> from torch.distributions import Bernoulli
+        >>> encoder = torch.nn.Linear(4, 3)
+        >>> def step(x):
+        ...     x = storch.denote_independent(x, 0, "data")
+        ...     z = storch.method.ScoreFunction("z", n_samples=2, baseline_factory="batch_average")(
+        ...         Bernoulli(logits=encoder(x)))
+        ...     storch.add_cost((z - 0.5).pow(2).sum(-1), "f")
+        ...     return storch.backward()
+        >>> fast_step = storch.compile_step(step, encoder)
+        >>> optimizer = torch.optim.SGD(encoder.parameters(), lr=0.1)
+        >>> x = torch.ones(5, 4)
+        >>> for _ in range(3):
+        ...     optimizer.zero_grad()
+        ...     loss = fast_step(x)     # the first call traces (an eager step), the others replay
+        ...     optimizer.step()
+        >>> fast_step.traces, type(loss).__name__
+        (1, 'Tensor')
+
+        ``.grad`` is an input of the graph: without ``zero_grad`` (or with ``set_to_none=False``) a
+        call sees existing gradients and accumulates into them, as eager mode does, in a graph of its
+        own (a second trace).
+    """
+    if not callable(step):
+        raise TypeError(f"storch.compile_step: step must be callable, got {type(step).__name__}.")
+    for module in modules:
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"storch.compile_step: after the step come the nn.Modules it trains, got "
+                f"{type(module).__name__}. Pass other options by keyword (backend=...)."
+            )
+    return CompiledStep(step, modules, backend, compile_options)
+
+
+@dataclass
+class _Trace:
+    """One traced graph and how to read its outputs."""
+
+    run: Callable[..., Any]
+    out_spec: Any  # pytree spec of the step's result
+    out_constants: list  # the result's leaves, each tensor replaced by _TENSOR
+    n_out_tensors: int
+    grad_positions: list[int]  # which trainable parameters have a gradient after the step
+    check_messages: list[str]  # validations read after the step (off the CPU)
+    cost_names: list[list[tuple[str, list[str]]]]  # per storch.backward: (cost name, plate names)
+
+
+@dataclass
+class _Inputs:
+    """The graph's inputs, in its order: the modules' state, the incoming ``.grad``, the arguments."""
+
+    trainable: list[torch.Tensor]
+    incoming_grads: list[torch.Tensor]  # copies: a step that fails its checks leaves .grad untouched
+    frozen: list[torch.Tensor]
+    buffers: list[torch.Tensor]
+    arguments: list[torch.Tensor]
+
+    def as_args(self) -> tuple[list, ...]:
+        return self.trainable, self.incoming_grads, self.frozen, self.buffers, self.arguments
+
+
+class CompiledStep:
+    """A step traced by :func:`compile_step`; call it with the step's arguments.
+
+    Attributes:
+        traces: the number of graphs traced so far (one per combination of argument shapes).
+    """
+
+    def __init__(
+        self, step: Callable[..., Any], modules: Iterable[nn.Module], backend: Any, compile_options: dict
+    ) -> None:
+        self.step = step
+        self.modules = tuple(modules)
+        self.backend = backend
+        self.compile_options = compile_options
+        self._cache: dict[Any, _Trace] = {}
+        self._warned = False
+
+    @property
+    def traces(self) -> int:
+        return len(self._cache)
+
+    def graph(self, *args: Any, **kwargs: Any) -> torch.fx.GraphModule:
+        """The traced graph for these arguments (traced, i.e. run as a step, if it is not yet)."""
+        key = self._key(*self._flat_args(args, kwargs), *self._state())
+        if key not in self._cache:
+            self(*args, **kwargs)
+        run = self._cache[key].run
+        return getattr(run, "_orig_mod", run)
+
+    def clear(self) -> None:
+        """Forget the traced graphs (after changing the step or the modules' structure)."""
+        self._cache.clear()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, spec = self._flat_args(args, kwargs)
+        params, buffers = self._state()
+        key = self._key(leaves, spec, params, buffers)
+        inputs = _Inputs(
+            trainable=[p for _, p in params if p.requires_grad],
+            incoming_grads=[p.grad.clone() for _, p in params if p.requires_grad and p.grad is not None],
+            frozen=[p for _, p in params if not p.requires_grad],
+            buffers=[b for _, b in buffers],
+            arguments=[leaf for leaf in leaves if isinstance(leaf, torch.Tensor)],
+        )
+        trace = self._cache.get(key)
+        if trace is None:
+            trace, flat = self._trace(leaves, spec, params, buffers, inputs)
+            self._cache[key] = trace
+            self._warn_if_retracing()
+        else:
+            with torch.no_grad(), _validation_errors():
+                flat = trace.run(*inputs.as_args())
+        return self._finish(trace, flat, inputs.trainable)
+
+    def _warn_if_retracing(self) -> None:
+        if len(self._cache) > MAX_TRACES and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"storch.compile_step traced {len(self._cache)} graphs for one step: the shapes of its "
+                "arguments or the values of its non-tensor arguments keep changing. Each new "
+                "combination is traced (an eager step) and kept.",
+                stacklevel=3,
+            )
+
+    # ------------------------------------------------------------------ inputs
+    def _flat_args(self, args: tuple, kwargs: dict) -> tuple[list, Any]:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        for leaf in leaves:
+            if isinstance(leaf, StorchTensor):
+                raise CompileStepError(
+                    "storch.compile_step: an argument is a storch tensor (plates "
+                    f"{leaf.plate_names}); its plates belong to another step. Pass plain tensors and "
+                    "make storch tensors inside the step (storch.denote_independent, a method)."
+                )
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                raise CompileStepError(
+                    f"storch.compile_step: an argument of shape {tuple(leaf.shape)} requires grad; a "
+                    "compiled step computes gradients for the parameters of the modules given to "
+                    "compile_step only. Register it as a parameter of one of them, or detach it."
+                )
+        return leaves, spec
+
+    def _state(self) -> tuple[list[tuple[tuple, torch.Tensor]], list[tuple[tuple, torch.Tensor]]]:
+        """The modules' parameters and buffers, each once, with every slot it fills."""
+        found: dict[str, dict[int, tuple[list, torch.Tensor]]] = {"_parameters": {}, "_buffers": {}}
+        for module in self.modules:
+            for owner in module.modules():
+                for kind, table in found.items():
+                    for name, value in getattr(owner, kind).items():
+                        if value is not None:
+                            table.setdefault(id(value), ([], value))[0].append((owner, name))
+        return (
+            [(tuple(slots), value) for slots, value in found["_parameters"].values()],
+            [(tuple(slots), value) for slots, value in found["_buffers"].values()],
+        )
+
+    def _key(self, leaves: list, spec: Any, params: list, buffers: list) -> tuple:
+        def tensor_key(t: Optional[torch.Tensor]) -> Optional[tuple]:
+            return None if t is None else (tuple(t.shape), t.dtype, t.device, t.requires_grad)
+
+        leaf_keys = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                leaf_keys.append(tensor_key(leaf))
+            else:
+                try:
+                    hash(leaf)
+                except TypeError:
+                    raise CompileStepError(
+                        f"storch.compile_step: a non-tensor argument of type {type(leaf).__name__} is "
+                        "not hashable; non-tensor arguments are part of the traced graph (a new value "
+                        "is a new trace), so they must be hashable values (numbers, strings, tuples)."
+                    ) from None
+                leaf_keys.append((type(leaf), leaf))
+        return (
+            spec,
+            tuple(leaf_keys),
+            tuple((len(slots), tensor_key(p), tensor_key(p.grad)) for slots, p in params),
+            tuple((len(slots), tensor_key(b)) for slots, b in buffers),
+            torch.is_grad_enabled(),
+            torch.distributions.Distribution._validate_args,
+            torch.get_default_dtype(),
+        )
+
+    # ------------------------------------------------------------------ tracing
+    def _trace(self, leaves: list, spec: Any, params: list, buffers: list, inputs: _Inputs) -> tuple[_Trace, list]:
+        """Run the step once under ``make_fx`` (a real step), check that its graph replays it, and
+        return the graph with the step's outputs."""
+        from torch.fx.experimental.proxy_tensor import make_fx  # imported on first use (slow)
+
+        trainable = [(slots, p) for slots, p in params if p.requires_grad]
+        frozen = [(slots, p) for slots, p in params if not p.requires_grad]
+        had_grad = [i for i, (_, p) in enumerate(trainable) if p.grad is not None]
+        slots = [s for s, _ in trainable] + [s for s, _ in frozen] + [s for s, _ in buffers]
+        kinds = ["_parameters"] * (len(trainable) + len(frozen)) + ["_buffers"] * len(buffers)
+        is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+        state = _tracing.TraceState()
+        info: dict[str, Any] = {}
+
+        def traced(
+            trainable_values: list, incoming_grads: list, frozen_values: list, buffer_values: list, arguments: list
+        ) -> list:
+            for i, grad in zip(had_grad, incoming_grads):  # accumulation, or zero_grad in the step, is traced
+                trainable_values[i].grad = grad
+            values = iter(arguments)
+            args, kwargs = pytree.tree_unflatten([next(values) if t else leaf for leaf, t in zip(leaves, is_tensor)], spec)
+            with _swapped(slots, trainable_values + frozen_values + buffer_values, kinds), _DeferredValidation(state):
+                result = self.step(*args, **kwargs)
+            _refuse_leftover_costs()
+            out_leaves, info["out_spec"] = pytree.tree_flatten(result)
+            info["out_constants"] = [_TENSOR if isinstance(v, torch.Tensor) else v for v in out_leaves]
+            grads = [p.grad for p in trainable_values]
+            info["grad_positions"] = [i for i, g in enumerate(grads) if g is not None]
+            checks = [valid for valid, _ in state.checks]
+            losses = [loss for loss, _ in state.losses]
+            costs = [values for _, named in state.losses for _, values, _ in named]
+            flat = _result_tensors(out_leaves) + [g for g in grads if g is not None] + checks + losses + costs
+            flat.append(_all_ok(checks, losses, trainable_values))
+            info["flat"] = flat
+            return flat
+
+        graph_inputs = _Inputs(
+            trainable=[p.detach().requires_grad_() for p in inputs.trainable],
+            incoming_grads=[g.clone() for g in inputs.incoming_grads],
+            frozen=[p.detach() for p in inputs.frozen],
+            buffers=inputs.buffers,
+            arguments=inputs.arguments,
+        )
+        before = _Snapshot.take(inputs)
+        token = _tracing.start(state)
+        try:
+            graph = make_fx(traced, tracing_mode="real")(*graph_inputs.as_args())
+        except RuntimeError as error:
+            if "get value out of a tracing tensor" in str(error) or "data-dependent" in str(error):
+                raise CompileStepError(_host_read_message(error)) from error
+            raise
+        finally:
+            _tracing.stop(token)
+            reset()
+        _refuse_captured_grad_tensors(graph)
+        _check_replay(graph, before, inputs, info["flat"])
+        run = graph if self.backend == "eager" else torch.compile(graph, backend=self.backend, **self.compile_options)
+        trace = _Trace(
+            run=run,
+            out_spec=info["out_spec"],
+            out_constants=info["out_constants"],
+            n_out_tensors=sum(v is _TENSOR for v in info["out_constants"]),
+            grad_positions=info["grad_positions"],
+            check_messages=[message for _, message in state.checks],
+            cost_names=[[(name, plates) for name, _, plates in named] for _, named in state.losses],
+        )
+        return trace, info["flat"]
+
+    # ------------------------------------------------------------------ results
+    def _finish(self, trace: _Trace, flat: list, trainable: list[torch.Tensor]) -> Any:
+        n_grads = len(trace.grad_positions)
+        n_checks = len(trace.check_messages)
+        n_losses = len(trace.cost_names)
+        i = trace.n_out_tensors
+        out_tensors, grads = flat[:i], flat[i:i + n_grads]
+        i += n_grads
+        checks, losses = flat[i:i + n_checks], flat[i + n_checks:i + n_checks + n_losses]
+        costs = flat[i + n_checks + n_losses:-1]
+        if not bool(flat[-1]):  # one host read per step, as eager storch.backward's finite check
+            _raise_failed_check(trace, checks, losses, costs)
+        final = dict(zip(trace.grad_positions, grads))
+        for position, p in enumerate(trainable):  # what the traced step left in .grad, incoming included
+            p.grad = final.get(position)
+        values = iter(out_tensors)
+        leaves = [next(values) if v is _TENSOR else v for v in trace.out_constants]
+        return pytree.tree_unflatten(leaves, trace.out_spec)
+
+
+# ---------------------------------------------------------------------- helpers of the trace
+class _swapped:
+    """Put the graph's placeholder tensors into the modules' parameter and buffer slots, and back."""
+
+    def __init__(self, slots: list[tuple], values: list[torch.Tensor], kinds: list[str]) -> None:
+        self.entries = [(owner, kind, name, value) for owner_slots, value, kind in zip(slots, values, kinds)
+                        for owner, name in owner_slots]
+        self.saved: list[tuple] = []
+
+    def __enter__(self) -> None:
+        for owner, kind, name, value in self.entries:
+            table = getattr(owner, kind)
+            self.saved.append((table, name, table[name]))
+            table[name] = value
+
+    def __exit__(self, *exc: Any) -> None:
+        for table, name, value in reversed(self.saved):
+            table[name] = value
+        self.saved.clear()
+
+
+class _DeferredValidation(TorchFunctionMode):
+    """Keep ``torch.distributions`` argument validation in the graph without a host read.
+
+    Validation computes a boolean tensor and branches on it (``if not torch._is_all_true(valid):
+    raise``). In the trace the branch is decided on the real value (the traced call is a real step,
+    and raises torch's error as eager mode does) and the check is recorded for the replays: on the
+    CPU as an assertion in the graph, which raises where eager mode would; on other devices as an
+    output that :class:`CompiledStep` reads once per step (an assertion there would be asynchronous
+    and end the process).
+    """
+
+    def __init__(self, state: _tracing.TraceState) -> None:
+        super().__init__()
+        self.state = state
+
+    def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch._is_all_true:
+            return func(*args, **kwargs)
+        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+        valid = plain(func(*args, **kwargs))
+        message = _validation_message(sys._getframe(1))
+        with disable_proxy_modes_tracing():
+            holds = bool(valid)
+        if not holds:
+            raise ValueError(message)
+        if valid.device.type == "cpu":
+            torch._assert_async(valid, _VALIDATION + message)
+        else:
+            self.state.note_check(valid, message)
+        return True
+
+
+class _validation_errors:
+    """Turn a failed validation assertion of a replay back into the ``ValueError`` eager mode raises."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: Any, tb: Any) -> bool:
+        if isinstance(error, RuntimeError) and str(error).startswith(_VALIDATION):
+            raise ValueError(
+                f"{str(error)[len(_VALIDATION):]} (checked in a replay of storch.compile_step; the step's "
+                "gradients were not applied)."
+            ) from None
+        return False
+
+
+def _validation_message(frame: Any) -> str:
+    """The error ``torch.distributions`` would raise, rebuilt from its validating frame's variables."""
+    for _ in range(4):
+        if frame is None:
+            break
+        if frame.f_code.co_filename.endswith(os.path.join("distributions", "distribution.py")):
+            names = frame.f_locals
+            owner = type(names.get("self")).__name__
+            value = names.get("value")
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else "?"
+            if "constraint" in names and "param" in names:
+                return (
+                    f"Expected parameter {names['param']} (tensor of shape {shape}) of distribution {owner} "
+                    f"to satisfy the constraint {names['constraint']!r}, but found invalid values"
+                )
+            if "support" in names:
+                return (
+                    f"Expected value argument (tensor of shape {shape}) to be within the support "
+                    f"({names['support']!r}) of the distribution {owner}, but found invalid values"
+                )
+        frame = frame.f_back
+    return "A torch.distributions argument validation failed"
+
+
+def _result_tensors(leaves: list) -> list[torch.Tensor]:
+    tensors = []
+    for leaf in leaves:
+        if isinstance(leaf, StorchTensor):
+            raise CompileStepError(
+                f"storch.compile_step: the step returns a storch tensor (plates {leaf.plate_names}); its "
+                "plates exist during the trace only. Return plain tensors: the value of "
+                "storch.backward(), storch.reduce_plates(t), or t._tensor for the raw values."
+            )
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf.detach())
+    return tensors
+
+
+def _all_ok(checks: list[torch.Tensor], losses: list[torch.Tensor], params: list[torch.Tensor]) -> torch.Tensor:
+    """One boolean for every check of the step: validations hold and surrogate losses are finite."""
+    flags = [c.reshape(()).bool() for c in checks] + [torch.isfinite(loss).reshape(()) for loss in losses]
+    if not flags:
+        device = params[0].device if params else None
+        return torch.ones((), dtype=torch.bool, device=device)
+    devices = {f.device for f in flags}
+    if len(devices) > 1:
+        flags = [f.cpu() for f in flags]
+    return torch.stack(flags).all()
+
+
+def _frame_text(frame: traceback.FrameSummary) -> str:
+    return f"{frame.filename}:{frame.lineno} ({frame.name}): {frame.line}"
+
+
+def _host_read_message(error: BaseException) -> str:
+    frames = traceback.extract_tb(error.__traceback__)
+    outside_torch = [f for f in frames if not f.filename.startswith(_TORCH_DIR) and f.filename != __file__]
+    user = [f for f in outside_torch if not f.filename.startswith(_STORCH_DIR)]
+    where = f" at {_frame_text(user[-1])}" if user else ""
+    inner = outside_torch[-1] if outside_torch else None
+    if inner is not None and inner.filename.startswith(_STORCH_DIR):
+        where += f" (in storch: {_frame_text(inner)})"
+    return (
+        f"storch.compile_step: the step reads a tensor's value on the host{where}: an `if` on a "
+        "tensor, .item(), bool(), float() or .tolist(). A traced step is replayed as a fixed graph, "
+        "so it cannot branch on values. Compute with tensor operations instead (torch.where, "
+        "torch.clamp), move the read out of the step, or run the step eagerly."
+    )
+
+
+def _refuse_captured_grad_tensors(graph: torch.fx.GraphModule) -> None:
+    """Refuse tensors that require grad and entered the graph as constants (not as parameters)."""
+    for node in graph.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = operator.attrgetter(node.target)(graph)
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            raise CompileStepError(
+                f"storch.compile_step: the step uses a tensor of shape {tuple(value.shape)} that requires "
+                "grad but is not a parameter of the modules given to compile_step (a tensor captured "
+                "from outside, a parameter of another module, or an optimizer step inside the step). "
+                "Its gradient would be lost in a replay. Pass the module that owns it to "
+                "storch.compile_step(step, *modules), and keep optimizer steps outside the step."
+            )
+
+
+def _raise_failed_check(trace: _Trace, checks: list, losses: list, costs: list) -> None:
+    for valid, message in zip(checks, trace.check_messages):
+        if not bool(valid.all()):
+            raise ValueError(f"{message} (checked by storch.compile_step; the step's gradients were not applied).")
+    costs_iter = iter(costs)
+    for loss, named in zip(losses, trace.cost_names):
+        values = [(name, next(costs_iter), plates) for name, plates in named]
+        if not bool(torch.isfinite(loss)):
+            raise non_finite_error(
+                loss.item(), values, "storch.compile_step applied none of the step's gradients."
+            )
+    raise RuntimeError("storch.compile_step: internal error: a check failed but none of its parts did")
+
+
+def _refuse_leftover_costs() -> None:
+    if registered_costs():
+        names = [c.name for c in registered_costs()]
+        raise CompileStepError(
+            f"storch.compile_step: the step registered costs {names} but did not call "
+            "storch.backward(); end the step with storch.backward() (or storch.reset())."
+        )
+
+
+# ---------------------------------------------------------------------- the replay check
+def _rng_states() -> list[torch.Tensor]:
+    """The states of the default random number generators (CPU, and CUDA devices once used)."""
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: list[torch.Tensor]) -> None:
+    torch.set_rng_state(states[0])
+    if len(states) > 1:
+        torch.cuda.set_rng_state_all(states[1:])
+
+
+@dataclass
+class _Snapshot:
+    """What a step may change, taken before its trace: the random generators, the buffers, and the
+    versions of the tensors that it must not change in place."""
+
+    rng: list[torch.Tensor]
+    buffers: list[torch.Tensor]
+    versions: list[int]
+
+    @classmethod
+    def take(cls, inputs: _Inputs) -> "_Snapshot":
+        return cls(
+            rng=_rng_states(),
+            buffers=[b.clone() for b in inputs.buffers],
+            versions=[t._version for t in inputs.trainable + inputs.frozen + inputs.arguments],
+        )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return a is b or a == b
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.device.type == "cpu" or not a.is_floating_point():
+        return bool(torch.equal(a, b)) or bool(a.is_floating_point() and torch.allclose(a, b, 0, 0, equal_nan=True))
+    return bool(torch.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True))  # atomics may reorder sums
+
+
+def _check_replay(graph: torch.fx.GraphModule, before: _Snapshot, inputs: _Inputs, traced: list) -> None:
+    """Replay the new graph from the state before the trace and require the traced step's results.
+
+    A step that depends on something the graph does not record (it sets the random generator's
+    state, as SPSA's common random numbers do; it mutates its own inputs) would be replayed
+    differently from eager mode, silently; this finds it once, when the step is traced.
+    """
+    changed = [t for t, v in zip(inputs.trainable + inputs.frozen + inputs.arguments, before.versions)
+               if t._version != v]
+    if changed:
+        raise CompileStepError(
+            f"storch.compile_step: the step changes {len(changed)} of its parameters or arguments in place "
+            f"(shapes {[tuple(t.shape) for t in changed]}; an optimizer step, clipping, or an in-place "
+            "operation on the data). Keep such updates outside the compiled step."
+        )
+    after = _rng_states()
+    _set_rng_states(before.rng)
+    try:
+        replay_inputs = _Inputs(
+            trainable=[p.detach() for p in inputs.trainable],
+            incoming_grads=[g.clone() for g in inputs.incoming_grads],
+            frozen=inputs.frozen,
+            buffers=[b.clone() for b in before.buffers],
+            arguments=inputs.arguments,
+        )
+        with torch.no_grad(), _validation_errors():
+            replayed = graph(*replay_inputs.as_args())
+        replay_rng = _rng_states()
+    finally:
+        _set_rng_states(after)
+    differences = [f"output {i}" for i, (a, b) in enumerate(zip(traced, replayed)) if not _same(a, b)]
+    differences += [f"buffer {i}" for i, (a, b) in enumerate(zip(inputs.buffers, replay_inputs.buffers))
+                    if not _same(a, b)]
+    if len(replay_rng) != len(after) or not all(torch.equal(a, b) for a, b in zip(replay_rng, after)):
+        differences.append("the state of the random number generator after the step")
+    if differences:
+        raise CompileStepError(
+            "storch.compile_step: replaying the traced graph does not reproduce the traced step "
+            f"({', '.join(differences)} differ). The step depends on something the graph does not "
+            "record: it sets or reads the random generator's state (as SPSA's common random numbers "
+            "do), or reads Python state that changes while it runs. Run this step eagerly."
+        )

@@ -1,0 +1,459 @@
+"""``storch.compile_step``: a step traced once, then replayed as a graph of torch operations.
+
+* A replayed step is the eager step, bit for bit, for the same seed (estimate, ``.grad``, buffers),
+  over several steps, for the core estimators and for every method class that it accepts; the
+  others are refused with :class:`storch.exceptions.CompileStepError` (pinned list, with reasons).
+* Replayed estimates pass the unbiasedness test against the exact gradient.
+* Checks survive the replay: ``torch.distributions`` validation and the finite-loss check raise the
+  eager errors, and the step's gradients are not applied.
+* What a replay cannot reproduce is refused by name: host reads (with the line), stateful
+  estimators, tensors that require grad outside the given modules, storch tensors in or out.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch.distributions import Bernoulli, Normal, OneHotCategorical
+
+import problems  # tests/problems.py (on the path through conftest)
+import storch
+import storch.method as M
+from storch.exceptions import CompileStepError, NonFiniteCostError
+from storch.method import ARM, MVD, DisARM, Expect, LocalExpectation, Reparameterization, ScoreFunction
+from storch.testing import assert_unbiased
+
+STATELESS = {
+    "score_function": lambda: ScoreFunction("z", n_samples=3),
+    "score_function_batch_average": lambda: ScoreFunction("z", n_samples=3, baseline_factory="batch_average"),
+    "expect": lambda: Expect("z"),
+    "arm": lambda: ARM("z", n_samples=2),
+    "disarm": lambda: DisARM("z", n_samples=2),
+    "local_expectation": lambda: LocalExpectation("z", n_samples=2),
+    "mvd": lambda: MVD("z", n_samples=2),
+}
+
+
+class SBN(nn.Module):
+    """A small sigmoid belief network 8-[3] with a learned prior (sbn-linear in miniature)."""
+
+    def __init__(self, method: M.Method) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder, self.decoder = nn.Linear(8, 3), nn.Linear(3, 8)
+        self.prior = nn.Parameter(torch.zeros(3))
+        self.method = method
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        x = storch.denote_independent(x, 0, "data")
+        q = Bernoulli(logits=self.encoder(x))
+        z = self.method(q)
+        log_px = Bernoulli(logits=self.decoder(z)).log_prob(x).sum(-1)
+        log_pz = Bernoulli(logits=self.prior).log_prob(z).sum(-1)
+        storch.add_cost(-(log_px + log_pz - q.log_prob(z).sum(-1)), "neg_elbo")
+        return storch.backward()
+
+
+DATA = (torch.rand(4, 8, generator=torch.Generator().manual_seed(1)) < 0.5).float()
+
+
+def _steps(model: nn.Module, step, steps: int = 3, zero_grad: bool = True, data: torch.Tensor = DATA) -> list:
+    out = []
+    for i in range(steps):
+        if zero_grad:
+            model.zero_grad()
+        torch.manual_seed(100 + i)
+        estimate = step(data)
+        out.append([estimate.clone()] + [p.grad.clone() for p in model.parameters()])
+    return out
+
+
+def _assert_identical(eager: list, compiled: list) -> None:
+    """The same draws and values; up to rounding, since the trace records some operations in
+    decomposed form (a linear layer on a 3-D input as a view and a matrix product) whose float
+    rounding differs from the fused eager kernel by an ulp or so."""
+    for e_step, c_step in zip(eager, compiled, strict=True):
+        for e, c in zip(e_step, c_step, strict=True):
+            torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(STATELESS))
+def test_replayed_steps_equal_the_eager_steps(name):
+    eager_model, compiled_model = SBN(STATELESS[name]()), SBN(STATELESS[name]())
+    eager = _steps(eager_model, eager_model.step)
+    compiled_step = storch.compile_step(compiled_model.step, compiled_model)
+    compiled = _steps(compiled_model, compiled_step)
+    _assert_identical(eager, compiled)
+    assert compiled_step.traces == 1  # one trace (the first step), then replays
+
+
+def test_gradients_accumulate_as_in_eager_mode_when_not_zeroed():
+    """Without zero_grad the incoming .grad is an input of the graph: steps accumulate as eagerly."""
+    eager_model, compiled_model = SBN(ARM("z", n_samples=2)), SBN(ARM("z", n_samples=2))
+    eager = _steps(eager_model, eager_model.step, zero_grad=False)
+    compiled_step = storch.compile_step(compiled_model.step, compiled_model)
+    _assert_identical(eager, _steps(compiled_model, compiled_step, zero_grad=False))
+    assert compiled_step.traces == 2  # without .grad (the first step), then with it
+
+
+def test_zero_grad_inside_the_step_is_replayed():
+    def make():
+        model = SBN(ScoreFunction("z", n_samples=2))
+
+        def step(x):
+            model.zero_grad(set_to_none=True)
+            return model.step(x)
+
+        return model, step
+
+    (eager_model, eager_step), (compiled_model, plain_step) = make(), make()
+    eager = _steps(eager_model, eager_step, zero_grad=False)
+    compiled = _steps(compiled_model, storch.compile_step(plain_step, compiled_model), zero_grad=False)
+    _assert_identical(eager, compiled)
+
+
+def test_a_replay_draws_fresh_samples():
+    model = SBN(ScoreFunction("z", n_samples=3))
+    step = storch.compile_step(model.step, model)
+    estimates = {float(step(DATA)) for _ in range(6)}
+    assert len(estimates) > 1
+
+
+class Replicated(nn.Module):
+    """``repeats`` copies of a parameter on an independent plate, for one-pass unbiasedness tests."""
+
+    def __init__(self, value: torch.Tensor, repeats: int) -> None:
+        super().__init__()
+        self.copies = nn.Parameter(value.detach().unsqueeze(0).repeat((repeats,) + (1,) * value.dim()))
+        self.repeats = repeats
+
+    def estimates(self) -> torch.Tensor:
+        return self.copies.grad * self.repeats
+
+
+@pytest.mark.parametrize("name", list(STATELESS))
+def test_a_replayed_step_is_unbiased(name):
+    """Each stateless discrete estimator, replayed (not the traced call), on tests/problems.py's
+    Bernoulli problem: f = sum_i (x_i - t_i)^2, d/dphi exact."""
+    problem = problems.bernoulli(interaction=0.0)
+    holder = Replicated(problem.phi, 4000)
+    model = problem.model(STATELESS[name]())
+
+    def step():
+        model(storch.denote_independent(holder.copies, 0, "replicate"))
+        return storch.backward()
+
+    compiled = storch.compile_step(step, holder)
+    compiled()  # the trace
+    holder.zero_grad()
+    compiled()  # a replay
+    assert compiled.traces == 1
+    assert_unbiased(holder.estimates(), problem.exact(), label=f"replayed {name}")
+
+
+def test_a_replayed_reparameterized_step_equals_the_eager_step():
+    class Gaussian(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mu = nn.Parameter(torch.tensor([0.5, -1.0]))
+
+        def step(self, target):
+            x = Reparameterization("x", n_samples=4)(Normal(self.mu, 1.0))
+            storch.add_cost(((x - target) ** 2).sum(-1), "f")
+            return storch.backward()
+
+    eager_model, compiled_model = Gaussian(), Gaussian()
+    target = torch.tensor([1.0, 0.0])
+    eager = _steps(eager_model, eager_model.step, data=target)
+    _assert_identical(eager, _steps(compiled_model, storch.compile_step(compiled_model.step, compiled_model),
+                                    data=target))
+
+
+# ----------------------------------------------------------------------------- every method class
+def _cv() -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+
+
+#: every method class, in a configuration a model would use, with its distribution family
+METHOD_CLASSES = {
+    "ScoreFunction": (lambda: ScoreFunction("z", 2, baseline_factory="batch_average"), "bernoulli"),
+    "Reparameterization": (lambda: Reparameterization("z", n_samples=2), "normal"),
+    "Expect": (lambda: Expect("z"), "bernoulli"),
+    "Infer": (lambda: M.Infer("z", n_samples=2), "bernoulli"),
+    "GumbelSoftmax": (lambda: M.GumbelSoftmax("z", n_samples=2), "one_hot"),
+    "ARM": (lambda: ARM("z", n_samples=2), "bernoulli"),
+    "DisARM": (lambda: DisARM("z", n_samples=2), "bernoulli"),
+    "MVD": (lambda: MVD("z", n_samples=2), "normal"),
+    "SPSA": (lambda: M.SPSA("z", n_samples=2), "normal"),
+    "LocalExpectation": (lambda: LocalExpectation("z", n_samples=2), "bernoulli"),
+    "StraightThrough": (lambda: M.StraightThrough("z", n_samples=2), "one_hot"),
+    "GumbelRao": (lambda: M.GumbelRao("z", n_samples=2), "one_hot"),
+    "ReinMax": (lambda: M.ReinMax("z", n_samples=2), "one_hot"),
+    "VIMCO": (lambda: M.VIMCO("z", n_samples=3), "normal"),
+    "ScoreFunctionWOR": (lambda: M.ScoreFunctionWOR("z", k=2), "one_hot"),
+    "RaoBlackwellSF": (lambda: M.RaoBlackwellSF("z", k=2), "one_hot"),
+    "LAX": (lambda: M.LAX("z", control_variate=_cv(), n_samples=2), "normal"),
+    "RELAX": (lambda: M.RELAX("z", control_variate=_cv(), n_samples=2,
+                              optimizer_factory=functools.partial(torch.optim.Adam, lr=1e-2)), "bernoulli"),
+    "REBAR": (lambda: M.REBAR("z", n_samples=2), "bernoulli"),
+    "UnorderedSetEstimator": (lambda: M.UnorderedSetEstimator("z", k=2), "one_hot"),
+    "UnorderedSetGumbelSoftmax": (lambda: M.UnorderedSetGumbelSoftmax("z", k=2), "one_hot"),
+    "GSB": (lambda: M.GSB("z", n_samples=2), "normal"),
+    "MAPO": (lambda: M.MAPO("z", n_samples=2, buffer_size=2, systematic_exploration=True), "one_hot"),
+}
+
+#: the method classes compile_step refuses, and the words of the reason it gives
+REFUSED = {
+    "SPSA": "does not reproduce the traced step",  # resets the generator: common random numbers
+    "LAX": "keeps state between steps",  # trains its control variate after each step
+    "RELAX": "keeps state between steps",
+    "REBAR": "keeps state between steps",
+    "UnorderedSetGumbelSoftmax": "keeps state between steps",  # anneals its temperature by default
+    "MAPO": "keeps state between steps|reads a tensor's value",  # its memory of high-reward samples
+}
+
+
+class MethodModel(nn.Module):
+    """A method and the distribution parameters it trains, as module parameters."""
+
+    def __init__(self, build, family: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.method = build()
+        self.family = family
+        size = 4 if family == "one_hot" else 3
+        self.param = nn.Parameter(torch.randn(size) * 0.3)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def distribution(self):
+        if self.family == "bernoulli":
+            return Bernoulli(logits=self.param)
+        if self.family == "one_hot":
+            return OneHotCategorical(logits=self.param)
+        return Normal(self.param, torch.ones(()))
+
+    def step(self, target: torch.Tensor) -> torch.Tensor:
+        z = self.method(self.distribution())
+        storch.add_cost((self.scale * (z - target[: z.shape[-1]]) ** 2).sum(-1), "f")
+        return storch.backward()
+
+
+def test_every_method_class_is_in_the_sweep():
+    exported = {
+        getattr(M, name) for name in M.__all__
+        if isinstance(getattr(M, name), type) and issubclass(getattr(M, name), M.Method) and getattr(M, name) is not M.Method
+    }
+    assert {c.__name__ for c in exported} == set(METHOD_CLASSES)
+
+
+@pytest.mark.parametrize("name", list(METHOD_CLASSES))
+def test_every_method_class_is_replayed_exactly_or_refused(name):
+    build, family = METHOD_CLASSES[name]
+    target = torch.tensor([0.1, 0.6, 0.3, 0.9])
+    compiled_model = MethodModel(build, family)
+    compiled_step = storch.compile_step(compiled_model.step, compiled_model)
+    if name in REFUSED:
+        with pytest.raises(CompileStepError, match=REFUSED[name]):
+            compiled_step(target)
+        return
+    eager_model = MethodModel(build, family)
+    _assert_identical(_steps(eager_model, eager_model.step, data=target),
+                      _steps(compiled_model, compiled_step, data=target))
+
+
+# ----------------------------------------------------------------------------- checks at replay
+class Probabilities(nn.Module):
+    """A step whose Bernoulli probabilities come from the data (validated by torch.distributions)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(0.5))
+
+    def step(self, p: torch.Tensor) -> torch.Tensor:
+        # validate_args explicitly: once torch.compile has run in a process (test_compile.py), torch
+        # turns the default off
+        z = ScoreFunction("z", n_samples=2)(Bernoulli(probs=p * self.scale * 2, validate_args=True))
+        storch.add_cost(torch.log(p).sum() + z.sum(-1), "f")
+        return storch.backward()
+
+
+def test_distribution_validation_still_raises_in_a_replay_and_no_gradient_is_applied():
+    model = Probabilities()
+    step = storch.compile_step(model.step, model)
+    step(torch.tensor([0.2, 0.4]))  # the trace
+    step(torch.tensor([0.3, 0.1]))  # a replay
+    before = model.scale.grad.clone()
+    with pytest.raises(ValueError, match=r"Expected parameter probs .* Bernoulli .* constraint"):
+        step(torch.tensor([0.3, 1.5]))  # probs 1.5
+    assert torch.equal(model.scale.grad, before)  # unchanged: the failed step applied nothing
+
+
+def test_a_non_finite_cost_in_a_replay_names_the_cost_and_applies_nothing():
+    model = Probabilities()
+    step = storch.compile_step(model.step, model)
+    step(torch.tensor([0.2, 0.4]))
+    before = model.scale.grad.clone()
+    with pytest.raises(NonFiniteCostError, match=r"'f' at 2 of 2 values"):
+        step(torch.tensor([0.0, 0.4]))
+    assert torch.equal(model.scale.grad, before)
+
+
+# ----------------------------------------------------------------------------- refused, by name
+def test_a_host_read_in_the_step_is_refused_with_its_line():
+    model = SBN(ScoreFunction("z", n_samples=2))
+
+    def step(x):
+        if x.sum() > 0:  # a branch on a value
+            x = x * 1.0
+        return model.step(x)
+
+    with pytest.raises(CompileStepError, match=r"reads a tensor's value on the host at .*test_compiled_step.py:\d+ "
+                                               r"\(step\): if x.sum\(\) > 0"):
+        storch.compile_step(step, model)(DATA)
+    assert storch.registered_costs() == ()
+
+
+def test_a_stateful_baseline_is_refused_before_anything_is_applied():
+    model = SBN(ScoreFunction("z", n_samples=2, baseline_factory="moving_average"))
+    with pytest.raises(CompileStepError, match=r"ScoreFunction\('z'\) keeps state between steps.*moving_average"):
+        storch.compile_step(model.step, model)(DATA)
+    assert all(p.grad is None for p in model.parameters())
+    assert model.method.baseline.averages == {}  # no average updated
+
+
+def test_an_annealed_gumbel_softmax_is_refused_and_a_fixed_one_is_not():
+    assert M.GumbelSoftmax("z", annealing_rate=1e-2).keeps_state_between_steps
+    assert not M.GumbelSoftmax("z").keeps_state_between_steps
+
+
+def test_a_subclass_with_its_own_update_counts_as_stateful():
+    class Counting(ScoreFunction):
+        def update_parameters(self, result_triples):
+            super().update_parameters(result_triples)
+
+    assert Counting("z", n_samples=2).keeps_state_between_steps
+    assert not ScoreFunction("z", n_samples=2).keeps_state_between_steps
+
+
+def test_a_captured_tensor_that_requires_grad_is_refused():
+    model = SBN(ScoreFunction("z", n_samples=2))
+    outside = torch.tensor(1.0, requires_grad=True)
+
+    def step(x):
+        return model.step(x * outside)
+
+    with pytest.raises(CompileStepError, match=r"shape \(\) that requires grad but is not a parameter"):
+        storch.compile_step(step, model)(DATA)
+
+
+def test_a_parameter_of_a_module_not_given_is_refused():
+    model = SBN(ScoreFunction("z", n_samples=2))
+    with pytest.raises(CompileStepError, match="is not a parameter of the modules given"):
+        storch.compile_step(model.step, model.encoder)(DATA)
+
+
+def test_storch_tensors_in_or_out_and_leftover_costs_are_refused():
+    model = SBN(ScoreFunction("z", n_samples=2))
+    plated = storch.denote_independent(DATA, 0, "data")
+    with pytest.raises(CompileStepError, match="an argument is a storch tensor"):
+        storch.compile_step(model.step, model)(plated)
+
+    def returns_plated(x):
+        model.step(x)
+        return storch.denote_independent(x, 0, "data")
+
+    with pytest.raises(CompileStepError, match="returns a storch tensor"):
+        storch.compile_step(returns_plated, model)(DATA)
+
+    def no_backward(x):
+        storch.add_cost(storch.denote_independent(model.encoder(x), 0, "data").sum(-1), "left")
+
+    with pytest.raises(CompileStepError, match=r"registered costs \['left'\] but did not call storch.backward"):
+        storch.compile_step(no_backward, model)(DATA)
+    assert storch.registered_costs() == ()
+
+
+def test_bad_arguments_are_clear_errors():
+    model = SBN(ScoreFunction("z", n_samples=2))
+    with pytest.raises(TypeError, match="after the step come the nn.Modules it trains, got str"):
+        storch.compile_step(model.step, "inductor")
+    with pytest.raises(CompileStepError, match="requires grad"):
+        storch.compile_step(model.step, model)(DATA.clone().requires_grad_())
+    with pytest.raises(CompileStepError, match="not hashable"):
+        storch.compile_step(lambda x, options: model.step(x), model)(DATA, bytearray(b"options"))
+
+
+# ----------------------------------------------------------------------------- traces and buffers
+def test_a_new_shape_or_a_new_value_is_a_new_trace():
+    model = SBN(ScoreFunction("z", n_samples=2))
+
+    def step(x, flip):
+        return model.step(1 - x if flip else x)
+
+    compiled = storch.compile_step(step, model)
+    for x, flip in [(DATA, False), (DATA, False), (DATA[:3], False), (DATA, True), (DATA[:3], False)]:
+        model.zero_grad()
+        compiled(x, flip)
+    assert compiled.traces == 3  # a smaller last minibatch, another value of the flag
+    assert "rsub" in compiled.graph(DATA, True).code and "rsub" not in compiled.graph(DATA, False).code
+
+
+class Normalised(nn.Module):
+    """A step through BatchNorm (running statistics updated in place) and a step counter buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = nn.BatchNorm1d(8)
+        self.encoder = nn.Linear(8, 3)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def step(self, x):
+        self.steps += 1
+        x = storch.denote_independent(self.norm(x), 0, "data")
+        z = ARM("z", n_samples=2)(Bernoulli(logits=self.encoder(x)))
+        storch.add_cost(((z - 0.5) ** 2).sum(-1), "f")
+        return storch.backward()
+
+
+def test_buffers_updated_in_place_are_updated_by_every_replay():
+    eager_model, compiled_model = Normalised(), Normalised()
+    eager = _steps(eager_model, eager_model.step)
+    compiled = _steps(compiled_model, storch.compile_step(compiled_model.step, compiled_model))
+    _assert_identical(eager, compiled)
+    for e, c in zip(eager_model.buffers(), compiled_model.buffers(), strict=True):
+        assert torch.equal(e, c)
+    assert int(compiled_model.steps) == 3
+
+
+def test_the_inductor_backend_computes_the_eager_step():
+    """Generated kernels (C++ on the CPU): the same draws with fallback_random, values up to rounding."""
+    import torch._inductor.config as inductor_config
+
+    eager_model, compiled_model = SBN(ScoreFunction("z", n_samples=2)), SBN(ScoreFunction("z", n_samples=2))
+    eager = _steps(eager_model, eager_model.step)
+    with inductor_config.patch(fallback_random=True):
+        compiled = _steps(compiled_model, storch.compile_step(compiled_model.step, compiled_model, backend="inductor"))
+    for e_step, c_step in zip(eager, compiled, strict=True):
+        for e, c in zip(e_step, c_step, strict=True):
+            torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
+
+
+def test_the_step_returns_its_result_structure():
+    model = SBN(ScoreFunction("z", n_samples=2))
+
+    def step(x):
+        loss = model.step(x)
+        return {"loss": loss, "pair": (loss * 2, None), "label": "elbo", "count": 3}
+
+    compiled = storch.compile_step(step, model)
+    for _ in range(2):
+        out = compiled(DATA)
+        assert set(out) == {"loss", "pair", "label", "count"}
+        assert out["pair"][1] is None and out["label"] == "elbo" and out["count"] == 3
+        assert torch.equal(out["pair"][0], out["loss"] * 2)
+        assert not re.search("storch", type(out["loss"]).__module__)
