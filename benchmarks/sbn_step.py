@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
 import sys
 import time
@@ -69,8 +70,9 @@ LR = 1e-3
 DEFAULT_DATA = ROOT.parent / "shared" / "data"
 
 ESTIMATORS = ("REINFORCE", "RLOO", "ARM", "DisARM")
-# storch; the hand-written step; the hand-written step on a do-nothing tensor subclass (FloorTensor)
-VARIANTS = ("storch", "hand-written", "floor")
+# storch; the hand-written step; the hand-written step on a do-nothing tensor subclass (FloorTensor);
+# the storch step under storch.compile_step (traced once, replayed as a graph of aten operations)
+VARIANTS = ("storch", "hand-written", "floor", "compiled")
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,11 +234,12 @@ def _grads(model: nn.Module) -> Dict[str, torch.Tensor]:
 def check_estimators(
     data: torch.Tensor, seeds=(0, 1, 2), tol: float = 1e-5, dtype=torch.float64
 ) -> List[Tuple[str, float, float, float, bool]]:
-    """For every estimator and seed: seed, storch gradient; same seed, hand-written gradient.
+    """For every estimator and seed: seed, storch gradient; same seed, hand-written gradient; same
+    seed, a replay of the storch step under ``storch.compile_step``.
 
     Returns rows ``(estimator, max |value difference|, max |gradient difference| over all
-    parameters, max |gradient|, ok)``, ``ok`` when the gradient difference is within ``tol``
-    (absolute, in ``dtype``) and the values agree.
+    parameters and both storch versions, max |gradient|, ok)``, ``ok`` when the gradient difference
+    is within ``tol`` (absolute, in ``dtype``) and the values agree.
     """
     data = data.to(dtype)
     model, _ = make_model(0, train_mean=data.mean(0), dtype=dtype)
@@ -244,6 +247,8 @@ def check_estimators(
     for name in ESTIMATORS:
         method = make_method(name)
         hw = hw_grad(name)
+        compiled = storch.compile_step(functools.partial(storch_grad, model, method=method), model)
+        compiled(data)  # the trace: the calls below are replays
         dv = dg = gmax = 0.0
         for seed in seeds:
             storch.reset()
@@ -253,16 +258,22 @@ def check_estimators(
             torch.manual_seed(seed)
             v_h = float(hw(model, data))
             g_h = _grads(model)
-            dv = max(dv, abs(v_s - v_h))
+            torch.manual_seed(seed)
+            v_c = float(compiled(data))
+            g_c = _grads(model)
+            dv = max(dv, abs(v_s - v_h), abs(v_c - v_h))
             for k in g_s:
-                dg = max(dg, float((g_s[k] - g_h[k]).abs().max()))
+                dg = max(dg, float((g_s[k] - g_h[k]).abs().max()), float((g_c[k] - g_h[k]).abs().max()))
                 gmax = max(gmax, float(g_s[k].abs().max()))
         rows.append((name, dv, dg, gmax, dg <= tol and dv <= tol * max(1.0, abs(v_s))))
     return rows
 
 
 def print_check(rows) -> bool:
-    print("check: storch vs hand-written on identical draws (float64, seeds 0-2, tolerance 1e-5 absolute)")
+    print(
+        "check: storch (eager, and replayed by storch.compile_step) vs hand-written on identical draws "
+        "(float64, seeds 0-2, tolerance 1e-5 absolute)"
+    )
     print(f"{'estimator':<10} | {'max |dvalue|':>12} | {'max |dgrad|':>12} | {'max |grad|':>10} | ok")
     for name, dv, dg, gmax, ok in rows:
         print(f"{name:<10} | {dv:12.3e} | {dg:12.3e} | {gmax:10.3g} | {'yes' if ok else 'NO'}")
@@ -314,6 +325,13 @@ def make_runners(train: torch.Tensor, name: str, batch: int):
 
             def grad(m=model, method=method, b=batches):
                 return storch_grad(m, b.next(), method)
+
+        elif variant == "compiled":
+            step = storch.compile_step(functools.partial(storch_grad, model, method=make_method(name)), model)
+
+            def grad(m=model, step=step, b=batches):
+                m.zero_grad(set_to_none=True)  # as storch_grad does inside: no .grad comes in
+                return step(b.next())
 
         else:
             hw = hw_grad(name) if variant == "hand-written" else floor_grad(name)
@@ -414,21 +432,26 @@ def print_table(times, blocks: int, steps: int):
         f"{steps} steps per variant; medians over blocks (ms/step)"
     )
     print(
-        f"{'estimator':<10} | {'storch':>7} | {'hand-written':>12} | {'floor':>7} | {'ratio':>6} | "
-        f"{'median block ratio':>18} | {'floor ratio':>11} | storch - floor"
+        f"{'estimator':<10} | {'storch':>7} | {'hand-written':>12} | {'floor':>7} | {'compiled':>8} | "
+        f"{'ratio':>6} | {'median block ratio':>18} | {'floor ratio':>11} | {'compiled ratio':>14} | storch - floor"
     )
     for name, t in times.items():
-        s, h, f = (statistics.median(t[v]) for v in VARIANTS)
-        per_block = statistics.median(a / b for a, b in zip(t["storch"], t["hand-written"]))
-        floor_block = statistics.median(a / b for a, b in zip(t["floor"], t["hand-written"]))
+        s, h, f, c = (statistics.median(t[v]) for v in VARIANTS)
+
+        def block_ratio(variant: str, t=t) -> float:
+            return statistics.median(a / b for a, b in zip(t[variant], t["hand-written"]))
+
         print(
-            f"{name:<10} | {s:7.3f} | {h:12.3f} | {f:7.3f} | {s / h:6.2f} | {per_block:18.2f} | "
-            f"{floor_block:11.2f} | {1000 * (s - f):8.0f} us"
+            f"{name:<10} | {s:7.3f} | {h:12.3f} | {f:7.3f} | {c:8.3f} | {s / h:6.2f} | "
+            f"{block_ratio('storch'):18.2f} | {block_ratio('floor'):11.2f} | {block_ratio('compiled'):14.2f} | "
+            f"{1000 * (s - f):8.0f} us"
         )
     print(
         "ratio: storch / hand-written. floor: the hand-written step with its data as a tensor subclass "
         "whose __torch_function__ only calls the function (FloorTensor): the cost any "
-        "__torch_function__ library pays before doing its own work."
+        "__torch_function__ library pays before doing its own work. compiled: the same storch step "
+        "under storch.compile_step (backend 'eager': traced once, then replayed as a graph of aten "
+        "operations); block ratios against hand-written."
     )
 
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
@@ -67,7 +68,10 @@ __all__ = ["compile_step", "CompiledStep"]
 MAX_TRACES = 8
 
 _TENSOR = object()  # marks where a tensor goes in a step's result
-_VALIDATION = "[storch.compile_step validation] "  # prefix of the recorded validation assertions
+# prefixes of the recorded checks' messages: the kind of error eager mode raises
+_VALIDATION = "[storch.compile_step: ValueError] "
+_INDEX = "[storch.compile_step: RuntimeError] "
+_REPLAY_NOTE = " (checked in a replay of storch.compile_step; the step's gradients were not applied)."
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _STORCH_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -146,6 +150,7 @@ class _Trace:
     n_out_tensors: int
     grad_positions: list[int]  # which trainable parameters have a gradient after the step
     check_messages: list[str]  # validations read after the step (off the CPU)
+    writes_grads: bool  # the graph writes into the incoming .grad in place: replays get copies
     cost_names: list[list[tuple[str, list[str]]]]  # per storch.backward: (cost name, plate names)
 
 
@@ -154,7 +159,7 @@ class _Inputs:
     """The graph's inputs, in its order: the modules' state, the incoming ``.grad``, the arguments."""
 
     trainable: list[torch.Tensor]
-    incoming_grads: list[torch.Tensor]  # copies: a step that fails its checks leaves .grad untouched
+    incoming_grads: list[torch.Tensor]
     frozen: list[torch.Tensor]
     buffers: list[torch.Tensor]
     arguments: list[torch.Tensor]
@@ -190,7 +195,7 @@ class CompiledStep:
         if key not in self._cache:
             self(*args, **kwargs)
         run = self._cache[key].run
-        return getattr(run, "_orig_mod", run)
+        return getattr(run, "graph_module", None) or getattr(run, "_orig_mod", run)
 
     def clear(self) -> None:
         """Forget the traced graphs (after changing the step or the modules' structure)."""
@@ -202,7 +207,7 @@ class CompiledStep:
         key = self._key(leaves, spec, params, buffers)
         inputs = _Inputs(
             trainable=[p for _, p in params if p.requires_grad],
-            incoming_grads=[p.grad.clone() for _, p in params if p.requires_grad and p.grad is not None],
+            incoming_grads=[p.grad for _, p in params if p.requires_grad and p.grad is not None],
             frozen=[p for _, p in params if not p.requires_grad],
             buffers=[b for _, b in buffers],
             arguments=[leaf for leaf in leaves if isinstance(leaf, torch.Tensor)],
@@ -213,6 +218,8 @@ class CompiledStep:
             self._cache[key] = trace
             self._warn_if_retracing()
         else:
+            if trace.writes_grads:  # a step that fails its checks must leave .grad as it was
+                inputs.incoming_grads = [g.clone() for g in inputs.incoming_grads]
             with torch.no_grad(), _validation_errors():
                 flat = trace.run(*inputs.as_args())
         return self._finish(trace, flat, inputs.trainable)
@@ -309,7 +316,7 @@ class CompiledStep:
                 trainable_values[i].grad = grad
             values = iter(arguments)
             args, kwargs = pytree.tree_unflatten([next(values) if t else leaf for leaf, t in zip(leaves, is_tensor)], spec)
-            with _swapped(slots, trainable_values + frozen_values + buffer_values, kinds), _DeferredValidation(state):
+            with _swapped(slots, trainable_values + frozen_values + buffer_values, kinds), _DeferredChecks(state):
                 result = self.step(*args, **kwargs)
             _refuse_leftover_costs()
             out_leaves, info["out_spec"] = pytree.tree_flatten(result)
@@ -332,6 +339,7 @@ class CompiledStep:
             arguments=inputs.arguments,
         )
         before = _Snapshot.take(inputs)
+        grad_versions = [g._version for g in graph_inputs.incoming_grads]
         token = _tracing.start(state)
         try:
             graph = make_fx(traced, tracing_mode="real")(*graph_inputs.as_args())
@@ -344,7 +352,10 @@ class CompiledStep:
             reset()
         _refuse_captured_grad_tensors(graph)
         _check_replay(graph, before, inputs, info["flat"])
-        run = graph if self.backend == "eager" else torch.compile(graph, backend=self.backend, **self.compile_options)
+        if self.backend == "eager":
+            run = replay_function(graph)
+        else:
+            run = torch.compile(graph, backend=self.backend, **self.compile_options)
         trace = _Trace(
             run=run,
             out_spec=info["out_spec"],
@@ -352,6 +363,7 @@ class CompiledStep:
             n_out_tensors=sum(v is _TENSOR for v in info["out_constants"]),
             grad_positions=info["grad_positions"],
             check_messages=[message for _, message in state.checks],
+            writes_grads=any(g._version != v for g, v in zip(graph_inputs.incoming_grads, grad_versions)),
             cost_names=[[(name, plates) for name, _, plates in named] for _, named in state.losses],
         )
         return trace, info["flat"]
@@ -397,15 +409,17 @@ class _swapped:
         self.saved.clear()
 
 
-class _DeferredValidation(TorchFunctionMode):
-    """Keep ``torch.distributions`` argument validation in the graph without a host read.
+class _DeferredChecks(TorchFunctionMode):
+    """Keep the checks of ``torch.distributions`` and ``F.one_hot`` in the graph without a host read.
 
-    Validation computes a boolean tensor and branches on it (``if not torch._is_all_true(valid):
-    raise``). In the trace the branch is decided on the real value (the traced call is a real step,
-    and raises torch's error as eager mode does) and the check is recorded for the replays: on the
-    CPU as an assertion in the graph, which raises where eager mode would; on other devices as an
-    output that :class:`CompiledStep` reads once per step (an assertion there would be asynchronous
-    and end the process).
+    Argument validation computes a boolean tensor and branches on it (``if not
+    torch._is_all_true(valid): raise``); ``F.one_hot`` reads the range of its indices on the host.
+    In the trace the check is decided on the real value (the traced call is a real step, and raises
+    torch's error as eager mode does) and recorded for the replays: on the CPU as an assertion in
+    the graph, which raises where eager mode would; on other devices as an output that
+    :class:`CompiledStep` reads once per step (an assertion there would be asynchronous and end the
+    process). ``F.one_hot`` with ``num_classes`` given is computed by comparison with
+    ``arange(num_classes)`` (the same result for indices in range).
     """
 
     def __init__(self, state: _tracing.TraceState) -> None:
@@ -414,35 +428,49 @@ class _DeferredValidation(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if func is not torch._is_all_true:
-            return func(*args, **kwargs)
+        if func is torch._is_all_true:
+            self._check(plain(func(*args, **kwargs)), _VALIDATION + _validation_message(sys._getframe(1)))
+            return True
+        if func is F.one_hot:
+            index = args[0]
+            n = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+            if isinstance(n, int) and n >= 0:
+                self._check(plain(((index >= 0) & (index < n)).all()),
+                            _INDEX + f"F.one_hot: every class index must lie in [0, {n}) (num_classes={n})")
+                return (index.unsqueeze(-1) == torch.arange(n, device=index.device)).long()
+        return func(*args, **kwargs)
+
+    def _check(self, valid: torch.Tensor, marked_message: str) -> None:
         from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
-        valid = plain(func(*args, **kwargs))
-        message = _validation_message(sys._getframe(1))
         with disable_proxy_modes_tracing():
             holds = bool(valid)
         if not holds:
-            raise ValueError(message)
+            raise _check_error(marked_message)
         if valid.device.type == "cpu":
-            torch._assert_async(valid, _VALIDATION + message)
+            torch._assert_async(valid, marked_message)
         else:
-            self.state.note_check(valid, message)
-        return True
+            self.state.note_check(valid, marked_message)
+
+
+def _check_error(marked_message: str, after: str = "") -> Exception:
+    """The exception eager mode raises for a failed check (its message carries a kind marker)."""
+    for marker, kind in ((_VALIDATION, ValueError), (_INDEX, RuntimeError)):
+        if marked_message.startswith(marker):
+            return kind(marked_message[len(marker):] + after)
+    return RuntimeError(marked_message + after)
 
 
 class _validation_errors:
-    """Turn a failed validation assertion of a replay back into the ``ValueError`` eager mode raises."""
+    """Turn a failed check of a replay back into the error eager mode raises (``ValueError`` for
+    ``torch.distributions`` validation)."""
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, kind: Any, error: Any, tb: Any) -> bool:
-        if isinstance(error, RuntimeError) and str(error).startswith(_VALIDATION):
-            raise ValueError(
-                f"{str(error)[len(_VALIDATION):]} (checked in a replay of storch.compile_step; the step's "
-                "gradients were not applied)."
-            ) from None
+        if isinstance(error, RuntimeError) and str(error).startswith((_VALIDATION, _INDEX)):
+            raise _check_error(str(error), _REPLAY_NOTE) from None
         return False
 
 
@@ -535,14 +563,12 @@ def _refuse_captured_grad_tensors(graph: torch.fx.GraphModule) -> None:
 def _raise_failed_check(trace: _Trace, checks: list, losses: list, costs: list) -> None:
     for valid, message in zip(checks, trace.check_messages):
         if not bool(valid.all()):
-            raise ValueError(f"{message} (checked by storch.compile_step; the step's gradients were not applied).")
+            raise _check_error(message, _REPLAY_NOTE)
     costs_iter = iter(costs)
     for loss, named in zip(losses, trace.cost_names):
         values = [(name, next(costs_iter), plates) for name, plates in named]
         if not bool(torch.isfinite(loss)):
-            raise non_finite_error(
-                loss.item(), values, "storch.compile_step applied none of the step's gradients."
-            )
+            raise non_finite_error(loss.item(), values, "storch.compile_step applied none of the step's gradients.")
     raise RuntimeError("storch.compile_step: internal error: a check failed but none of its parts did")
 
 
@@ -640,3 +666,128 @@ def _check_replay(graph: torch.fx.GraphModule, before: _Snapshot, inputs: _Input
             "record: it sets or reads the random generator's state (as SPSA's common random numbers "
             "do), or reads Python state that changes while it runs. Run this step eagerly."
         )
+
+
+# ---------------------------------------------------------------------- the replay function
+_aten = torch.ops.aten
+_ALIASES = {_aten.detach.default, _aten.alias.default}  # under no_grad these only rename a tensor
+_SAME_SHAPE_VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.expand.default}
+
+
+def _shape_and_stride(node: Any) -> Optional[tuple]:
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return (tuple(value.shape), value.stride()) if isinstance(value, torch.Tensor) else None
+
+
+def _is_identity(node: torch.fx.Node) -> bool:
+    """A node whose result is its first argument under another name (a replay needs no autograd)."""
+    if node.target in _ALIASES:
+        return True
+    if node.target in _SAME_SHAPE_VIEWS or node.target is _aten.permute.default:
+        source = node.args[0]
+        if node.target is _aten.permute.default and list(node.args[1]) != list(range(len(node.args[1]))):
+            return False
+        meta = _shape_and_stride(node)
+        return meta is not None and meta == _shape_and_stride(source)
+    return False
+
+
+def _is_pure(node: torch.fx.Node) -> bool:
+    """An operation whose result depends on its arguments only: no mutation, no random draw."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+        return False
+    return torch.Tag.nondeterministic_seeded not in target.tags and not target._schema.name.startswith("aten::_assert")
+
+
+def _hashable(arg: Any) -> Any:
+    if isinstance(arg, (list, tuple)):
+        return (type(arg), tuple(_hashable(a) for a in arg))
+    if isinstance(arg, torch.fx.Node):
+        return ("node", arg)
+    return (type(arg), repr(arg))
+
+
+def _simplify(graph: torch.fx.Graph) -> None:
+    """Drop renaming nodes (``detach``, views to the same shape and strides), repeated pure
+    operations (a ``log_prob`` the step and an estimator both compute), and dead code."""
+    seen: dict[Any, torch.fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if _is_identity(node):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            continue
+        if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
+            seen.clear()  # an operation after an update in place may not reuse one from before it
+        elif _is_pure(node):
+            key = (node.target, _hashable(node.args), _hashable(sorted(node.kwargs.items())))
+            earlier = seen.get(key)
+            if earlier is None:
+                seen[key] = node
+            else:
+                node.replace_all_uses_with(earlier)
+                graph.erase_node(node)
+    graph.eliminate_dead_code()  # keeps side effects (the validation assertions, in-place updates)
+
+
+def replay_function(module: torch.fx.GraphModule) -> Callable[..., list]:
+    """A plain Python function that runs the operations of the traced graph ``module``.
+
+    The graph is simplified first (:func:`_simplify`); each operation is called through its
+    ``OpOverload``'s C++ handle (no Python frame per operation), and each value is deleted after
+    its last use, as in the graph module's own code. Called as ``run(trainable, incoming_grads,
+    frozen, buffers, arguments)`` (five lists of tensors), under ``torch.no_grad()``.
+    """
+    graph = module.graph
+    _simplify(graph)
+    nodes = list(graph.nodes)
+    last_use: dict[torch.fx.Node, int] = {}
+    for i, node in enumerate(nodes):
+        for source in node.all_input_nodes:
+            last_use[source] = i
+    scope: dict[str, Any] = {}
+
+    def constant(value: Any) -> str:
+        name = f"_k{len(scope)}"
+        scope[name] = value
+        return name
+
+    def text(arg: Any) -> str:
+        if isinstance(arg, torch.fx.Node):
+            return arg.name
+        if isinstance(arg, (list, tuple)):
+            inner = ", ".join(text(a) for a in arg)
+            return f"[{inner}]" if isinstance(arg, list) else f"({inner}{',' if len(arg) == 1 else ''})"
+        if arg is None or type(arg) in (bool, int, str):
+            return repr(arg)
+        return constant(arg)  # floats (inf, nan), dtypes, devices, memory formats, ...
+
+    inputs = [node.name for node in nodes if node.op == "placeholder"]
+    lines = []
+    for i, node in enumerate(nodes):
+        if node.op == "get_attr":
+            lines.append(f"{node.name} = {constant(operator.attrgetter(node.target)(module))}")
+        elif node.op == "call_function":
+            target = node.target._op if isinstance(node.target, torch._ops.OpOverload) else node.target
+            arguments = [text(a) for a in node.args] + [f"{k}={text(v)}" for k, v in node.kwargs.items()]
+            lines.append(f"{node.name} = {constant(target)}({', '.join(arguments)})")
+        elif node.op == "output":
+            lines.append(f"return {text(node.args[0])}")
+            continue
+        elif node.op != "placeholder":
+            raise CompileStepError(f"storch.compile_step: internal error: graph node {node.op} {node.target}")
+        dead = [s.name for s in node.all_input_nodes if last_use.get(s) == i and s.op != "placeholder"]
+        if dead:
+            lines.append(f"del {', '.join(dead)}")
+    source = f"def replay({', '.join(inputs)}):\n" + "".join(f"    {line}\n" for line in lines)
+    exec(compile(source, "<storch.compile_step replay>", "exec"), scope)
+    replay = scope["replay"]
+
+    def run(trainable: list, incoming_grads: list, frozen: list, buffers: list, arguments: list) -> list:
+        return replay(*trainable, *incoming_grads, *frozen, *buffers, *arguments)
+
+    run.source = source  # type: ignore[attr-defined]
+    run.graph_module = module  # type: ignore[attr-defined]
+    return run

@@ -457,3 +457,65 @@ def test_the_step_returns_its_result_structure():
         assert out["pair"][1] is None and out["label"] == "elbo" and out["count"] == 3
         assert torch.equal(out["pair"][0], out["loss"] * 2)
         assert not re.search("storch", type(out["loss"]).__module__)
+
+
+class Counter(nn.Module):
+    """A value computed before and after an update in place of a buffer: the replay must not merge
+    the two computations (they are the same operation on the same tensor, a different value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mu = nn.Parameter(torch.tensor([0.3, -0.2]))
+        self.register_buffer("count", torch.ones(()))
+
+    def step(self, target):
+        before = self.count * 2.0
+        self.count.add_(1.0)
+        after = self.count * 2.0
+        x = Reparameterization("x", n_samples=2)(Normal(self.mu, 1.0))
+        storch.add_cost(((x - target) ** 2).sum(-1) * before + after, "f")
+        return storch.backward()
+
+
+def test_repeated_operations_are_not_merged_across_an_update_in_place():
+    eager_model, compiled_model = Counter(), Counter()
+    target = torch.tensor([1.0, 0.0])
+    eager = _steps(eager_model, eager_model.step, data=target)
+    compiled_step = storch.compile_step(compiled_model.step, compiled_model)
+    _assert_identical(eager, _steps(compiled_model, compiled_step, data=target))
+    assert int(compiled_model.count) == 4
+    source = compiled_step._cache[next(iter(compiled_step._cache))].run.source
+    assert source.count("mul") >= 2  # both products are computed
+
+
+class Categorical(nn.Module):
+    """A step through torch's OneHotCategorical.sample (F.one_hot inside) and an F.one_hot of data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.logits = nn.Parameter(torch.randn(2, 3))
+
+    def step(self, labels: torch.Tensor) -> torch.Tensor:
+        z = ScoreFunction("z", n_samples=3, baseline_factory="batch_average")(OneHotCategorical(logits=self.logits))
+        target = torch.nn.functional.one_hot(labels, 3).to(z.dtype)
+        storch.add_cost(((z - target) ** 2).sum((-2, -1)), "f")
+        return storch.backward()
+
+
+def test_one_hot_categorical_steps_replay_without_host_reads():
+    eager_model, compiled_model = Categorical(), Categorical()
+    labels = torch.tensor([2, 0])
+    eager = _steps(eager_model, eager_model.step, data=labels)
+    _assert_identical(eager, _steps(compiled_model, storch.compile_step(compiled_model.step, compiled_model),
+                                    data=labels))
+
+
+def test_the_range_check_of_f_one_hot_survives_the_replay():
+    model = Categorical()
+    step = storch.compile_step(model.step, model)
+    step(torch.tensor([2, 0]))
+    with pytest.raises(RuntimeError, match=r"F.one_hot: every class index must lie in \[0, 3\)"):
+        step(torch.tensor([3, 0]))
+    with pytest.raises(RuntimeError, match=r"F.one_hot: every class index must lie in \[0, 3\)"):
+        storch.compile_step(model.step, model)(torch.tensor([3, 0]))  # in the traced call too
