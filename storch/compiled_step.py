@@ -692,12 +692,30 @@ def _is_identity(node: torch.fx.Node) -> bool:
     return False
 
 
-def _is_pure(node: torch.fx.Node) -> bool:
-    """An operation whose result depends on its arguments only: no mutation, no random draw."""
+def _is_mutation(node: torch.fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+
+
+def _is_view(node: torch.fx.Node) -> bool:
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+    return isinstance(target, torch._ops.OpOverload) and any(r.alias_info is not None for r in target._schema.returns)
+
+
+def _written_later(node: torch.fx.Node) -> bool:
+    """Whether an update in place reaches ``node``'s result, directly or through views of it."""
+    return any(_is_mutation(user) or (_is_view(user) and _written_later(user)) for user in node.users)
+
+
+def _is_mergeable(node: torch.fx.Node) -> bool:
+    """A computation on tensors whose fresh result depends on its arguments only (no mutation, no
+    random draw, no view, no factory) and is never updated in place: two of them with the same
+    arguments are one."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or _is_mutation(node) or _is_view(node):
         return False
-    return torch.Tag.nondeterministic_seeded not in target.tags and not target._schema.name.startswith("aten::_assert")
+    if torch.Tag.nondeterministic_seeded in target.tags or target._schema.name.startswith("aten::_assert"):
+        return False
+    return bool(node.all_input_nodes) and not _written_later(node)
 
 
 def _hashable(arg: Any) -> Any:
@@ -719,9 +737,9 @@ def _simplify(graph: torch.fx.Graph) -> None:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             continue
-        if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
+        if _is_mutation(node):
             seen.clear()  # an operation after an update in place may not reuse one from before it
-        elif _is_pure(node):
+        elif _is_mergeable(node):
             key = (node.target, _hashable(node.args), _hashable(sorted(node.kwargs.items())))
             earlier = seen.get(key)
             if earlier is None:

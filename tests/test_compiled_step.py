@@ -519,3 +519,27 @@ def test_the_range_check_of_f_one_hot_survives_the_replay():
         step(torch.tensor([3, 0]))
     with pytest.raises(RuntimeError, match=r"F.one_hot: every class index must lie in \[0, 3\)"):
         storch.compile_step(model.step, model)(torch.tensor([3, 0]))  # in the traced call too
+
+
+def test_fresh_tensors_written_in_place_are_not_merged():
+    """Two equal computations whose results are then written differently stay two tensors."""
+
+    class Written(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mu = nn.Parameter(torch.tensor([0.3, -0.2]))
+
+        def step(self, target):
+            a = target * 2.0
+            b = target * 2.0
+            a.add_(1.0)
+            b.sub_(1.0)
+            x = Reparameterization("x", n_samples=2)(Normal(self.mu, 1.0))
+            storch.add_cost(((x - a) ** 2).sum(-1) + (b ** 2).sum(), "f")
+            return storch.backward()
+
+    eager_model, compiled_model = Written(), Written()
+    target = torch.tensor([1.0, 0.0])
+    eager = _steps(eager_model, eager_model.step, data=target)
+    _assert_identical(eager, _steps(compiled_model, storch.compile_step(compiled_model.step, compiled_model),
+                                    data=target))
