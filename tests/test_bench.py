@@ -15,6 +15,7 @@ from storch.bench.data import DATASETS, load_dataset
 from storch.bench.estimators import ESTIMATORS, BudgetError, samples_for_budget
 from storch.bench.models import MODELS, Latent
 from storch.datasets import write_idx
+from storch.exceptions import CompileStepError
 
 QUICK = dict(steps=6, eval_every=3, eval_size=40, eval_k=8, eval_elbo_k=2, var_every=3, var_reps=3,
              batch_size=20, latent_dim=12)
@@ -146,6 +147,26 @@ def test_end_to_end(tmp_path, digits, cfg):
     rows = _rows(run_dir)
     assert [int(r["step"]) for r in rows] == [0, 3, 6]
     assert all(r["grad_logvar"] != "" for r in rows)
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(estimator="disarm", budget=4),
+    dict(model="categorical-vae", estimator="rloo", budget=2, latent_dim=3, categories=4),
+    dict(model="sbn-two-layer", estimator="arm"),
+])
+def test_compile_step_trains_as_the_eager_run(tmp_path, digits, cfg):
+    """--compile-step: the same metrics as the eager run, up to rounding (same draws, same steps)."""
+    eager = train.run({**QUICK, **cfg}, tmp_path / "eager", progress=False, data=digits, log=lambda *_: None)
+    compiled = train.run({**QUICK, **cfg, "compile_step": True}, tmp_path / "compiled", progress=False,
+                         data=digits, log=lambda *_: None)
+    for k in ("train_nelbo", "valid_nelbo", "test_nelbo", "test_nll"):
+        assert compiled[k] == pytest.approx(eager[k], rel=1e-4), k
+
+
+def test_compile_step_refuses_a_stateful_estimator_by_name(tmp_path, digits):
+    cfg = {**QUICK, "estimator": "score-function", "baseline": "moving_average", "compile_step": True}
+    with pytest.raises(CompileStepError, match="keeps state between steps"):
+        train.run(cfg, tmp_path / "run", progress=False, data=digits, log=lambda *_: None)
 
 
 def test_cli_seeds_compare_and_plots(tmp_path, capsys):

@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "prepared on the CPU); with --distributed, cuda means each rank's "
                                       "LOCAL_RANK GPU and NCCL")
     a("--no-progress", action="store_true", help="no tqdm progress bar")
+    a("--compile-step", action="store_true",
+      help="train with storch.compile_step: the step is traced once and replayed as a graph of torch "
+           "operations (no storch Python per step; estimators that keep state between steps are refused)")
     a("--distributed", action="store_true",
       help="data parallel: join the process group that torchrun sets up (gloo), wrap the model in DDP, give "
            "each rank its slice of every minibatch; start with `torchrun --standalone --nproc-per-node N "
@@ -165,7 +168,7 @@ def _config(args) -> Dict:
         latent_dim=args.latent_dim, categories=args.categories, batch_size=args.batch_size, lr=args.lr,
         steps=args.steps if args.steps is not None else 1000, eval_every=args.eval_every, eval_size=args.eval_size,
         eval_k=args.eval_k, var_reps=args.var_reps, checkpoint_every=args.checkpoint_every, threads=args.threads,
-        device=args.device,
+        device=args.device, compile_step=args.compile_step,
     )
 
 
@@ -211,6 +214,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _main(args) -> int:
     from storch import distributed
     from storch.bench import train
+    from storch.exceptions import CompileStepError
 
     main_rank = distributed.is_main_process()
     out = print if main_rank else (lambda *a, **k: None)  # rank 0 alone prints
@@ -218,7 +222,7 @@ def _main(args) -> int:
     if args.resume:
         try:
             summary = train.resume(args.resume, steps=args.steps, progress=progress)
-        except (ValueError, FileNotFoundError) as e:
+        except (ValueError, FileNotFoundError, CompileStepError) as e:
             out(f"storch-bench: {e}", file=sys.stderr)
             return 2
         if main_rank:
@@ -244,11 +248,13 @@ def _main(args) -> int:
                 parts.append(f"{key}={c[key]}")
         if args.device != "cpu":  # a GPU run does not overwrite the CPU run of the same settings
             parts.append(args.device)
+        if args.compile_step:
+            parts.append("compiled")
         parts.append(f"seed{seed}")
         run_dir = Path(args.out) / _slug("_".join(parts))
         try:
             summaries.append(train.run(c, run_dir, progress=progress, overwrite=args.overwrite))
-        except (BudgetError, ValueError, FileNotFoundError, FileExistsError) as e:
+        except (BudgetError, ValueError, FileNotFoundError, FileExistsError, CompileStepError) as e:
             out(f"storch-bench: {e}", file=sys.stderr)
             return 2
         dirs.append(run_dir)

@@ -43,6 +43,7 @@ import torch
 
 import storch
 from storch import distributed
+from storch.compiled_step import CompiledStep
 from storch.bench.data import Dataset, eval_subset, load_dataset
 from storch.bench.estimators import ESTIMATORS, BudgetError, applicable, build_methods, samples_for_budget
 from storch.bench.models import BenchModel, evaluate_bounds, make_model, storch_story
@@ -167,6 +168,7 @@ class Run:
             self.train_module = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
             torch.manual_seed((cfg["seed"] + 1) * 1_000_003 + self.rank)  # each rank its own samples
+        self.compiled_step = self._compile_step() if cfg.get("compile_step") else None
         self.batches = Batches(self.data.train.shape[0], cfg["batch_size"], cfg["seed"] + 1)
         self.bin_gen = torch.Generator().manual_seed(cfg["seed"] + 2)
         self.step, self.train_time, self.rows = 0, 0.0, []
@@ -188,12 +190,28 @@ class Run:
         if self.world > 1:
             size = x.shape[0] // self.world
             x = x[self.rank * size:(self.rank + 1) * size]
-        storch_story(self.train_module, x, self.methods, self.cfg["objective"])
-        loss = storch.backward()
+        if self.compiled_step is not None:
+            loss = self.compiled_step(x)
+        else:
+            storch_story(self.train_module, x, self.methods, self.cfg["objective"])
+            loss = storch.backward()
         self.opt.step()
         if self.world > 1:
             distributed.all_reduce_mean_([loss])  # the objective on the whole minibatch
         return float(loss)
+
+    def _compile_step(self) -> CompiledStep:
+        """The training step under :func:`storch.compile_step` (the model and the methods' modules)."""
+        if self.world > 1:
+            raise ValueError("--compile-step does not run with --distributed (DDP's gradient hooks are not "
+                             "traced); train eagerly on several ranks")
+        model, methods, objective = self.model, self.methods, self.cfg["objective"]
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            storch_story(model, x, methods, objective)
+            return storch.backward()
+
+        return storch.compile_step(step, model, *methods.values())
 
     def _forked_rng(self):
         """The random streams of the run's devices, restored on exit (evaluations and probes do not
