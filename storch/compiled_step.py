@@ -68,6 +68,7 @@ __all__ = ["compile_step", "CompiledStep"]
 MAX_TRACES = 8
 
 _TENSOR = object()  # marks where a tensor goes in a step's result
+_SETTING_TYPES = (bool, int, float, str, type(None))
 # prefixes of the recorded checks' messages: the kind of error eager mode raises
 _VALIDATION = "[storch.compile_step: ValueError] "
 _INDEX = "[storch.compile_step: RuntimeError] "
@@ -187,7 +188,7 @@ class CompiledStep:
 
     @property
     def traces(self) -> int:
-        return len(self._cache)
+        return len({id(trace) for trace in self._cache.values()})
 
     def graph(self, *args: Any, **kwargs: Any) -> torch.fx.GraphModule:
         """The traced graph for these arguments (traced, i.e. run as a step, if it is not yet)."""
@@ -214,7 +215,9 @@ class CompiledStep:
         )
         trace = self._cache.get(key)
         if trace is None:
+            before = self._settings()
             trace, flat = self._trace(leaves, spec, params, buffers, inputs)
+            self._refuse_changed_settings(before)
             self._cache[key] = trace
             self._warn_if_retracing()
         else:
@@ -292,7 +295,36 @@ class CompiledStep:
             torch.is_grad_enabled(),
             torch.distributions.Distribution._validate_args,
             torch.get_default_dtype(),
+            self._settings(),
         )
+
+    def _refuse_changed_settings(self, before: tuple) -> None:
+        """A step that changes its modules' Python settings would change them only when traced."""
+        after = self._settings()
+        if after == before:
+            return
+        owners = [owner for module in self.modules for owner in module.modules()]
+        for owner, old, new in zip(owners, before, after):
+            if old != new:
+                changed = sorted(set(old) ^ set(new))
+                names = sorted({name for name, _ in changed})
+                raise CompileStepError(
+                    f"storch.compile_step: the step changes the Python settings {names} of its module "
+                    f"{type(owner).__name__} ({[c for c in changed if c in set(old)]} -> "
+                    f"{[c for c in changed if c in set(new)]}); a replay runs no Python, so they would stay "
+                    "as the trace left them. Keep values that change between steps in tensors (buffers) or "
+                    "pass them as arguments of the step."
+                )
+
+    def _settings(self) -> tuple:
+        """The modules' Python settings a trace bakes in: ``training`` (``.eval()`` changes dropout and
+        batch norm) and every attribute that holds a number, a string or ``None`` (a temperature, a
+        number of samples, a KL weight kept on the model)."""
+        settings = []
+        for module in self.modules:
+            for owner in module.modules():
+                settings.append(tuple((k, v) for k, v in vars(owner).items() if type(v) in _SETTING_TYPES))
+        return tuple(settings)
 
     # ------------------------------------------------------------------ tracing
     def _trace(self, leaves: list, spec: Any, params: list, buffers: list, inputs: _Inputs) -> tuple[_Trace, list]:

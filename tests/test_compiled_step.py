@@ -543,3 +543,40 @@ def test_fresh_tensors_written_in_place_are_not_merged():
     eager = _steps(eager_model, eager_model.step, data=target)
     _assert_identical(eager, _steps(compiled_model, storch.compile_step(compiled_model.step, compiled_model),
                                     data=target))
+
+
+def test_a_python_setting_changed_by_the_step_is_refused_and_one_changed_between_calls_retraces():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mu = nn.Parameter(torch.tensor([0.3, -0.2]))
+            self.weight = 1.0  # a Python setting the step reads
+            self.calls = 0
+
+        def step(self, target):
+            x = Reparameterization("x", n_samples=2)(Normal(self.mu, 1.0))
+            storch.add_cost(self.weight * ((x - target) ** 2).sum(-1), "f")
+            return storch.backward()
+
+        def counting_step(self, target):
+            self.calls += 1
+            return self.step(target)
+
+    model = Scaled()
+    target = torch.tensor([1.0, 0.0])
+    with pytest.raises(CompileStepError, match=r"changes the Python settings \['calls'\] of its module Scaled"):
+        storch.compile_step(model.counting_step, model)(target)
+    compiled = storch.compile_step(model.step, model)
+    model.zero_grad()
+    compiled(target)
+    first = model.mu.grad.clone()
+    model.weight = 2.0  # between calls: a new trace, not the old graph with the old weight
+    model.zero_grad()
+    torch.manual_seed(5)
+    compiled(target)
+    assert compiled.traces == 2
+    model.train(False)  # .eval() too
+    model.zero_grad()
+    compiled(target)
+    assert compiled.traces == 3
+    assert not torch.equal(first, model.mu.grad)

@@ -249,7 +249,12 @@ class AnnealedTemperature:
         self.steps = 0
 
     def anneal(self, steps: Optional[int] = None) -> None:
-        """Advance the schedule by one step (or set it to ``steps``) and update ``temperature``."""
+        """Advance the schedule by one step (or set it to ``steps``) and update ``temperature``.
+
+        At ``annealing_rate = 0`` the schedule is constant and a step changes nothing (no count
+        either: such a method keeps no state between steps, see ``storch.compile_step``)."""
+        if steps is None and self.annealing_rate == 0:
+            return
         self.steps = self.steps + 1 if steps is None else int(steps)
         tau = max(self.min_temperature, self.initial_temperature * math.exp(-self.annealing_rate * self.steps))
         self.temperature.fill_(tau)
