@@ -15,25 +15,31 @@ Semantics (see :func:`compile_step` for the API):
 * **The first call is an eager step** (the trace runs the step for real): its values, gradients,
   warnings and errors are those of eager mode. Each later call with arguments of the same shapes
   replays the graph: the same operations, random draws included, so with ``backend="eager"`` a
-  compiled training run is bit for bit the eager run for the same seed
-  (``tests/test_compiled_step.py``).
-* **Gradients** of the parameters of the given modules are accumulated into ``.grad`` as
-  ``storch.backward()`` would. Buffers are inputs too: updates in place (running statistics) reach
-  the module's buffers on every call.
-* **Checks are kept.** ``torch.distributions`` argument validation and storch's check that the
-  surrogate loss is finite are read after each replay (one host read per step, as in eager mode):
-  a failure raises the same error as eager mode (``ValueError`` naming the parameter and the
-  constraint; :class:`storch.exceptions.NonFiniteCostError` naming the costs) and the step's
-  gradients are not applied.
+  compiled training run follows the eager run for the same seed, up to float rounding where the
+  trace records an operation in decomposed form (``tests/test_compiled_step.py``).
+* **Gradients**: ``.grad`` of the given modules' parameters ends as the eager step leaves it (the
+  incoming ``.grad`` is an input of the graph, so a step that does not zero it accumulates).
+  Buffers are inputs too: updates in place (running statistics) reach the module's buffers on
+  every call.
+* **Checks are kept.** ``torch.distributions`` argument validation and ``F.one_hot``'s range check
+  are assertions in the graph on the CPU (off the CPU, outputs read after the step), and storch's
+  check that the surrogate loss is finite is read after each replay (one host read per step, as in
+  eager mode): a failure raises the error eager mode raises (``ValueError`` naming the parameter
+  and the constraint; :class:`storch.exceptions.NonFiniteCostError` naming the costs) and the
+  step's gradients are not applied.
 * **What cannot be replayed is refused**, with :class:`storch.exceptions.CompileStepError` naming
   it, instead of being baked in silently: a value read on the host during the step (an ``if`` on a
   tensor, ``.item()``), an estimator that keeps state between steps (a moving-average baseline, an
   annealed temperature, a trained control variate: see
   :attr:`storch.method.Method.keeps_state_between_steps`), a tensor that requires grad but is not
   a parameter of the given modules, a storch tensor in the arguments or the result, costs left
-  registered without ``storch.backward()``.
+  registered without ``storch.backward()``, a step that changes its modules' Python settings.
+  After tracing, the graph is replayed once from the state before the trace and must reproduce
+  the traced step (its results and the random generator's state).
 * A new trace is made when the shapes, dtypes or devices of the arguments or of the modules'
-  state change, or when a non-tensor argument changes value (it is part of the graph).
+  state change, when a non-tensor argument changes value (it is part of the graph), or when a
+  module's Python setting changes (``training``, numbers and strings kept as attributes). Python
+  values read from elsewhere (globals, closures) are baked in by the trace.
 
 Not available from a replayed step: ``StochasticTensor.param_grads`` and the plates of the step's
 tensors (they live during the trace only), ``print_costs``, and higher-order gradients kept on
