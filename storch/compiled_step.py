@@ -86,7 +86,7 @@ _STORCH_DIR = os.path.dirname(os.path.abspath(__file__))
 def compile_step(
     step: Callable[..., Any],
     *modules: nn.Module,
-    backend: Union[str, Callable, None] = "eager",
+    backend: Union[str, Callable] = "eager",
     **compile_options: Any,
 ) -> "CompiledStep":
     """Trace the training ``step`` once and replay it as a graph of torch operations.
@@ -98,8 +98,9 @@ def compile_step(
             numbers or strings, in any nesting of tuples, lists and dicts).
         *modules: the modules whose parameters ``step`` trains (and whose buffers it may update),
             including any estimator or baseline that has parameters of its own. Parameters are
-            inputs of the graph; ``.grad`` is accumulated as by ``storch.backward()``.
-        backend: ``"eager"`` (default) runs the recorded operations as they are; any other value is
+            inputs of the graph; ``.grad`` ends as the eager step would leave it.
+        backend: ``"eager"`` (default) runs the recorded operations (simplified: no renaming views,
+            no repeated computations) from a generated Python function; any other value is
             given to ``torch.compile(graph, backend=...)`` (e.g. ``"inductor"``, which fuses them;
             its random numbers differ from eager mode's unless
             ``torch._inductor.config.fallback_random = True``).
