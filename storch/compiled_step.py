@@ -75,6 +75,9 @@ MAX_TRACES = 8
 
 _TENSOR = object()  # marks where a tensor goes in a step's result
 _SETTING_TYPES = (bool, int, float, str, type(None))
+# devices whose checks are assertions in the graph (raising where eager mode does); elsewhere an
+# assertion is asynchronous and ends the process, so the check is an output read after the step
+_ASSERTED_DEVICES = frozenset({"cpu"})
 # prefixes of the recorded checks' messages: the kind of error eager mode raises
 _VALIDATION = "[storch.compile_step: ValueError] "
 _INDEX = "[storch.compile_step: RuntimeError] "
@@ -486,7 +489,7 @@ class _DeferredChecks(TorchFunctionMode):
             holds = bool(valid)
         if not holds:
             raise _check_error(marked_message)
-        if valid.device.type == "cpu":
+        if valid.device.type in _ASSERTED_DEVICES:
             torch._assert_async(valid, marked_message)
         else:
             self.state.note_check(valid, marked_message)
@@ -663,6 +666,11 @@ def _same(a: Any, b: Any) -> bool:
     return bool(torch.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True))  # atomics may reorder sums
 
 
+def _some(indices: list[int], shown: int = 4) -> str:
+    text = ", ".join(map(str, indices[:shown]))
+    return text + (f" and {len(indices) - shown} more" if len(indices) > shown else "")
+
+
 def _check_replay(graph: torch.fx.GraphModule, before: _Snapshot, inputs: _Inputs, traced: list) -> None:
     """Replay the new graph from the state before the trace and require the traced step's results.
 
@@ -693,9 +701,10 @@ def _check_replay(graph: torch.fx.GraphModule, before: _Snapshot, inputs: _Input
         replay_rng = _rng_states()
     finally:
         _set_rng_states(after)
-    differences = [f"output {i}" for i, (a, b) in enumerate(zip(traced, replayed)) if not _same(a, b)]
-    differences += [f"buffer {i}" for i, (a, b) in enumerate(zip(inputs.buffers, replay_inputs.buffers))
-                    if not _same(a, b)]
+    outputs = [i for i, (a, b) in enumerate(zip(traced, replayed)) if not _same(a, b)]
+    buffers = [i for i, (a, b) in enumerate(zip(inputs.buffers, replay_inputs.buffers)) if not _same(a, b)]
+    differences = [f"{what} {_some(indices)}" for what, indices in (("outputs", outputs), ("buffers", buffers))
+                   if indices]
     if len(replay_rng) != len(after) or not all(torch.equal(a, b) for a, b in zip(replay_rng, after)):
         differences.append("the state of the random number generator after the step")
     if differences:

@@ -580,3 +580,49 @@ def test_a_python_setting_changed_by_the_step_is_refused_and_one_changed_between
     compiled(target)
     assert compiled.traces == 3
     assert not torch.equal(first, model.mu.grad)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["score_function", "arm"])
+def test_replayed_steps_follow_the_eager_steps_on_each_device(name, device):
+    eager_model, compiled_model = SBN(STATELESS[name]()).to(device), SBN(STATELESS[name]()).to(device)
+    data = DATA.to(device)
+    eager = _steps(eager_model, eager_model.step, data=data)
+    compiled = _steps(compiled_model, storch.compile_step(compiled_model.step, compiled_model), data=data)
+    _assert_identical(eager, compiled)
+    assert all(t.device.type == device for step in compiled for t in step)
+
+
+class Scales(nn.Module):
+    """A Normal whose scale comes from the data (validated: it must be positive)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mu = nn.Parameter(torch.tensor([0.3, -0.2]))
+
+    def step(self, scale: torch.Tensor) -> torch.Tensor:
+        x = Reparameterization("x", n_samples=2)(Normal(self.mu, scale, validate_args=True))
+        storch.add_cost(((x - 1.0) ** 2).sum(-1), "f")
+        return storch.backward()
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+@pytest.mark.parametrize("device", DEVICES)
+def test_validation_in_a_replay_raises_on_each_device(device, deferred, monkeypatch):
+    """On the CPU an assertion in the graph; on a GPU (and here, with ``deferred``, on the CPU too)
+    an output read after the step."""
+    if deferred:
+        monkeypatch.setattr(storch.compiled_step, "_ASSERTED_DEVICES", frozenset())
+    model = Scales().to(device)
+    step = storch.compile_step(model.step, model)
+    step(torch.tensor([1.0, 2.0], device=device))
+    before = model.mu.grad.clone()
+    with pytest.raises(ValueError, match=r"Expected parameter scale .* Normal .* GreaterThan"):
+        step(torch.tensor([1.0, -2.0], device=device))
+    assert torch.equal(model.mu.grad, before)
+    trace = next(iter(step._cache.values()))
+    assert len(trace.check_messages) == (2 if deferred or device != "cpu" else 0)  # loc and scale
