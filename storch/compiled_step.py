@@ -198,7 +198,7 @@ class CompiledStep:
 
     @property
     def traces(self) -> int:
-        return len({id(trace) for trace in self._cache.values()})
+        return len(self._cache)
 
     def graph(self, *args: Any, **kwargs: Any) -> torch.fx.GraphModule:
         """The traced graph for these arguments (traced, i.e. run as a step, if it is not yet)."""
@@ -242,8 +242,8 @@ class CompiledStep:
             self._warned = True
             warnings.warn(
                 f"storch.compile_step traced {len(self._cache)} graphs for one step: the shapes of its "
-                "arguments or the values of its non-tensor arguments keep changing. Each new "
-                "combination is traced (an eager step) and kept.",
+                "arguments, the values of its non-tensor arguments or its modules' Python settings keep "
+                "changing. Each new combination is traced (an eager step) and kept.",
                 stacklevel=3,
             )
 
@@ -358,7 +358,10 @@ class CompiledStep:
                 trainable_values[i].grad = grad
             values = iter(arguments)
             args, kwargs = pytree.tree_unflatten([next(values) if t else leaf for leaf, t in zip(leaves, is_tensor)], spec)
-            with _swapped(slots, trainable_values + frozen_values + buffer_values, kinds), _DeferredChecks(state):
+            # graphs handed to torch.compile get their checks as outputs: a compiler may drop assertions
+            asserted = _ASSERTED_DEVICES if self.backend == "eager" else frozenset()
+            with _swapped(slots, trainable_values + frozen_values + buffer_values, kinds), \
+                    _DeferredChecks(state, asserted):
                 result = self.step(*args, **kwargs)
             _refuse_leftover_costs()
             out_leaves, info["out_spec"] = pytree.tree_flatten(result)
@@ -464,9 +467,10 @@ class _DeferredChecks(TorchFunctionMode):
     ``arange(num_classes)`` (the same result for indices in range).
     """
 
-    def __init__(self, state: _tracing.TraceState) -> None:
+    def __init__(self, state: _tracing.TraceState, asserted_devices: frozenset) -> None:
         super().__init__()
         self.state = state
+        self.asserted_devices = asserted_devices
 
     def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -489,7 +493,7 @@ class _DeferredChecks(TorchFunctionMode):
             holds = bool(valid)
         if not holds:
             raise _check_error(marked_message)
-        if valid.device.type in _ASSERTED_DEVICES:
+        if valid.device.type in self.asserted_devices:
             torch._assert_async(valid, marked_message)
         else:
             self.state.note_check(valid, marked_message)

@@ -626,3 +626,15 @@ def test_validation_in_a_replay_raises_on_each_device(device, deferred, monkeypa
     assert torch.equal(model.mu.grad, before)
     trace = next(iter(step._cache.values()))
     assert len(trace.check_messages) == (2 if deferred or device != "cpu" else 0)  # loc and scale
+
+
+def test_validation_survives_the_inductor_backend():
+    """A graph given to torch.compile gets its checks as outputs (a compiler may drop assertions)."""
+    model = Scales()
+    step = storch.compile_step(model.step, model, backend="inductor")
+    step(torch.tensor([1.0, 2.0]))
+    step(torch.tensor([1.0, 3.0]))  # a replay through the compiled graph
+    before = model.mu.grad.clone()
+    with pytest.raises(ValueError, match=r"Expected parameter scale .* Normal .* GreaterThan"):
+        step(torch.tensor([1.0, -2.0]))
+    assert torch.equal(model.mu.grad, before)
