@@ -26,16 +26,10 @@ import storch.method as M
 from storch.exceptions import CompileStepError, NonFiniteCostError
 from storch.method import ARM, MVD, DisARM, Expect, LocalExpectation, Reparameterization, ScoreFunction
 from storch.testing import assert_unbiased
+from test_compile import DISCRETE  # noqa: E402  (tests/ is on the path through conftest)
 
-STATELESS = {
-    "score_function": lambda: ScoreFunction("z", n_samples=3),
-    "score_function_batch_average": lambda: ScoreFunction("z", n_samples=3, baseline_factory="batch_average"),
-    "expect": lambda: Expect("z"),
-    "arm": lambda: ARM("z", n_samples=2),
-    "disarm": lambda: DisARM("z", n_samples=2),
-    "local_expectation": lambda: LocalExpectation("z", n_samples=2),
-    "mvd": lambda: MVD("z", n_samples=2),
-}
+#: the core discrete estimators of tests/test_compile.py, less the moving-average baseline (stateful)
+STATELESS = {name: build for name, build in DISCRETE.items() if name != "score_function_moving_average"}
 
 
 class SBN(nn.Module):
@@ -72,6 +66,18 @@ def _steps(model: nn.Module, step, steps: int = 3, zero_grad: bool = True, data:
     return out
 
 
+def _compare_with_eager(make, data: torch.Tensor = DATA, zero_grad: bool = True):
+    """Run the step of two models from ``make()`` eagerly and under compile_step, three steps each
+    with the same seeds; require the same estimates and gradients. Returns the compiled step, the
+    compiled model and its steps' results."""
+    eager_model, compiled_model = make(), make()
+    eager = _steps(eager_model, eager_model.step, zero_grad=zero_grad, data=data)
+    compiled_step = storch.compile_step(compiled_model.step, compiled_model)
+    compiled = _steps(compiled_model, compiled_step, zero_grad=zero_grad, data=data)
+    _assert_identical(eager, compiled)
+    return compiled_step, compiled_model, compiled
+
+
 def _assert_identical(eager: list, compiled: list) -> None:
     """The same draws and values; up to rounding, since the trace records some operations in
     decomposed form (a linear layer on a 3-D input as a view and a matrix product) whose float
@@ -83,37 +89,26 @@ def _assert_identical(eager: list, compiled: list) -> None:
 
 @pytest.mark.parametrize("name", list(STATELESS))
 def test_replayed_steps_equal_the_eager_steps(name):
-    eager_model, compiled_model = SBN(STATELESS[name]()), SBN(STATELESS[name]())
-    eager = _steps(eager_model, eager_model.step)
-    compiled_step = storch.compile_step(compiled_model.step, compiled_model)
-    compiled = _steps(compiled_model, compiled_step)
-    _assert_identical(eager, compiled)
+    compiled_step, _, _ = _compare_with_eager(lambda: SBN(STATELESS[name]()))
     assert compiled_step.traces == 1  # one trace (the first step), then replays
 
 
 def test_gradients_accumulate_as_in_eager_mode_when_not_zeroed():
     """Without zero_grad the incoming .grad is an input of the graph: steps accumulate as eagerly."""
-    eager_model, compiled_model = SBN(ARM("z", n_samples=2)), SBN(ARM("z", n_samples=2))
-    eager = _steps(eager_model, eager_model.step, zero_grad=False)
-    compiled_step = storch.compile_step(compiled_model.step, compiled_model)
-    _assert_identical(eager, _steps(compiled_model, compiled_step, zero_grad=False))
+    compiled_step, _, _ = _compare_with_eager(lambda: SBN(ARM("z", n_samples=2)), zero_grad=False)
     assert compiled_step.traces == 2  # without .grad (the first step), then with it
 
 
+class ZeroingSBN(SBN):
+    """The step zeroes the gradients itself (as ``benchmarks/sbn_step.py`` does)."""
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        self.zero_grad(set_to_none=True)
+        return super().step(x)
+
+
 def test_zero_grad_inside_the_step_is_replayed():
-    def make():
-        model = SBN(ScoreFunction("z", n_samples=2))
-
-        def step(x):
-            model.zero_grad(set_to_none=True)
-            return model.step(x)
-
-        return model, step
-
-    (eager_model, eager_step), (compiled_model, plain_step) = make(), make()
-    eager = _steps(eager_model, eager_step, zero_grad=False)
-    compiled = _steps(compiled_model, storch.compile_step(plain_step, compiled_model), zero_grad=False)
-    _assert_identical(eager, compiled)
+    _compare_with_eager(lambda: ZeroingSBN(ScoreFunction("z", n_samples=2)), zero_grad=False)
 
 
 def test_a_replay_draws_fresh_samples():
@@ -166,11 +161,7 @@ def test_a_replayed_reparameterized_step_equals_the_eager_step():
             storch.add_cost(((x - target) ** 2).sum(-1), "f")
             return storch.backward()
 
-    eager_model, compiled_model = Gaussian(), Gaussian()
-    target = torch.tensor([1.0, 0.0])
-    eager = _steps(eager_model, eager_model.step, data=target)
-    _assert_identical(eager, _steps(compiled_model, storch.compile_step(compiled_model.step, compiled_model),
-                                    data=target))
+    _compare_with_eager(Gaussian, data=torch.tensor([1.0, 0.0]))
 
 
 # ----------------------------------------------------------------------------- every method class
@@ -421,10 +412,9 @@ class Normalised(nn.Module):
 
 
 def test_buffers_updated_in_place_are_updated_by_every_replay():
-    eager_model, compiled_model = Normalised(), Normalised()
-    eager = _steps(eager_model, eager_model.step)
-    compiled = _steps(compiled_model, storch.compile_step(compiled_model.step, compiled_model))
-    _assert_identical(eager, compiled)
+    eager_model = Normalised()
+    _steps(eager_model, eager_model.step)
+    _, compiled_model, _ = _compare_with_eager(Normalised)
     for e, c in zip(eager_model.buffers(), compiled_model.buffers(), strict=True):
         assert torch.equal(e, c)
     assert int(compiled_model.steps) == 3
@@ -478,11 +468,7 @@ class Counter(nn.Module):
 
 
 def test_repeated_operations_are_not_merged_across_an_update_in_place():
-    eager_model, compiled_model = Counter(), Counter()
-    target = torch.tensor([1.0, 0.0])
-    eager = _steps(eager_model, eager_model.step, data=target)
-    compiled_step = storch.compile_step(compiled_model.step, compiled_model)
-    _assert_identical(eager, _steps(compiled_model, compiled_step, data=target))
+    compiled_step, compiled_model, _ = _compare_with_eager(Counter, data=torch.tensor([1.0, 0.0]))
     assert int(compiled_model.count) == 4
     source = compiled_step._cache[next(iter(compiled_step._cache))].run.source
     assert source.count("mul") >= 2  # both products are computed
@@ -504,11 +490,7 @@ class Categorical(nn.Module):
 
 
 def test_one_hot_categorical_steps_replay_without_host_reads():
-    eager_model, compiled_model = Categorical(), Categorical()
-    labels = torch.tensor([2, 0])
-    eager = _steps(eager_model, eager_model.step, data=labels)
-    _assert_identical(eager, _steps(compiled_model, storch.compile_step(compiled_model.step, compiled_model),
-                                    data=labels))
+    _compare_with_eager(Categorical, data=torch.tensor([2, 0]))
 
 
 def test_the_range_check_of_f_one_hot_survives_the_replay():
@@ -538,11 +520,7 @@ def test_fresh_tensors_written_in_place_are_not_merged():
             storch.add_cost(((x - a) ** 2).sum(-1) + (b ** 2).sum(), "f")
             return storch.backward()
 
-    eager_model, compiled_model = Written(), Written()
-    target = torch.tensor([1.0, 0.0])
-    eager = _steps(eager_model, eager_model.step, data=target)
-    _assert_identical(eager, _steps(compiled_model, storch.compile_step(compiled_model.step, compiled_model),
-                                    data=target))
+    _compare_with_eager(Written, data=torch.tensor([1.0, 0.0]))
 
 
 def test_a_python_setting_changed_by_the_step_is_refused_and_one_changed_between_calls_retraces():
@@ -589,11 +567,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["score_function", "arm"])
 def test_replayed_steps_follow_the_eager_steps_on_each_device(name, device):
-    eager_model, compiled_model = SBN(STATELESS[name]()).to(device), SBN(STATELESS[name]()).to(device)
-    data = DATA.to(device)
-    eager = _steps(eager_model, eager_model.step, data=data)
-    compiled = _steps(compiled_model, storch.compile_step(compiled_model.step, compiled_model), data=data)
-    _assert_identical(eager, compiled)
+    _, _, compiled = _compare_with_eager(lambda: SBN(STATELESS[name]()).to(device), data=DATA.to(device))
     assert all(t.device.type == device for step in compiled for t in step)
 
 

@@ -45,10 +45,10 @@ import storch
 from storch import distributed
 from storch.compiled_step import CompiledStep
 from storch.bench.data import Dataset, eval_subset, load_dataset
-from storch.bench.estimators import ESTIMATORS, BudgetError, applicable, build_methods, samples_for_budget
+from storch.bench.estimators import ESTIMATORS, applicable, build_methods, samples_for_budget
 from storch.bench.models import BenchModel, evaluate_bounds, make_model, storch_story
 
-__all__ = ["RunConfig", "run", "resume", "METRIC_FIELDS", "run_label"]
+__all__ = ["run", "resume", "METRIC_FIELDS", "run_label"]
 
 METRIC_FIELDS = ["step", "seconds", "train_objective", "train_nelbo", "valid_nelbo", "test_nelbo", "grad_logvar",
                  "ms_per_step"]
