@@ -396,9 +396,10 @@ class CompiledStep:
             _tracing.stop(token)
             reset()
         _refuse_captured_grad_tensors(graph)
-        _check_replay(graph, before, inputs, info["flat"])
+        replay = replay_function(graph)  # simplifies the graph in place
+        _check_replay(replay, before, inputs, info["flat"])
         if self.backend == "eager":
-            run = replay_function(graph)
+            run = replay
         else:
             run = torch.compile(graph, backend=self.backend, **self.compile_options)
         trace = _Trace(
@@ -675,7 +676,7 @@ def _some(indices: list[int], shown: int = 4) -> str:
     return text + (f" and {len(indices) - shown} more" if len(indices) > shown else "")
 
 
-def _check_replay(graph: torch.fx.GraphModule, before: _Snapshot, inputs: _Inputs, traced: list) -> None:
+def _check_replay(replay: Callable[..., list], before: _Snapshot, inputs: _Inputs, traced: list) -> None:
     """Replay the new graph from the state before the trace and require the traced step's results.
 
     A step that depends on something the graph does not record (it sets the random generator's
@@ -701,7 +702,7 @@ def _check_replay(graph: torch.fx.GraphModule, before: _Snapshot, inputs: _Input
             arguments=inputs.arguments,
         )
         with torch.no_grad(), _validation_errors():
-            replayed = graph(*replay_inputs.as_args())
+            replayed = replay(*replay_inputs.as_args())
         replay_rng = _rng_states()
     finally:
         _set_rng_states(after)
@@ -812,6 +813,7 @@ def replay_function(module: torch.fx.GraphModule) -> Callable[..., list]:
     """
     graph = module.graph
     _simplify(graph)
+    module.recompile()  # its own code follows the simplified graph
     nodes = list(graph.nodes)
     last_use: dict[torch.fx.Node, int] = {}
     for i, node in enumerate(nodes):
