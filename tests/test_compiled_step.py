@@ -615,3 +615,24 @@ def test_validation_survives_the_inductor_backend():
     with pytest.raises(ValueError, match=r"Expected parameter scale .* Normal .* GreaterThan"):
         step(torch.tensor([1.0, -2.0]))
     assert torch.equal(model.mu.grad, before)
+
+
+def test_many_traces_are_warned_about_once():
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mu = nn.Parameter(torch.zeros(()))
+
+        def step(self, target):
+            x = Reparameterization("x", n_samples=1)(Normal(self.mu.expand(target.shape), 1.0))
+            storch.add_cost(((x - target) ** 2).sum(-1), "f")
+            return storch.backward()
+
+    model = Tiny()
+    compiled = storch.compile_step(model.step, model)
+    with pytest.warns(UserWarning, match=r"traced 9 graphs for one step") as caught:
+        for n in range(1, storch.compiled_step.MAX_TRACES + 3):
+            model.zero_grad()
+            compiled(torch.zeros(n))
+    assert compiled.traces == storch.compiled_step.MAX_TRACES + 2
+    assert sum("graphs for one step" in str(w.message) for w in caught) == 1
