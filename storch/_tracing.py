@@ -1,11 +1,12 @@
 """Whether storch code runs inside the trace of :func:`storch.compile_step`, and what the trace collects.
 
 While a step is traced, storch keeps every check that reads a value on the host out of the traced
-graph and hands it to :mod:`storch.compiled_step` instead, which runs it after each replay:
+graph and hands it to :mod:`storch.compiled_step` instead, which runs it on each replay:
 
 * :func:`storch.backward` notes its surrogate loss and costs here (:meth:`TraceState.note_loss`)
   instead of reading the loss on the host; the compiled step checks that they are finite;
-* ``torch.distributions`` argument validation notes its boolean here (:meth:`TraceState.note_check`);
+* ``torch.distributions`` argument validation and ``F.one_hot``'s range check become assertions in
+  the graph (CPU) or note their boolean here (:meth:`TraceState.note_check`), read after the step;
 * code that would choose a faster branch by reading a tensor on the host (the zero-weight test of
   :func:`storch.reductions.reduce_plate`, the device-copy cache of plate weights) takes the general
   branch when :func:`active`.
