@@ -106,7 +106,9 @@ def compile_step(
             no repeated computations) from a generated Python function; any other value is
             given to ``torch.compile(graph, backend=...)`` (e.g. ``"inductor"``, which fuses them;
             its random numbers differ from eager mode's unless
-            ``torch._inductor.config.fallback_random = True``).
+            ``torch._inductor.config.fallback_random = True``). Note that torch's first
+            ``torch.compile`` in a process turns off ``torch.distributions``' default argument
+            validation for the whole process (``validate_args=True`` still validates).
         **compile_options: further keywords for ``torch.compile`` (``mode``, ``dynamic``, ...).
 
     Returns:
@@ -148,7 +150,16 @@ def compile_step(
                 f"storch.compile_step: after the step come the nn.Modules it trains, got "
                 f"{type(module).__name__}. Pass other options by keyword (backend=...)."
             )
+    if backend != "eager":
+        # torch.compile checks the backend and its options here, not after a first (eager) step;
+        # and its first use patches torch for the process (among others it turns off
+        # torch.distributions' default argument validation), which a trace must see from the start
+        torch.compile(_unused, backend=backend, **compile_options)
     return CompiledStep(step, modules, backend, compile_options)
+
+
+def _unused(x: Any) -> Any:  # pragma: no cover - only handed to torch.compile, never called
+    return x
 
 
 @dataclass

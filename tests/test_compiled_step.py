@@ -375,6 +375,8 @@ def test_bad_arguments_are_clear_errors():
     model = SBN(ScoreFunction("z", n_samples=2))
     with pytest.raises(TypeError, match="after the step come the nn.Modules it trains, got str"):
         storch.compile_step(model.step, "inductor")
+    with pytest.raises(Exception, match="no_such_backend"):  # torch.compile's own error, before any step
+        storch.compile_step(model.step, model, backend="no_such_backend")
     with pytest.raises(CompileStepError, match="requires grad"):
         storch.compile_step(model.step, model)(DATA.clone().requires_grad_())
     with pytest.raises(CompileStepError, match="not hashable"):
@@ -430,7 +432,9 @@ def test_the_inductor_backend_computes_the_eager_step():
     eager_model, compiled_model = SBN(ScoreFunction("z", n_samples=2)), SBN(ScoreFunction("z", n_samples=2))
     eager = _steps(eager_model, eager_model.step)
     with inductor_config.patch(fallback_random=True):
-        compiled = _steps(compiled_model, storch.compile_step(compiled_model.step, compiled_model, backend="inductor"))
+        compiled_step = storch.compile_step(compiled_model.step, compiled_model, backend="inductor")
+        compiled = _steps(compiled_model, compiled_step)
+    assert compiled_step.traces == 1
     for e_step, c_step in zip(eager, compiled, strict=True):
         for e, c in zip(e_step, c_step, strict=True):
             torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
