@@ -33,7 +33,8 @@ Semantics (see :func:`compile_step` for the API):
   annealed temperature, a trained control variate: see
   :attr:`storch.method.Method.keeps_state_between_steps`), a tensor that requires grad but is not
   a parameter of the given modules, a storch tensor in the arguments or the result, costs left
-  registered without ``storch.backward()``, a step that changes its modules' Python settings.
+  registered without ``storch.backward()``, a step that changes its modules' Python settings or
+  updates in place a tensor that is not a buffer of a given module.
   After tracing, the graph is replayed once from the state before the trace and must reproduce
   the traced step (its results and the random generator's state).
 * A new trace is made when the shapes, dtypes or devices of the arguments or of the modules'
@@ -407,6 +408,7 @@ class CompiledStep:
             _tracing.stop(token)
             reset()
         _refuse_captured_grad_tensors(graph)
+        _refuse_updated_constants(graph)
         replay = replay_function(graph)  # simplifies the graph in place
         _check_replay(replay, before, inputs, info["flat"])
         if self.backend == "eager":
@@ -618,6 +620,46 @@ def _refuse_captured_grad_tensors(graph: torch.fx.GraphModule) -> None:
             )
 
 
+def _written_arguments(node: torch.fx.Node) -> list[Any]:
+    """The arguments an operation writes into (``add_``'s self, ``copy_``'s destination, ``out=``)."""
+    schema = node.target._schema
+    written = []
+    for i, argument in enumerate(schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            if i < len(node.args):
+                written.append(node.args[i])
+            elif argument.name in node.kwargs:
+                written.append(node.kwargs[argument.name])
+    return written
+
+
+def _refuse_updated_constants(graph: torch.fx.GraphModule) -> None:
+    """Refuse a step that updates in place a tensor it did not get as an input.
+
+    Such a tensor (a plain tensor attribute, a buffer of a module not given to compile_step) enters
+    the graph as a constant; the trace has already updated it once, and a replay cannot be checked
+    against the state before the trace. Buffers of the given modules are inputs and are fine.
+    """
+    constant_views: dict[torch.fx.Node, torch.fx.Node] = {}  # node -> the constant it views
+    for node in graph.graph.nodes:
+        if node.op == "get_attr":
+            constant_views[node] = node
+        elif node.op != "call_function":
+            continue
+        elif _is_mutation(node):
+            for target in _written_arguments(node):
+                if isinstance(target, torch.fx.Node) and target in constant_views:
+                    value = operator.attrgetter(constant_views[target].target)(graph)
+                    raise CompileStepError(
+                        f"storch.compile_step: the step updates in place ({node.target}) a tensor of shape "
+                        f"{tuple(value.shape)} that is not an input of the step: a plain tensor attribute, or "
+                        "a buffer of a module not given to compile_step. Register it as a buffer "
+                        "(module.register_buffer) of a module you pass to storch.compile_step(step, *modules)."
+                    )
+        elif _is_view(node) and node.args and node.args[0] in constant_views:
+            constant_views[node] = constant_views[node.args[0]]
+
+
 def _raise_failed_check(trace: _Trace, checks: list, losses: list, costs: list) -> None:
     for valid, message in zip(checks, trace.check_messages):
         if not bool(valid.all()):
@@ -761,8 +803,10 @@ def _is_mutation(node: torch.fx.Node) -> bool:
 
 
 def _is_view(node: torch.fx.Node) -> bool:
+    """An operation that returns a view of an argument without writing (``view``, ``expand``, ...)."""
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and any(r.alias_info is not None for r in target._schema.returns)
+    return (isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable
+            and any(r.alias_info is not None for r in target._schema.returns))
 
 
 def _written_later(node: torch.fx.Node) -> bool:

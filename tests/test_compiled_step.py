@@ -640,3 +640,25 @@ def test_many_traces_are_warned_about_once():
             compiled(torch.zeros(n))
     assert compiled.traces == storch.compiled_step.MAX_TRACES + 2
     assert sum("graphs for one step" in str(w.message) for w in caught) == 1
+
+
+def test_a_tensor_updated_in_place_outside_the_given_modules_is_refused():
+    """A counter kept as a plain tensor attribute enters the graph as a constant: refused (a buffer
+    of a given module is an input and is updated by every replay: test_buffers_...)."""
+
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mu = nn.Parameter(torch.tensor([0.3, -0.2]))
+            self.count = torch.zeros(())  # not a buffer
+
+        def step(self, target):
+            self.count.add_(1.0)
+            x = Reparameterization("x", n_samples=2)(Normal(self.mu, 1.0))
+            storch.add_cost(((x - target) ** 2).sum(-1), "f")
+            return storch.backward()
+
+    model = Counting()
+    with pytest.raises(CompileStepError, match=r"updates in place \(aten.add_.Tensor\) a tensor of shape \(\) "
+                                               r"that is not an input"):
+        storch.compile_step(model.step, model)(torch.tensor([1.0, 0.0]))
