@@ -29,8 +29,8 @@ Semantics (see :func:`compile_step` for the API):
   step's gradients are not applied.
 * **What cannot be replayed is refused**, with :class:`storch.exceptions.CompileStepError` naming
   it, instead of being baked in silently: a value read on the host during the step (an ``if`` on a
-  tensor, ``.item()``), an estimator that keeps state between steps (a moving-average baseline, an
-  annealed temperature, a trained control variate: see
+  tensor, ``.item()``), an estimator that keeps state between steps outside tensors it updates in
+  place (an annealed temperature, a trained control variate, a critic: see
   :attr:`storch.method.Method.keeps_state_between_steps`), a tensor that requires grad but is not
   a parameter of the given modules, a storch tensor in the arguments or the result, costs left
   registered without ``storch.backward()``, a step that changes its modules' Python settings or

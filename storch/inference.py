@@ -324,8 +324,8 @@ def _refuse_state_between_steps(record: _Record) -> None:
                 f"storch.compile_step: {type(method).__name__}({method.plate_name!r}) keeps state between "
                 "steps (it updates a baseline, a temperature schedule or learned parameters after each "
                 "storch.backward), and a compiled step replays the traced operations only, so that state "
-                "would stay frozen. Run this step eagerly, or choose a stateless configuration (e.g. "
-                "baseline_factory='batch_average' instead of 'moving_average', annealing_rate=0)."
+                "would stay frozen. Run this step eagerly, or choose a configuration without such state "
+                "(e.g. annealing_rate=0, a baseline without learned parameters)."
             )
 
 

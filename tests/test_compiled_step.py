@@ -28,8 +28,9 @@ from storch.method import ARM, MVD, DisARM, Expect, LocalExpectation, Reparamete
 from storch.testing import assert_unbiased
 from test_compile import DISCRETE  # noqa: E402  (tests/ is on the path through conftest)
 
-#: the core discrete estimators of tests/test_compile.py, less the moving-average baseline (stateful)
-STATELESS = {name: build for name, build in DISCRETE.items() if name != "score_function_moving_average"}
+#: the core discrete estimators of tests/test_compile.py (the moving-average baseline keeps its state
+#: in buffers updated in place: replayed too)
+STATELESS = dict(DISCRETE)
 
 
 class SBN(nn.Module):
@@ -90,7 +91,8 @@ def _assert_identical(eager: list, compiled: list) -> None:
 @pytest.mark.parametrize("name", list(STATELESS))
 def test_replayed_steps_equal_the_eager_steps(name):
     compiled_step, compiled_model, _ = _compare_with_eager(lambda: SBN(STATELESS[name]()))
-    assert compiled_step.traces == 1
+    # one trace (the first step), then replays; a moving average makes its buffers in the first step
+    assert compiled_step.traces == (2 if name == "score_function_moving_average" else 1)
     compiled_model.zero_grad()
     code = compiled_step.graph(DATA).code  # the graph as replayed: no renaming detach left
     assert "aten.addmm" in code and "aten.detach" not in code  # one trace (the first step), then replays
@@ -139,17 +141,21 @@ def test_a_replayed_step_is_unbiased(name):
     Bernoulli problem: f = sum_i (x_i - t_i)^2, d/dphi exact."""
     problem = problems.bernoulli(interaction=0.0)
     holder = Replicated(problem.phi, 4000)
-    model = problem.model(STATELESS[name]())
+    method = STATELESS[name]()
+    model = problem.model(method)
 
     def step():
         model(storch.denote_independent(holder.copies, 0, "replicate"))
         return storch.backward()
 
-    compiled = storch.compile_step(step, holder)
-    compiled()  # the trace
+    compiled = storch.compile_step(step, holder, method)
+    for _ in range(2):  # traces (a moving average makes its buffers in the first step: two traces)
+        holder.zero_grad()
+        compiled()
+    traces = compiled.traces
     holder.zero_grad()
     compiled()  # a replay
-    assert compiled.traces == 1
+    assert compiled.traces == traces <= 2
     assert_unbiased(holder.estimates(), problem.exact(), label=f"replayed {name}")
 
 
@@ -311,12 +317,27 @@ def test_a_host_read_in_the_step_is_refused_with_its_line():
     assert storch.registered_costs() == ()
 
 
-def test_a_stateful_baseline_is_refused_before_anything_is_applied():
-    model = SBN(ScoreFunction("z", n_samples=2, baseline_factory="moving_average"))
-    with pytest.raises(CompileStepError, match=r"ScoreFunction\('z'\) keeps state between steps.*moving_average"):
-        storch.compile_step(model.step, model)(DATA)
+def test_a_stateful_estimator_is_refused_before_anything_is_applied():
+    model = MethodModel(lambda: M.GumbelSoftmax("z", n_samples=2, annealing_rate=1e-2), "one_hot")
+    with pytest.raises(CompileStepError, match=r"GumbelSoftmax\('z'\) keeps state between steps"):
+        storch.compile_step(model.step, model)(torch.tensor([0.1, 0.6, 0.3, 0.9]))
     assert all(p.grad is None for p in model.parameters())
-    assert model.method.baseline.averages == {}  # no average updated
+    assert model.method.steps == 0 and float(model.method.temperature) == 1.0  # not annealed
+
+
+def test_a_moving_average_baseline_is_replayed_with_its_updates():
+    """Its averages are buffers updated in place in the step: every replay updates them as eagerly."""
+
+    def make():
+        return SBN(ScoreFunction("z", n_samples=2, baseline_factory="moving_average"))
+
+    reference, after_one = make(), make()
+    _steps(reference, reference.step)  # three eager steps
+    _steps(after_one, after_one.step, steps=1)
+    _, compiled_model, _ = _compare_with_eager(make)  # three compiled steps (estimates, grads as eager)
+    average = compiled_model.method.baseline.averages["neg_elbo"]
+    torch.testing.assert_close(average, reference.method.baseline.averages["neg_elbo"])
+    assert not torch.equal(average, after_one.method.baseline.averages["neg_elbo"])  # replays moved it
 
 
 def test_an_annealed_gumbel_softmax_is_refused_and_a_fixed_one_is_not():

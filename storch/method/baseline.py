@@ -82,6 +82,10 @@ class MovingAverageBaseline(Baseline):
 
     ``state_dict()`` holds the averages (key ``_extra_state``), so a checkpoint resumes exactly.
 
+    Each cost name's average lives in a buffer (made on first use, not saved as a buffer: the
+    averages are the extra state) and is updated in place, so :func:`storch.compile_step` traces
+    the update with the step and every replay carries it out.
+
     Args:
         exponential_decay: ``β`` in ``[0, 1)``.
         sync: average the batch means across ranks before each update (see above).
@@ -101,14 +105,41 @@ class MovingAverageBaseline(Baseline):
             raise ValueError(f"exponential_decay must be in [0, 1), got {exponential_decay}.")
         self.exponential_decay = exponential_decay
         self.sync = bool(sync)
-        self.averages: dict[str, torch.Tensor] = {}
+        self._slots: dict[str, int] = {}  # cost name -> index of its buffers
         self._pending: dict[str, torch.Tensor] = {}
+
+    def _buffers_of(self, name: str, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The average of cost ``name`` (0 until the first update) and whether it has had one."""
+        index = self._slots.get(name)
+        if index is None:
+            index = self._slots[name] = len(self._slots)
+            self.register_buffer(f"average_{index}", like.new_zeros(()), persistent=False)
+            self.register_buffer(f"updated_{index}", torch.zeros((), dtype=torch.bool, device=like.device),
+                                 persistent=False)
+        return getattr(self, f"average_{index}"), getattr(self, f"updated_{index}")
+
+    @property
+    def averages(self) -> dict[str, torch.Tensor]:
+        """The average of each cost name updated at least once (reads the flags on the host; on the
+        ``meta`` device, which holds no values, every average)."""
+        found = {}
+        for name in self._slots:
+            average, updated = self._buffers_of(name, torch.zeros(()))
+            if updated.is_meta or bool(updated):
+                found[name] = average
+        return found
+
+    @property
+    def keeps_state_between_steps(self) -> bool:
+        """The averages are buffers updated in place within the step: a compiled step replays that."""
+        return False
 
     def compute_baseline(self, tensor: StochasticTensor, cost_node: CostTensor) -> torch.Tensor:
         name = cost_node.name
         mean = plain(reduce_plates(cost_node.detach()))
         self._pending[name] = mean
-        return self.averages.get(name, mean.new_zeros(()))
+        average, _ = self._buffers_of(name, mean)
+        return average.clone()  # the buffer is updated in place after the backward pass
 
     def update(self) -> None:
         """Fold the costs of the last step into the averages; a NaN or infinite mean is skipped.
@@ -125,12 +156,13 @@ class MovingAverageBaseline(Baseline):
             distributed.all_reduce_mean_(means)
             self._pending = dict(zip(names, means))
         for name, mean in self._pending.items():
-            old = self.averages.get(name)
+            average, updated = self._buffers_of(name, mean)
+            mean = mean.detach().to(average.dtype)
             finite = torch.isfinite(mean)
-            if old is None:
-                self.averages[name] = torch.where(finite, mean, torch.zeros_like(mean))
-            else:
-                self.averages[name] = torch.where(finite, beta * old + (1 - beta) * mean, old)
+            first = torch.where(finite, mean, torch.zeros_like(mean))
+            later = torch.where(finite, beta * average + (1 - beta) * mean, average)
+            average.copy_(torch.where(updated, later, first))
+            updated.fill_(True)
         self._pending.clear()
 
     def get_extra_state(self) -> dict:
@@ -144,13 +176,17 @@ class MovingAverageBaseline(Baseline):
                 "MovingAverageBaseline.load_state_dict: the '_extra_state' entry must be a dict with a dict "
                 f"'averages' (written by get_extra_state), got {type(state).__name__}."
             )
-        self.averages = {str(name): torch.as_tensor(value).detach().clone() for name, value in state["averages"].items()}
+        for name, value in state["averages"].items():
+            value = torch.as_tensor(value).detach()
+            average, updated = self._buffers_of(str(name), value)
+            with torch.no_grad():
+                average.copy_(value)
+                updated.fill_(True)
         self._pending.clear()
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
-        """``.to(device)``, ``.double()``, ...: the averages move and convert with the module."""
+        """``.to(device)``, ``.double()``, ...: the averages (buffers) and the pending means follow."""
         super()._apply(fn, recurse)
-        self.averages = {name: fn(value) for name, value in self.averages.items()}
         self._pending = {name: fn(value) for name, value in self._pending.items()}
         return self
 
