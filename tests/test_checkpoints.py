@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 
 import pytest
 import torch
@@ -209,3 +210,15 @@ def test_bench_checkpoint_is_state_dicts_and_relax_resumes_exactly(tmp_path):
     for key in ("train_nelbo", "valid_nelbo", "test_nelbo", "test_nll"):
         assert full[key] == resumed[key], key
     assert json.loads((tmp_path / "part" / "config.json").read_text())["steps"] == 6
+
+
+def test_a_moving_average_pickled_with_its_old_dict_of_averages_loads():
+    """Before the averages were buffers a baseline pickled them as a dict attribute."""
+    baseline = MovingAverageBaseline(0.5)
+    state = baseline.__getstate__()
+    state.pop("_slots")
+    state["averages"] = {"f": torch.tensor(2.5)}
+    old = MovingAverageBaseline.__new__(MovingAverageBaseline)
+    old.__setstate__(state)
+    assert old.averages["f"] == 2.5
+    assert pickle.loads(pickle.dumps(old)).averages["f"] == 2.5

@@ -683,3 +683,4 @@ def test_a_tensor_updated_in_place_outside_the_given_modules_is_refused():
     with pytest.raises(CompileStepError, match=r"updates in place \(aten.add_.Tensor\) a tensor of shape \(\) "
                                                r"that is not an input"):
         storch.compile_step(model.step, model)(torch.tensor([1.0, 0.0]))
+

@@ -184,6 +184,15 @@ class MovingAverageBaseline(Baseline):
                 updated.fill_(True)
         self._pending.clear()
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickle, also a baseline pickled before the averages became buffers (a dict then)."""
+        old = state.pop("averages", None)
+        super().__setstate__(state)
+        if not hasattr(self, "_slots"):
+            self._slots = {}
+        if old:
+            self.set_extra_state({"averages": old})
+
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
         """``.to(device)``, ``.double()``, ...: the averages (buffers) and the pending means follow."""
         super()._apply(fn, recurse)
