@@ -237,6 +237,7 @@ class CompiledStep:
         )
         trace = self._cache.get(key)
         if trace is None:
+            _refuse_costs_from_before()
             before = self._settings()
             trace, flat = self._trace(leaves, spec, params, buffers, inputs)
             self._refuse_changed_settings(before)
@@ -670,6 +671,17 @@ def _raise_failed_check(trace: _Trace, checks: list, losses: list, costs: list) 
         if not bool(torch.isfinite(loss)):
             raise non_finite_error(loss.item(), values, "storch.compile_step applied none of the step's gradients.")
     raise RuntimeError("storch.compile_step: internal error: a check failed but none of its parts did")
+
+
+def _refuse_costs_from_before() -> None:
+    """Costs registered before a trace would enter its graph as constants, in every replay."""
+    if registered_costs():
+        names = [c.name for c in registered_costs()]
+        raise CompileStepError(
+            f"storch.compile_step: costs {names} are registered before the step runs (left over from a "
+            "step that raised before storch.backward()?); they would enter every replay as constants. "
+            "Call storch.reset() first."
+        )
 
 
 def _refuse_leftover_costs() -> None:

@@ -390,6 +390,10 @@ def test_storch_tensors_in_or_out_and_leftover_costs_are_refused():
     with pytest.raises(CompileStepError, match=r"registered costs \['left'\] but did not call storch.backward"):
         storch.compile_step(no_backward, model)(DATA)
     assert storch.registered_costs() == ()
+    no_backward(DATA)  # eagerly: a cost left over
+    with pytest.raises(CompileStepError, match=r"costs \['left'\] are registered before the step runs"):
+        storch.compile_step(model.step, model)(DATA)
+    storch.reset()
 
 
 def test_bad_arguments_are_clear_errors():
