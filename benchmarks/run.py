@@ -114,9 +114,9 @@ def storch_gradient(storch, model, method, data: torch.Tensor) -> torch.Tensor:
     return storch.backward()
 
 
-def compiled_storch_step(storch, model, optimizer, method, backend: str = "eager"):
+def compiled_storch_step(storch, model, optimizer, method):
     """:func:`storch_step` with its gradient under ``storch.compile_step`` (traced on the first call)."""
-    gradient = storch.compile_step(functools.partial(storch_gradient, storch, model, method), model, backend=backend)
+    gradient = storch.compile_step(functools.partial(storch_gradient, storch, model, method), model)
 
     def step(data: torch.Tensor) -> torch.Tensor:
         optimizer.zero_grad()

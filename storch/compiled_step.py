@@ -64,6 +64,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from storch import _tracing
+from storch.distributions.one_hot import one_hot
 from storch.exceptions import CompileStepError
 from storch.inference import non_finite_error, registered_costs, reset
 from storch.tensor import Tensor as StorchTensor
@@ -237,7 +238,7 @@ class CompiledStep:
         )
         trace = self._cache.get(key)
         if trace is None:
-            _refuse_costs_from_before()
+            _refuse_registered_costs(_COSTS_BEFORE)
             before = self._settings()
             trace, flat = self._trace(leaves, spec, params, buffers, inputs)
             self._refuse_changed_settings(before)
@@ -376,7 +377,7 @@ class CompiledStep:
             with _swapped(slots, trainable_values + frozen_values + buffer_values, kinds), \
                     _DeferredChecks(state, asserted):
                 result = self.step(*args, **kwargs)
-            _refuse_leftover_costs()
+            _refuse_registered_costs(_COSTS_AFTER)
             out_leaves, info["out_spec"] = pytree.tree_flatten(result)
             info["out_constants"] = [_TENSOR if isinstance(v, torch.Tensor) else v for v in out_leaves]
             grads = [p.grad for p in trainable_values]
@@ -498,7 +499,7 @@ class _DeferredChecks(TorchFunctionMode):
             if isinstance(n, int) and n >= 0:
                 self._check(plain(((index >= 0) & (index < n)).all()),
                             _INDEX + f"F.one_hot: every class index must lie in [0, {n}) (num_classes={n})")
-                return (index.unsqueeze(-1) == torch.arange(n, device=index.device)).long()
+                return one_hot(index, n, torch.long)
         return func(*args, **kwargs)
 
     def _check(self, valid: torch.Tensor, marked_message: str) -> None:
@@ -673,24 +674,19 @@ def _raise_failed_check(trace: _Trace, checks: list, losses: list, costs: list) 
     raise RuntimeError("storch.compile_step: internal error: a check failed but none of its parts did")
 
 
-def _refuse_costs_from_before() -> None:
-    """Costs registered before a trace would enter its graph as constants, in every replay."""
-    if registered_costs():
-        names = [c.name for c in registered_costs()]
-        raise CompileStepError(
-            f"storch.compile_step: costs {names} are registered before the step runs (left over from a "
-            "step that raised before storch.backward()?); they would enter every replay as constants. "
-            "Call storch.reset() first."
-        )
+_COSTS_BEFORE = (
+    "are registered before the step runs (left over from a step that raised before storch.backward()?); "
+    "they would enter every replay as constants. Call storch.reset() first."
+)
+_COSTS_AFTER = "were registered by the step, which did not call storch.backward(); end the step with it."
 
 
-def _refuse_leftover_costs() -> None:
-    if registered_costs():
-        names = [c.name for c in registered_costs()]
-        raise CompileStepError(
-            f"storch.compile_step: the step registered costs {names} but did not call "
-            "storch.backward(); end the step with storch.backward() (or storch.reset())."
-        )
+def _refuse_registered_costs(reason: str) -> None:
+    """Costs in the registry around a trace: from before it (they would be constants of the graph)
+    or left by the step (nothing would differentiate them)."""
+    costs = registered_costs()
+    if costs:
+        raise CompileStepError(f"storch.compile_step: costs {[c.name for c in costs]} {reason}")
 
 
 # ---------------------------------------------------------------------- the replay check

@@ -387,7 +387,7 @@ def test_storch_tensors_in_or_out_and_leftover_costs_are_refused():
     def no_backward(x):
         storch.add_cost(storch.denote_independent(model.encoder(x), 0, "data").sum(-1), "left")
 
-    with pytest.raises(CompileStepError, match=r"registered costs \['left'\] but did not call storch.backward"):
+    with pytest.raises(CompileStepError, match=r"costs \['left'\] were registered by the step, which did not call storch.backward"):
         storch.compile_step(no_backward, model)(DATA)
     assert storch.registered_costs() == ()
     no_backward(DATA)  # eagerly: a cost left over

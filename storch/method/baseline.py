@@ -123,10 +123,10 @@ class MovingAverageBaseline(Baseline):
         """The average of each cost name updated at least once (reads the flags on the host; on the
         ``meta`` device, which holds no values, every average)."""
         found = {}
-        for name in self._slots:
-            average, updated = self._buffers_of(name, torch.zeros(()))
+        for name, index in self._slots.items():
+            updated = getattr(self, f"updated_{index}")
             if updated.is_meta or bool(updated):
-                found[name] = average
+                found[name] = getattr(self, f"average_{index}")
         return found
 
     @property
