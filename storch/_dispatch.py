@@ -590,7 +590,8 @@ ANCESTRAL = ("ancestral",)
 
 def _has_descendant(plate: Plate, union: PlateLayout) -> bool:
     return isinstance(plate, AncestralPlate) and any(
-        isinstance(u, AncestralPlate) and u.name == plate.name and u.descends_from(plate) for u in union.plates
+        isinstance(u, AncestralPlate) and u.chain_name == plate.chain_name and u.descends_from(plate)
+        for u in union.plates
     )
 
 
@@ -620,9 +621,9 @@ def reindex_ancestral(t: torch.Tensor, src: PlateLayout, union: PlateLayout) -> 
         >>> (old + new)._tensor.tolist()
         [20.0, 20.0, 10.0]
     """
-    newest = {p.name: p for p in union.plates}
+    newest = {p.chain_name: p for p in union.plates if isinstance(p, AncestralPlate)}
     for plate in src.plates:
-        target = newest.get(plate.name)
+        target = newest.get(plate.chain_name) if isinstance(plate, AncestralPlate) else None
         if target is None or target is plate:
             continue
         steps = []

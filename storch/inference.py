@@ -331,7 +331,12 @@ def _refuse_state_between_steps(record: _Record) -> None:
 
 def _warn_unused_nodes(costs: tuple[CostTensor, ...]) -> None:
     """Warn about nodes sampled in this step whose gradient is zero because no cost carries them."""
-    in_costs = {id(p) for c in costs for p in layout_of(c).plates}
+    in_costs = set()
+    for cost in costs:
+        for plate in layout_of(cost).plates:
+            while plate is not None:  # a later step of a chain carries the earlier steps' nodes
+                in_costs.add(id(plate))
+                plate = getattr(plate, "ancestor", None)
     for plate in sampled_plates():
         if id(plate) in in_costs or plate.node is None:
             continue

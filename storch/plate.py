@@ -231,7 +231,7 @@ class AncestralPlate(Plate):
         (True, False)
     """
 
-    __slots__ = ("ancestor", "parent_index", "index_plates")
+    __slots__ = ("ancestor", "parent_index", "index_plates", "chain_name")
 
     def __init__(
         self,
@@ -247,7 +247,7 @@ class AncestralPlate(Plate):
     ) -> None:
         super().__init__(name, size, weight, parents, node)
         if ancestor is not None:
-            if ancestor.name != name:
+            if ancestor.name != name and not self.renames_its_chain:
                 raise ValueError(f"AncestralPlate {name!r}: its ancestor is named {ancestor.name!r}.")
             if parent_index is None:
                 raise ValueError(f"AncestralPlate {name!r}: a plate with an ancestor needs parent_index.")
@@ -261,6 +261,13 @@ class AncestralPlate(Plate):
         self.ancestor = ancestor
         self.parent_index = parent_index
         self.info = info
+        #: what identifies the chain: the name of its first step (every step of a sequence shares it;
+        #: a subclass whose steps are renamed, see :attr:`renames_its_chain`, keeps the first one's)
+        self.chain_name: str = name if ancestor is None else ancestor.chain_name
+
+    #: whether a step may have another name than its ancestor (the joint evaluation plates of chained
+    #: local-expectation nodes take the name of their newest node); sequences keep one name
+    renames_its_chain: bool = False
 
     def __eq__(self, other: object) -> bool:
         return self is other  # a step of a sequence is one node's plate: equal only to itself
@@ -454,30 +461,47 @@ def merge_layouts(layouts: Iterable[PlateLayout]) -> PlateLayout:
 def _merge_once(layouts: Iterable[PlateLayout]) -> tuple[PlateLayout, list[tuple["AncestralPlate", Plate]]]:
     """The union, and the (newer, older) pairs of ancestral plates that merged into the newer."""
     merged: list[Plate] = []
-    by_name: dict[str, Plate] = {}
+    by_chain: dict[str, Plate] = {}  # a plate's name, or the name of its chain's first step
     pairs: list[tuple[AncestralPlate, Plate]] = []
+    renamed = False
     for layout in layouts:
         for plate in layout.plates:
-            seen = by_name.get(plate.name)
+            key = _chain_key(plate)
+            renamed = renamed or key != plate.name
+            seen = by_chain.get(key)
             if seen is None:
-                by_name[plate.name] = plate
+                by_chain[key] = plate
                 merged.append(plate)
             elif not (seen is plate or seen == plate):
                 newer = _newer_of_one_chain(seen, plate)
-                if newer is not None:  # two steps of one sequence: the newest step is kept
+                if newer is not None:  # two steps of one chain: the newest step is kept
                     if newer is plate:
                         merged[next(i for i, p in enumerate(merged) if p is seen)] = plate
-                        by_name[plate.name] = plate
+                        by_chain[key] = plate
                     pairs.append((newer, seen if newer is plate else plate))
                     continue
-                raise PlateClashError(
-                    f"Two different plates are named {plate.name!r}: {_describe(seen)} and "
-                    f"{_describe(plate)}. Samples of different stochastic nodes never merge. Give "
-                    "the nodes different plate names (e.g. Method('z1') and Method('z2')), or if one "
-                    "tensor is left over from an earlier step, recompute it in this step."
-                )
+                _raise_clash(seen, plate)
+    if renamed:  # steps of a renamed chain are keyed by their chain: names must still be unique
+        by_name: dict[str, Plate] = {}
+        for plate in merged:
+            seen = by_name.setdefault(plate.name, plate)
+            if seen is not plate:
+                _raise_clash(seen, plate)
     merged.sort(key=lambda p: p.order, reverse=True)
     return layout_of_plates(merged), pairs
+
+
+def _chain_key(plate: Plate) -> str:
+    return plate.chain_name if isinstance(plate, AncestralPlate) else plate.name
+
+
+def _raise_clash(seen: Plate, plate: Plate) -> None:
+    raise PlateClashError(
+        f"Two different plates are named {plate.name!r}: {_describe(seen)} and "
+        f"{_describe(plate)}. Samples of different stochastic nodes never merge. Give "
+        "the nodes different plate names (e.g. Method('z1') and Method('z2')), or if one "
+        "tensor is left over from an earlier step, recompute it in this step."
+    )
 
 
 def _newer_of_one_chain(a: Plate, b: Plate) -> "AncestralPlate | None":

@@ -5,26 +5,55 @@ For ``x = (x_1, …, x_D)`` with independent coordinates ``x_d ~ p_d`` taking ``
     ∇θ E[f(x)] = E_x[∇θ f(x)] + Σ_d E_{x≠d}[ Σ_k ∇θ p_d(k) · f(x≠d, x_d = k) ]
 
 (Titsias & Lázaro-Gredilla 2015, "Local expectation gradients for black box variational inference";
-``seeds/004_…`` eqs. 16–17, where ``Σ_k ∇p_d(k) = 0`` turns ``Σ_k ∇p_d(k) f(k)`` into differences with
-a reference value; De Smet et al. 2023, "Differentiable sampling of categorical distributions using
-the CatLog-derivative trick" (IndeCateR)). Each coordinate's sum over its values is exact, given one
-sample of the others.
+``seeds/004_…`` eqs. 16–17; De Smet et al. 2023, "Differentiable sampling of categorical distributions
+using the CatLog-derivative trick" (IndeCateR)). Each coordinate's sum over its values is exact, given
+one sample of the others. Since ``Σ_k ∇p_d(k) = 0``, the value ``k = x_d`` (the sample itself) needs no
+evaluation of its own: ``Σ_k ∇p_d(k) f(x≠d, k) = Σ_{k≠x_d} ∇p_d(k) (f(x≠d, k) − f(x))``.
 
-Layout (:mod:`storch.method.groups`): each of the ``n`` samples is a group of ``M = 1 + D·K`` points,
-the sample ``x`` itself (weight ``1/n``) and ``x`` with coordinate ``d`` set to value ``k`` at position
-``1 + d·K + k`` (weight 0). ``D`` counts the independent variables in the distribution's non-plate
-batch dimensions. The cost is evaluated at all ``n·M`` points in one vectorised pass.
+Points. Each of the ``n`` samples is a group of ``M = 1 + D·(K−1)`` points: the sample ``x`` itself
+(plate weight ``1/n``) and, at position ``1 + d·(K−1) + j``, ``x`` with coordinate ``d`` set to the
+``j``-th of its ``K − 1`` other values, in the order of :attr:`Coordinates.values` (weight 0). ``D``
+counts the independent variables in the distribution's non-plate batch dimensions. The cost is
+evaluated at all ``n·M`` points in one vectorised pass (:mod:`storch.method.groups`).
 
-Surrogate term of a group (forward value 0, so the node's estimate of ``E f`` is the mean of ``f`` at
-the samples):
+Chains: one evaluation plate for all the nodes. A local-expectation node whose distribution's newest
+plate is the evaluation plate of another local-expectation node (``z₂ ~ p(z₂ | z₁)``, both sampled with
+:class:`LocalExpectation`, ``n_samples=1`` for the downstream one) does not add a plate of its own, which
+would make the cost's points the *product* ``M₁·M₂``. It extends the upstream plate instead: each
+group gets ``D₂(K₂−1)`` more points, so a chain of nodes costs the *sum* ``1 + Σ_s D_s(K_s−1)`` per
+sample. On the extended plate (named after the newest node), point ``m`` of a group is
 
-    Σ_d Σ_k (p_d(k) − stopgrad p_d(k)) · □(½ Σ_{d'≠d} log p_{d'}(x_{d'})) · S(x≠d, x_d = k)
+* for ``m < M₁`` (the upstream points): ``z₁`` as at that point, and ``z₂`` drawn once from
+  ``p(z₂ | z₁)`` at that point. The draws of one group share their uniforms (inverse CDF, common random
+  numbers), so ``z₂`` changes only where ``z₁``'s change moves its distribution;
+* for ``m ≥ M₁``: ``z₁`` as sampled and ``z₂``'s own one-coordinate changes of its point-0 draw.
 
-with ``S`` the downstream cost (not detached). Its first derivative is the estimator above. Its second
-derivative is also unbiased: ``∇p_d ∇S`` gives the mixed terms, and the magic box, whose expectation
-over the other coordinates is a score-function estimate of how they move ``f(x≠d, k)``, gives the
-cross terms ``∇p_d(k) ∇p_{d'}(k')ᵀ f(…, k, …, k')`` between coordinates, each half from ``d`` and half
-from ``d'``. Third and higher derivatives are biased (three-coordinate terms are missing).
+Tensors computed from ``z₁`` alone are re-indexed to the extended plate where they meet ``z₂``
+(an :class:`~storch.plate.AncestralPlate` step: ``z₁``'s values at the points ``m ≥ M₁`` are its
+sample). ``LocalExpectation(..., joint=False)`` keeps the nested form: a plate of its own, the cost at
+the product of the points.
+
+Surrogate. Node ``s`` of a chain (its changes at positions ``[M_{s−1}, M_s)`` of a group, ``M₀ = 1``)
+contributes, per group,
+
+    T_s = Σ_d Σ_j (q_dj − stopgrad q_dj) · □(½ Σ_{d'≠d} log p_{s,d'}(x_{s,d'})) · (C_s[m_dj] − C_s[0])
+
+with ``q_dj = p_{s,d}(j-th value ≠ x_{s,d})`` at point 0, ``m_dj = M_{s−1} + d·(K−1) + j``, and
+``C_s[m] = f[m] · □(Σ_{t>s} log p_t(z_t[m]))`` the cost at point ``m`` times the scores of the chain's
+later nodes drawn there. The group's term ``Σ_s T_s`` is spread over its points; its forward value is
+0, so the estimate of ``E f`` is the mean of ``f`` at the samples.
+
+What is unbiased. First derivatives, for every parameter: ``T_s``'s derivative is node ``s``'s local
+expectation given the upstream sample (each changed value's downstream nodes drawn once at that value,
+an unbiased estimate of the expectation over them), and the pathwise part is ``f`` at the samples.
+Second derivatives: within a node, ``∇p_d ∇C`` gives the mixed terms and the box, whose expectation
+over the other coordinates is a score-function estimate, the cross terms
+``∇p_d(k) ∇p_{d'}(k')ᵀ f(…, k, …, k')`` between coordinates, half from each. Across nodes ``s < t``,
+``∇θ_s ∇θ_t E f = E[Σ_{z_s} ∇p_s(z_s) ∇θ_t E[f | z_s]]`` comes from ``T_s`` alone: its cost carries the
+scores of the later nodes drawn at each point, so ``∇C_s`` is a single-sample estimate of
+``∇θ_t E[f | z_s]``; ``T_t`` carries no upstream box, which would count that term twice. Third and
+higher derivatives are biased (three-coordinate terms are missing). The nested form is unbiased for the
+same orders: its inner estimate is the downstream node's own surrogate at every point.
 
 The values a coordinate can take and their probabilities are registered per distribution type
 (:func:`register_coordinates`); setting a coordinate to a value is then the same for every type.
@@ -33,8 +62,9 @@ The values a coordinate can take and their probabilities are registered per dist
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch.distributions import Bernoulli, Categorical, Distribution, OneHotCategorical
@@ -42,22 +72,30 @@ from torch.distributions import Bernoulli, Categorical, Distribution, OneHotCate
 from storch.method.groups import flatten_groups, group_plate, group_weights, split_groups, spread_groups
 from storch.method.method import Method
 from storch.extend import (
+    AncestralPlate,
     CostTensor,
+    Plate,
     StochasticTensor,
     Tensor,
     TypeRegistry,
-    layout_of,
+    distribution_layout,
+    get_distr_parameters,
     layout_of_plates,
     log_prob_of_own_samples,
     magic_box,
+    new_node,
     no_dispatch,
+    node_of,
+    note_sampled,
+    reraise_cuda_dimension_error,
+    restore_lazy_plates,
     wrap_new,
 )
 
 __all__ = [
     "LocalExpectation", "IndeCateR", "Coordinates", "register_coordinates", "coordinates_for",
     "local_expectation_points", "local_expectation_group_size", "local_expectation_weights",
-    "local_expectation_term",
+    "local_expectation_term", "LocalExpectationPlate", "LocalExpectationMemoryError",
 ]
 
 
@@ -147,54 +185,89 @@ def _var_shape(distr: Distribution, n_plate_dims: int) -> tuple[int, ...]:
     return tuple(distr.batch_shape)[n_plate_dims:]
 
 
+def _counts(distr: Distribution, n_plate_dims: int, who: str) -> tuple[int, int]:
+    """``(D, K)``: the number of independent variables and of values of each."""
+    coordinates = _require_coordinates(distr, who)
+    return math.prod(_var_shape(distr, n_plate_dims)), coordinates.values(distr).shape[0]
+
+
 def local_expectation_group_size(distr: Distribution, n_plate_dims: int = 0) -> int:
-    """``M = 1 + D·K`` evaluation points per sample of ``distr``.
+    """``M = 1 + D·(K−1)`` evaluation points per sample of ``distr``: the sample and its changes.
 
     ``D`` is the number of independent variables in the batch dimensions after the first
-    ``n_plate_dims`` (those belong to plates), ``K`` the number of values of each.
+    ``n_plate_dims`` (those belong to plates), ``K`` the number of values of each. A node chained to
+    an upstream local-expectation node adds ``D·(K−1)`` points to the upstream group instead.
 
     Examples:
         >>> import torch
-        >>> from torch.distributions import OneHotCategorical
+        >>> from torch.distributions import Bernoulli, OneHotCategorical
         >>> local_expectation_group_size(OneHotCategorical(logits=torch.zeros(5, 2, 3)), n_plate_dims=1)
-        7
+        5
+        >>> local_expectation_group_size(Bernoulli(logits=torch.zeros(200)))   # 200 bits: 1 + 200
+        201
     """
-    coordinates = _require_coordinates(distr, "local_expectation_group_size")
-    k = coordinates.values(distr).shape[0]
-    return 1 + math.prod(_var_shape(distr, n_plate_dims)) * k
+    n_vars, k = _counts(distr, n_plate_dims, "local_expectation_group_size")
+    return 1 + n_vars * (k - 1)
+
+
+def _value_index(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The index ``k`` of each coordinate's value in ``values`` (``(K, *event)``): ``x`` of shape
+    ``(..., *event)`` gives ``(...)``."""
+    n_event = values.dim() - 1
+    match = x.unsqueeze(x.dim() - n_event) == values.to(x.dtype)  # (..., K, *event)
+    if n_event:
+        match = match.flatten(-n_event).all(-1)
+    return match.to(torch.uint8).argmax(-1)
+
+
+def _other_values(index: torch.Tensor, k: int) -> torch.Tensor:
+    """``(..., K−1)``: the indices of the values other than ``index``, in increasing order."""
+    j = torch.arange(k - 1, device=index.device)
+    return j + (j >= index.unsqueeze(-1)).to(j.dtype)
+
+
+def _changes(x: torch.Tensor, values: torch.Tensor, n_between: int) -> torch.Tensor:
+    """The one-coordinate changes of samples ``x`` of shape ``(G, *P, D, *event)``, with ``n_between``
+    dimensions ``P`` (plates) between the groups ``G`` and the variables ``D``.
+
+    Returns ``(G, D·(K−1), *P, D, *event)``: change ``d·(K−1) + j`` is ``x`` with variable ``d`` set
+    to the ``j``-th of its other values.
+    """
+    k = values.shape[0]
+    n_event = values.dim() - 1
+    n_vars = x.shape[1 + n_between]
+    others = values[_other_values(_value_index(x, values), k)].to(x.dtype)  # (G, *P, D, K−1, *event)
+    # (G, D, K−1, *P, 1, *event): the new value of variable d, to be placed at d' = d
+    order = [0, 1 + n_between, 2 + n_between] + list(range(1, 1 + n_between))
+    order += list(range(3 + n_between, 3 + n_between + n_event))
+    new = others.permute(order).unsqueeze(3 + n_between)
+    which = torch.eye(n_vars, dtype=torch.bool, device=x.device)
+    which = which.reshape((1, n_vars, 1) + (1,) * n_between + (n_vars,) + (1,) * n_event)
+    changed = torch.where(which, new, x[:, None, None])
+    return changed.reshape((x.shape[0], n_vars * (k - 1)) + tuple(x.shape[1:]))
 
 
 def local_expectation_points(distr: Distribution, n_samples: int, n_plate_dims: int = 0) -> torch.Tensor:
-    """``n`` samples of ``distr`` and their one-coordinate changes: ``(n, 1 + D·K, *batch, *event)``.
+    """``n`` samples of ``distr`` and their one-coordinate changes: ``(n, 1 + D·(K−1), *batch, *event)``.
 
-    Point 0 of group ``j`` is the sample ``x_j``; point ``1 + d·K + k`` is ``x_j`` with coordinate ``d``
-    (in row-major order over the non-plate batch dimensions) set to value ``k``. Call it on plain
-    tensors (storch dispatch disabled), as proposals are.
+    Point 0 of group ``j`` is the sample ``x_j``; point ``1 + d·(K−1) + i`` is ``x_j`` with coordinate
+    ``d`` (in row-major order over the non-plate batch dimensions) set to the ``i``-th value other than
+    its own. Call it on plain tensors (storch dispatch disabled), as proposals are.
 
     Examples:
         >>> import torch
         >>> from torch.distributions import Bernoulli
         >>> points = local_expectation_points(Bernoulli(torch.tensor([1.0, 0.0])), 1)
-        >>> points[0].tolist()   # the sample, then coordinate 0 set to 0 and 1, coordinate 1 set to 0 and 1
-        [[1.0, 0.0], [0.0, 0.0], [1.0, 0.0], [1.0, 0.0], [1.0, 1.0]]
+        >>> points[0].tolist()   # the sample, then coordinate 0 flipped, then coordinate 1 flipped
+        [[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]]
     """
     coordinates = _require_coordinates(distr, "local_expectation_points")
     values = coordinates.values(distr)  # (K, *event)
-    k = values.shape[0]
-    batch = tuple(distr.batch_shape)
-    event = tuple(distr.event_shape)
-    plate_shape, var_shape = batch[:n_plate_dims], batch[n_plate_dims:]
-    n_vars = math.prod(var_shape)
+    batch, event = tuple(distr.batch_shape), tuple(distr.event_shape)
+    plate_shape, n_vars = batch[:n_plate_dims], math.prod(batch[n_plate_dims:])
     x = distr.sample((n_samples,))
     flat = x.reshape((n_samples,) + plate_shape + (n_vars,) + event)
-    n_p, n_e = len(plate_shape), len(event)
-    # changed[j, d, k, ..., d', ...] = values[k] if d' == d else x_j[..., d', ...]
-    base = flat[:, None, None]
-    which = torch.eye(n_vars, dtype=torch.bool, device=x.device)
-    which = which.reshape((1, n_vars, 1) + (1,) * n_p + (n_vars,) + (1,) * n_e)
-    vals = values.reshape((1, 1, k) + (1,) * n_p + (1,) + event).to(x.dtype)
-    changed = torch.where(which, vals, base)
-    changed = changed.reshape((n_samples, n_vars * k) + batch + event)
+    changed = _changes(flat, values, len(plate_shape)).reshape((n_samples, -1) + batch + event)
     return torch.cat([x.unsqueeze(1), changed], 1)
 
 
@@ -208,40 +281,220 @@ def local_expectation_weights(n_samples: int, group_size: int) -> torch.Tensor:
     return group_weights(n_samples, [1.0] + [0.0] * (group_size - 1))
 
 
-def local_expectation_term(tensor: StochasticTensor, cost: torch.Tensor) -> Tensor:
-    """The surrogate term, per point, of a node sampled with :func:`local_expectation_points`.
+# --------------------------------------------------------------------------- the evaluation plate
+@dataclass(frozen=True)
+class _Group:
+    """How one node's points sit in the groups of its plate."""
 
-    ``Σ_d Σ_k (p_d(k) − stopgrad p_d(k)) · □(½ Σ_{d'≠d} log p_{d'}(x_{d'})) · cost(x≠d, x_d = k)``
-    per group, spread over the group's points (so it counts once per group). Its forward value is 0;
-    its first and second derivatives are the local-expectation estimates (see the module docstring).
+    n_groups: int
+    size: int  # points per group on this plate, M_s
+    start: int  # where this node's changes begin, M_{s−1} (1 for the first node of a chain)
+    n_vars: int
+    k: int
+
+
+class LocalExpectationPlate(AncestralPlate):
+    """The evaluation plate of a local-expectation node: ``n`` groups of ``M`` points.
+
+    The plate of the first node of a chain has no ancestor; a node chained to it extends its groups
+    (see the module docstring) with a new step named after itself, descending from the upstream
+    plate; tensors of the upstream plate are re-indexed to it where they meet (point ``m`` of a group
+    takes the upstream point ``m`` for ``m < M_upstream``, the sample otherwise).
+    """
+
+    __slots__ = ()
+    renames_its_chain = True
+
+    @property
+    def group(self) -> _Group:
+        return self.info  # type: ignore[return-value]
+
+    def chain(self) -> list["LocalExpectationPlate"]:
+        """The plates of the chain up to this one, first node first."""
+        out: list[LocalExpectationPlate] = []
+        step: Optional[AncestralPlate] = self
+        while isinstance(step, LocalExpectationPlate):
+            out.append(step)
+            step = step.ancestor
+        return out[::-1]
+
+
+def _extension_index(n_groups: int, upstream: int, size: int, device: torch.device) -> torch.Tensor:
+    """``parent_index`` of an extended plate: point ``m`` of group ``j`` comes from upstream point
+    ``j·upstream + m`` for ``m < upstream`` and from the group's sample ``j·upstream`` otherwise."""
+    m = torch.arange(size, device=device)
+    within = torch.where(m < upstream, m, torch.zeros_like(m))
+    return (torch.arange(n_groups, device=device)[:, None] * upstream + within).reshape(-1)
+
+
+class LocalExpectationMemoryError(MemoryError):
+    """The evaluation points of a local-expectation node would not fit in memory."""
+
+
+#: the fraction of the free memory the samples of the points may take (the cost's evaluation at
+#: every point, activations and gradients, takes many times the samples themselves)
+_SAMPLES_MEMORY_FRACTION = 0.25
+
+
+def _free_memory(device: torch.device) -> Optional[int]:
+    """Free bytes on ``device`` (``None`` where unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return None
+    return None
+
+
+def _check_fits(who: str, points: int, shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+                nested: Sequence[Plate]) -> None:
+    """Refuse, before allocating, samples of ``shape`` that would take more than a quarter of the free memory."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    free = _free_memory(device)
+    if free is None or nbytes <= _SAMPLES_MEMORY_FRACTION * free:
+        return
+    why = (
+        f" They multiply with the points of the plates {[p.name for p in nested]} that its distribution carries "
+        "(nested local expectations): sample the nodes with LocalExpectation(..., joint=True) and "
+        "n_samples=1 downstream, so that a chain costs the sum of its points, not their product."
+        if nested else " Use fewer samples, a smaller minibatch, or an estimator with fewer cost evaluations."
+    )
+    raise LocalExpectationMemoryError(
+        f"{who}: {points} evaluation points per sample, samples of shape {tuple(shape)} "
+        f"({nbytes / 2**30:.1f} GiB) against {free / 2**30:.1f} GiB free on {device}; evaluating the cost at "
+        f"every point takes many times more.{why}"
+    )
+
+
+def _joinable_plate(method: "LocalExpectation", distr: Distribution, plates: Sequence[Plate]) -> Optional[LocalExpectationPlate]:
+    """The upstream evaluation plate this node extends, or ``None`` for a plate of its own.
+
+    A node joins when its distribution's newest plate is a local-expectation evaluation plate and it
+    draws one sample per upstream sample. The newest only: a node drawn between the two from the
+    upstream points would be reduced after the joint plate, too late for the upstream node's term.
+    """
+    if not method.joint or method.n_samples != 1 or not plates:
+        return None
+    newest = plates[0]
+    if isinstance(newest, LocalExpectationPlate) and newest.node is not None:
+        return newest
+    return None
+
+
+# --------------------------------------------------------------------------- the surrogate term
+@dataclass(frozen=True)
+class _Segment:
+    """What the term of one node of a chain needs, as plain tensors (shapes with ``P`` the node's
+    other plates): ``log_p`` ``(n, U, *P, D)``, the per-variable log-probability of its draws at the
+    ``U`` upstream points (``U = 1``: its sample); ``probs`` ``(n or 1, *P, D, K)`` at point 0;
+    ``index`` ``(n, *P, D)``, the index of each variable's value in the sample."""
+
+    group: _Group
+    parents: tuple
+    log_p: torch.Tensor
+    probs: torch.Tensor
+    index: torch.Tensor
+
+
+def _segment(node, group: _Group, upstream: int) -> _Segment:
+    """The :class:`_Segment` of ``node`` (a :class:`~storch.tensor.StochasticNode`), whose
+    distribution's parameters carry an upstream plate of ``upstream`` points per group (0: none)."""
+    distr, samples = node.distribution, node.samples
+    parents = tuple(node.layout.plates[1:])
+    other = tuple(samples.shape[1: 1 + len(parents)])
+    n, d, k = group.n_groups, group.n_vars, group.k
+    coordinates = _require_coordinates(distr, "local_expectation_term")
+    own = samples.reshape((n, group.size) + tuple(samples.shape[1:]))
+    if upstream:  # the draws at the upstream points, laid out like the distribution's batch
+        drawn = own[:, :upstream].reshape((n * upstream,) + tuple(samples.shape[1:]))
+    else:
+        drawn = own[:, 0]
+    log_p = log_prob_of_own_samples(distr, drawn).reshape((n, max(upstream, 1)) + other + (d,))
+    probs = coordinates.probs(distr)
+    if upstream:
+        probs = probs.reshape((n, upstream) + other + (d, k))[:, 0]
+    else:
+        probs = probs.reshape((1,) + tuple(probs.shape[: len(parents)]) + (d, k))
+    index = _value_index(own[:, 0], coordinates.values(distr)).reshape((n,) + other + (d,))
+    return _Segment(group, parents, log_p, probs, index)
+
+
+def _upstream_points(plate: "LocalExpectationPlate") -> int:
+    ancestor = plate.ancestor
+    return ancestor.size // plate.group.n_groups if isinstance(ancestor, LocalExpectationPlate) else 0
+
+
+def _segments(tensor: StochasticTensor) -> list[_Segment]:
+    """The segments of the chain that ends at ``tensor``'s node, first node first."""
+    plate = tensor.plate
+    with no_dispatch():
+        if isinstance(plate, LocalExpectationPlate):
+            return [_segment(step.node, step.group, _upstream_points(step)) for step in plate.chain()]
+        # a plain plate whose points another method laid out (GSB's discrete rule): one node
+        node = node_of(tensor)
+        n_vars, k = _counts(node.distribution, len(node.layout.plates) - 1, "local_expectation_term")
+        size = 1 + n_vars * (k - 1)
+        return [_segment(node, _Group(group_plate(plate, size).size, size, 1, n_vars, k), 0)]
+
+
+def _later_scores(later: Sequence[_Segment], groups: Plate, points: int) -> Optional[Tensor]:
+    """``Σ_t log p_t(z_t[m])`` over the chain's later nodes at the first ``points`` points of each
+    group, as a storch tensor whose last dimension is the point."""
+    total = None
+    for segment in later:
+        with no_dispatch():
+            score = segment.log_p[:, :points].sum(-1).movedim(1, -1)  # (n, *P, points)
+        score = wrap_new(score, layout_of_plates((groups,) + segment.parents))
+        total = score if total is None else total + score
+    return total
+
+
+def _segment_term(segment: _Segment, per_group: Tensor, groups: Plate, later: Sequence[_Segment]) -> Tensor:
+    """``T_s`` of the module docstring, one value per group (and per value of other plates)."""
+    group = segment.group
+    layout = layout_of_plates((groups,) + segment.parents)
+    with no_dispatch():
+        own = segment.log_p[:, 0]  # (n, *P, D) at the sample
+        others = own.sum(-1, keepdim=True) - own  # Σ_{d' ≠ d} log p_{d'}(x_{d'})
+        box = magic_box(0.5 * others).unsqueeze(-1)  # (n, *P, D, 1)
+        index = segment.index
+        probs = segment.probs.expand(tuple(index.shape) + (group.k,))
+        q = probs.gather(-1, _other_values(index, group.k))  # (n, *P, D, K−1): the other values' probabilities
+    q, box = wrap_new(q, layout), wrap_new(box, layout)
+    end = group.start + group.n_vars * (group.k - 1)
+    costs = per_group[..., :end]
+    scores = _later_scores(later, groups, end)
+    if scores is not None:
+        costs = costs * magic_box(scores)
+    changed = torch.unflatten(costs[..., group.start:], -1, (group.n_vars, group.k - 1))
+    return ((q - q.detach()) * box * (changed - costs[..., :1].unsqueeze(-1))).sum(-1).sum(-1)
+
+
+def local_expectation_term(tensor: StochasticTensor, cost: torch.Tensor) -> Tensor:
+    """The surrogate term, per point, of a node sampled with :func:`local_expectation_points`, or of
+    the chain of local-expectation nodes that ends at ``tensor``'s node.
+
+    ``Σ_s Σ_d Σ_j (q_dj − stopgrad q_dj) · □(½ Σ_{d'≠d} log p_{d'}(x_{d'})) · (C_s[m_dj] − C_s[0])``
+    per group (``s`` over the chain's nodes, ``j`` over the values other than the sample's),
+    spread over the group's points (so it counts once per group). Its forward value is 0; its first
+    and second derivatives are the local-expectation estimates (see the module docstring).
 
     Args:
-        tensor: the node (its plate holds ``n`` groups of ``1 + D·K`` points, sample first).
+        tensor: the node (its plate holds ``n`` groups of points, sample first).
         cost: the downstream cost, one value per point (and per value of other plates).
     """
+    segments = _segments(tensor)
+    size = segments[-1].group.size
     plate = tensor.plate
-    distr = tensor.distribution
-    parents = tuple(layout_of(tensor).plates[1:])
-    coordinates = _require_coordinates(distr, "local_expectation_term")
-    with no_dispatch():
-        k = coordinates.values(distr).shape[0]
-        n_vars = math.prod(_var_shape(distr, len(parents)))
-        group_size = 1 + n_vars * k
-        groups = group_plate(plate, group_size)
-        probs = coordinates.probs(distr)
-        probs = probs.reshape(probs.shape[: len(parents)] + (n_vars, k))
-        samples = tensor.view_as(tensor)
-        real = samples.reshape((groups.size, group_size) + tuple(samples.shape[1:]))[:, 0]
-        log_p = log_prob_of_own_samples(distr, real)
-        log_p = log_p.reshape(log_p.shape[: 1 + len(parents)] + (n_vars,))
-        others = log_p.sum(-1, keepdim=True) - log_p  # Σ_{d' ≠ d} log p_{d'}(x_{d'})
-        box = magic_box(0.5 * others).unsqueeze(-1)
-    probs = wrap_new(probs, layout_of_plates(parents))
-    box = wrap_new(box, layout_of_plates((groups,) + parents))
-    per_group = split_groups(cost, plate, group_size)
-    changed = torch.unflatten(per_group[..., 1:], -1, (n_vars, k))
-    term = ((probs - probs.detach()) * box * changed).sum(-1).sum(-1)
-    return spread_groups(term, cost, plate, group_size)  # type: ignore[arg-type]
+    groups = group_plate(plate, size)
+    per_group = split_groups(cost, plate, size)  # (groups, *rest), the group's points as the last dimension
+    total = None
+    for s, segment in enumerate(segments):
+        term = _segment_term(segment, per_group, groups, segments[s + 1:])
+        total = term if total is None else total + term
+    return spread_groups(total, cost, plate, size)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- method
@@ -250,44 +503,119 @@ class LocalExpectation(Method):
 
     ``∇θ E f = E[∇θ f(x)] + Σ_d E_{x≠d}[Σ_k ∇θ p_d(k) f(x≠d, x_d = k)]``, exact in each coordinate
     given a sample of the others (Titsias & Lázaro-Gredilla 2015; De Smet et al. 2023). Unbiased for
-    first and second derivatives (not third). Costs ``n·(1 + D·K)`` evaluations: the node's plate
-    holds, for each of the ``n`` samples, the sample and its ``D·K`` one-coordinate changes; the
+    first and second derivatives (not third). Costs ``n·(1 + D·(K−1))`` evaluations: the node's plate
+    holds, for each of the ``n`` samples, the sample and its ``D·(K−1)`` one-coordinate changes; the
     estimate of ``E f`` uses the samples only (the other points have weight 0).
+
+    A node whose distribution's newest plate is another local-expectation node's (a chain
+    ``z₁ → z₂``) adds its ``D₂(K₂−1)`` changes to that plate's groups instead of a plate of its own, so
+    the chain costs the sum of the nodes' points, not their product (module docstring).
 
     Args:
         plate_name: node / plate name.
-        n_samples: the number of samples ``n`` (the plate has ``n·(1 + D·K)`` points).
+        n_samples: the number of samples ``n`` (the plate has ``n·(1 + D·(K−1))`` points). A node
+            chained to an upstream one draws one sample per upstream sample and needs ``n_samples=1``
+            (with more it is nested).
+        joint: extend an upstream local-expectation plate (the default); ``False`` nests the node
+            (a plate of its own, the cost at the product of the points).
 
     Examples:
         >>> import torch, storch
         >>> from torch.distributions import Bernoulli
         >>> logits = torch.tensor([0.3, -0.5], requires_grad=True)
         >>> x = LocalExpectation("x", n_samples=2)(Bernoulli(logits=logits))
-        >>> x.shape                                  # 2 samples × (1 + 2 variables × 2 values)
-        torch.Size([10, 2])
-        >>> storch.add_cost((x[..., 0] - 2 * x[..., 1]) ** 2, "f")
+        >>> x.shape                                  # 2 samples × (1 + 2 variables × 1 other value)
+        torch.Size([6, 2])
+        >>> y = LocalExpectation("y")(Bernoulli(logits=x.sum(-1, keepdim=True) - 1.0))
+        >>> y.plate_names, y.shape                   # y's one change joins x's groups: 2 × (3 + 1)
+        (['y'], torch.Size([8, 1]))
+        >>> storch.add_cost((x[..., 0] - 2 * x[..., 1] + y[..., 0]) ** 2, "f")
         >>> _ = storch.backward()
         >>> logits.grad is not None
         True
     """
 
-    def __init__(self, plate_name: str, n_samples: int = 1) -> None:
+    def __init__(self, plate_name: str, n_samples: int = 1, *, joint: bool = True) -> None:
         super().__init__(plate_name, None, n_samples)
-        self.sampling_method.set_mc_sample(self._sample)
+        self.joint = bool(joint)
         self.sampling_method.set_mc_weighting_function(self._weights)
 
     def check_distribution(self, distr: Distribution) -> None:
         _require_coordinates(distr, f"{type(self).__name__}({self.plate_name!r})")
 
-    def _sample(self, distr: Distribution, plates, n: int) -> torch.Tensor:
-        return flatten_groups(local_expectation_points(distr, n, len(plates)))
+    def forward(self, distr: Distribution) -> StochasticTensor:
+        if not isinstance(distr, Distribution):
+            return super().forward(distr)  # raises the common error
+        self.check_distribution(distr)
+        parents = distribution_layout(distr)
+        if self.plate_name in parents.names:
+            return super().forward(distr)  # raises the common error
+        upstream = _joinable_plate(self, distr, parents.plates)
+        who = f"{type(self).__name__}({self.plate_name!r})"
+        try:
+            with no_dispatch():
+                if upstream is None:
+                    samples, group, others, index = self._draw_group(distr, parents.plates, who)
+                else:
+                    samples, group, others, index = self._extend_group(distr, parents.plates, upstream, who)
+        except RuntimeError as error:
+            reraise_cuda_dimension_error(error, parents.plates, f"{who} sampling")
+            raise
+        plate = LocalExpectationPlate(
+            self.plate_name, samples.shape[0], parents=parents.plates, ancestor=upstream,
+            parent_index=index, info=group,
+        )
+        tensor = new_node(self, distr, samples, plate, others)
+        plate.weight = self._plate_weight(tensor, plate)
+        restore_lazy_plates(distr)  # parameters computed while sampling with dispatch disabled
+        if torch.is_grad_enabled() and get_distr_parameters(distr):
+            note_sampled(plate)  # its gradient needs a cost that carries its plate (see storch.backward)
+        return tensor
 
-    def _weights(self, tensor: StochasticTensor, plate) -> torch.Tensor:
+    def _draw_group(self, distr: Distribution, plates: Sequence[Plate], who: str):
+        """A plate of its own: ``n`` groups of the sample and its changes."""
         n = self.n_samples
-        return local_expectation_weights(n, plate.size // n).to(tensor.device)
+        n_vars, k = _counts(distr, len(plates), who)
+        size = 1 + n_vars * (k - 1)
+        shape = (n * size,) + tuple(distr.batch_shape) + tuple(distr.event_shape)
+        nested = [p for p in plates if isinstance(p, LocalExpectationPlate)]
+        _check_fits(who, size, shape, distr.probs.dtype, distr.probs.device, nested)  # type: ignore[attr-defined]
+        samples = flatten_groups(local_expectation_points(distr, n, len(plates)))
+        return samples, _Group(n, size, 1, n_vars, k), tuple(plates), None
+
+    def _extend_group(self, distr: Distribution, plates: Sequence[Plate], upstream: LocalExpectationPlate, who: str):
+        """Extend ``upstream``'s groups: a draw at each upstream point (shared uniforms within a
+        group), then the changes of the draw at point 0."""
+        coordinates = _require_coordinates(distr, who)
+        values = coordinates.values(distr)
+        n = upstream.group.n_groups
+        points_up = upstream.group.size
+        n_vars, k = _counts(distr, len(plates), who)
+        size = points_up + n_vars * (k - 1)
+        other = tuple(distr.batch_shape)[1: len(plates)]
+        event = tuple(distr.event_shape)
+        _check_fits(who, size, (n * size,) + other + (n_vars,) + event, distr.probs.dtype,  # type: ignore[attr-defined]
+                    distr.probs.device, [])  # type: ignore[attr-defined]
+        probs = coordinates.probs(distr).reshape((n, points_up) + other + (n_vars, k))
+        u = torch.rand((n, 1) + other + (n_vars, 1), dtype=probs.dtype, device=probs.device)
+        index = (probs.cumsum(-1)[..., :-1] <= u).sum(-1)  # inverse CDF: P(index = k) = probs[k]
+        drawn = values[index]  # (n, upstream points, *other, D, *event)
+        changed = _changes(drawn[:, 0], values, len(other))  # (n, D·(K−1), *other, D, *event)
+        samples = torch.cat([drawn, changed], 1)
+        samples = samples.reshape((n * size,) + other + _var_shape(distr, len(plates)) + event)
+        group = _Group(n, size, points_up, n_vars, k)
+        index = _extension_index(n, points_up, size, samples.device)
+        return samples, group, tuple(plates[1:]), index
+
+    def _weights(self, tensor: StochasticTensor, plate: Plate) -> torch.Tensor:
+        group: _Group = plate.info  # type: ignore[assignment]
+        return local_expectation_weights(group.n_groups, group.size).to(tensor.device)
 
     def estimator(self, tensor: StochasticTensor, cost: CostTensor) -> tuple[None, Tensor]:
         return None, local_expectation_term(tensor, cost)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.joint else ", joint=False")
 
 
 #: De Smet et al. 2023 call the categorical case IndeCateR; it is the same estimator.
