@@ -49,8 +49,9 @@ TWO = [Latent("z1", "bernoulli", 200, 2), Latent("z2", "bernoulli", 200, 2)]
     ("disarm", BERN, 5, 2, 4),
     ("rebar", BERN, 10, 3, 9),
     ("spsa", CAT, 6, 2, 6),
-    ("local-expectation", BERN, 900, 2, 802),    # 1 + D*K = 401
-    ("local-expectation", CAT, 201, 1, 201),     # 1 + 20*10
+    ("local-expectation", BERN, 900, 4, 804),    # 1 + D*(K-1) = 201
+    ("local-expectation", CAT, 201, 1, 181),     # 1 + 20*9
+    ("local-expectation", TWO, 900, 2, 802),     # chained layers add their points: 1 + 200 + 200
     ("mvd", BERN, 201, 1, 201),                  # 1 + D
     ("mvd", CAT, 400, 2, 362),                   # 1 + D*(K-1) = 181
     ("arm", TWO, 8, 2, 8),                       # 2 per pair on each layer
@@ -63,7 +64,7 @@ def test_budget_arithmetic(est, latents, budget, n, evals):
 
 
 @pytest.mark.parametrize("est, latents, budget", [
-    ("rloo", BERN, 1), ("arm", BERN, 1), ("local-expectation", BERN, 400), ("mvd", CAT, 180),
+    ("rloo", BERN, 1), ("arm", BERN, 1), ("local-expectation", BERN, 200), ("mvd", CAT, 180),
     ("expect", [Latent("z", "bernoulli", 6, 2)], 63), ("expect", BERN, None), ("rebar", TWO, 8),
 ])
 def test_budget_too_small(est, latents, budget):

@@ -55,6 +55,9 @@ class Estimator:
     exact: bool = False
     max_samples: Optional[Callable[[Latent], int]] = None
     options: Sequence[str] = ()  # the CLI options it reads (shown by `list`, part of the run's label)
+    #: lower layers add their points to the top layer's group (chained local expectations: each layer's
+    #: ``evals - 1`` changes), instead of multiplying them
+    additive_layers: bool = False
 
 
 def _local_expectation_evals(lat: Latent) -> int:
@@ -106,8 +109,9 @@ ESTIMATORS: Dict[str, Estimator] = {e.name: e for e in [
               lambda p, n, a, lat: sm.RELAX(p, control_variate=ControlVariateNet(lat), n_samples=n)),
     Estimator("rebar", "REBAR (Tucker et al. 2017), learned eta and temperature; 3 evaluations per sample",
               lambda p, n, a, lat: sm.REBAR(p, n_samples=n), evals=lambda lat: 3),
-    Estimator("local-expectation", "local expectations / IndeCateR; 1 + D*K evaluations per sample",
-              lambda p, n, a, lat: sm.LocalExpectation(p, n_samples=n), evals=_local_expectation_evals),
+    Estimator("local-expectation", "local expectations / IndeCateR; 1 + D*(K-1) evaluations per sample, layers add theirs",
+              lambda p, n, a, lat: sm.LocalExpectation(p, n_samples=n), evals=_local_expectation_evals,
+              additive_layers=True),
     Estimator("mvd", "measure-valued derivative; 1 + D*(K-1) evaluations per sample",
               lambda p, n, a, lat: sm.MVD(p, n_samples=n), evals=_mvd_evals),
     Estimator("spsa", "SPSA finite differences (--spsa-c), biased; 3 evaluations per perturbation",
@@ -149,7 +153,10 @@ def estimator_evals(est: Estimator, latents: Sequence[Latent]) -> int:
         return math.prod(lat.support for lat in latents)
     e = est.evals(latents[0])
     for lat in latents[1:]:
-        e *= est.min_samples * est.evals(lat)
+        if est.additive_layers:
+            e += est.evals(lat) - 1
+        else:
+            e *= est.min_samples * est.evals(lat)
     return e
 
 

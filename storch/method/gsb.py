@@ -32,7 +32,7 @@ distribution                          rule                                      
 ``Beta(α, β)``                        gammas ``ζ₁ ~ Γ(α,1)``, ``ζ₂ ~ Γ(β,1)``,         truncated         1 + N VJPs (D = 2 per Beta)
                                       ``z = ζ₁/(ζ₁+ζ₂)`` (eq. 20)
 ``Dirichlet(α)``                      gammas ``ζ_k ~ Γ(α_k,1)``, ``z = ζ/Σζ`` (eq. 21)  truncated         1 + N VJPs (D = K per Dirichlet)
-``Bernoulli``, ``Categorical``,       discrete rule (eqs. 16–17) =                   exact (unbiased)  1 + D·K points, no VJP
+``Bernoulli``, ``Categorical``,       discrete rule (eqs. 16–17) =                   exact (unbiased)  1 + D·(K−1) points, no VJP
 ``OneHotCategorical``                 :class:`~storch.method.local_expectation.LocalExpectation`
 ``Poisson(λ)``                        ``κ_n = λ`` on integers: ``∇λ E f =             exact (unbiased)  1 + D points, no VJP
                                       E[f(z + e_j) − f(z)]`` (finite difference,

@@ -1,0 +1,208 @@
+"""Chains of local-expectation nodes on one evaluation plate: the sum of the nodes' points, unbiased
+first and second derivatives against exact enumeration, the same estimates as the per-node form on
+the same draws, and refusals before allocating.
+
+Each statistical test draws R independent estimates in one backward pass (storch.testing) and
+requires |mean − exact| ≤ 4.5 standard errors per coordinate (storch.testing.assert_unbiased).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.distributions import Bernoulli, OneHotCategorical
+
+import storch
+from storch.method import ScoreFunction
+from storch.method.local_expectation import (
+    LocalExpectation,
+    LocalExpectationMemoryError,
+    LocalExpectationPlate,
+)
+from storch.testing import assert_unbiased, replicated_gradients
+
+from problems import replicated_hessians
+
+pytestmark = pytest.mark.seed(2025)
+
+R = 3000
+
+# ---------------------------------------------------------------- a Bernoulli chain z1 → z2 under data
+# θ = (φ (2), W (2×2), b (2)); z1 ~ Bern(σ(x·φ)) per datum x, z2 | z1 ~ Bern(σ(z1 W + b));
+# f = an interacting cost of both layers that also depends on W directly (a pathwise part)
+DATA = torch.tensor([1.0, -0.5, 2.0])
+THETA = torch.tensor([0.4, -0.7, 0.9, -0.3, 0.5, 1.1, -0.2, 0.3])
+
+
+def unpack(theta):
+    return theta[..., :2], theta[..., 2:6].unflatten(-1, (2, 2)), theta[..., 6:8]
+
+
+def chain_cost(z1, z2, w):
+    t1, t2 = torch.tensor([0.3, 0.8]), torch.tensor([0.6, 0.2])
+    cost = ((z1 - t1) ** 2).sum(-1) + ((z2 - t2) ** 2).sum(-1) + 1.5 * z1[..., 0] * z2[..., 1]
+    return cost - 0.7 * z2[..., 0] * z1[..., 1] + 0.3 * (w.sum((-1, -2)) * z2[..., 0])
+
+
+def exact_chain(theta):
+    phi, w, b = unpack(theta)
+    total = 0.0
+    for x in DATA:
+        p1 = torch.sigmoid(x * phi)
+        for bits1 in itertools.product([0.0, 1.0], repeat=2):
+            z1 = torch.tensor(bits1)
+            q1 = (p1 * z1 + (1 - p1) * (1 - z1)).prod()
+            p2 = torch.sigmoid(z1 @ w + b)
+            for bits2 in itertools.product([0.0, 1.0], repeat=2):
+                z2 = torch.tensor(bits2)
+                q2 = (p2 * z2 + (1 - p2) * (1 - z2)).prod()
+                total = total + q1 * q2 * chain_cost(z1, z2, w)
+    return total / len(DATA)
+
+
+def chain_model(m1, m2, check_plates=True):
+    def model(theta):
+        phi, w, b = unpack(theta)
+        x = storch.denote_independent(DATA.unsqueeze(-1), 0, "data")  # (data, 1)
+        z1 = m1(Bernoulli(logits=x * phi))
+        z2 = m2(Bernoulli(logits=(z1.unsqueeze(-2) @ w).squeeze(-2) + b))
+        if check_plates:
+            assert z2.plate_names == ["z2", "data", "replicate"], z2.plate_names
+            assert z2.plates[0].size == 1 + 2 + 2  # the sample, z1's two flips, z2's two flips
+        storch.add_cost(chain_cost(z1, z2, w), "f")
+
+    return model
+
+
+def test_chain_points_add_up():
+    x = LocalExpectation("x", n_samples=3)(Bernoulli(logits=torch.zeros(200)))
+    y = LocalExpectation("y")(Bernoulli(logits=x[..., :100] - 0.5))
+    assert isinstance(y.plates[0], LocalExpectationPlate) and y.plates[0].ancestor is x.plates[0]
+    assert (x.n, y.n) == (3 * 201, 3 * (201 + 100))
+    both = x.sum(-1) + y.sum(-1)  # x is re-indexed to y's plate: no product
+    assert both.plate_names == ["y"] and both.shape == (3 * 301,)
+    # at y's own points x is the group's sample; at the upstream points x is as at that point
+    xs, ys = x._tensor.reshape(3, 201, 200), y._tensor.reshape(3, 301, 100)
+    assert torch.equal(both._tensor.reshape(3, 301)[:, 201:], (xs[:, :1].sum(-1) + ys[:, 201:].sum(-1)))
+    # y's own changes flip one variable of its point-0 draw each
+    assert torch.equal((ys[:, 201:] != ys[:, :1]).sum(-1), torch.ones(3, 100, dtype=torch.long))
+    storch.reset()
+
+
+def test_chain_is_unbiased_first_order():
+    (grads,) = replicated_gradients([THETA], R, chain_model(LocalExpectation("z1"), LocalExpectation("z2")))
+    exact = torch.autograd.functional.jacobian(exact_chain, THETA)
+    assert_unbiased(grads, exact, label="z1 -> z2, data plate")
+
+
+def test_chain_is_unbiased_second_order():
+    hessians = replicated_hessians(THETA, 4000, chain_model(LocalExpectation("z1"), LocalExpectation("z2")))
+    exact = torch.autograd.functional.hessian(exact_chain, THETA)
+    assert_unbiased(hessians, exact.reshape(-1), label="z1 -> z2 hessian")
+
+
+@pytest.mark.parametrize("pair", ["le_sf", "sf_le"])
+def test_chain_with_score_function_under_data(pair):
+    le = lambda name: LocalExpectation(name)  # noqa: E731
+    sf = lambda name: ScoreFunction(name, n_samples=2, baseline_factory="batch_average")  # noqa: E731
+    m1, m2 = (le("z1"), sf("z2")) if pair == "le_sf" else (sf("z1"), le("z2"))
+    (grads,) = replicated_gradients([THETA], R, chain_model(m1, m2, check_plates=False))
+    exact = torch.autograd.functional.jacobian(exact_chain, THETA)
+    assert_unbiased(grads, exact, label=pair)
+
+
+# ---------------------------------------------------------------- three categorical nodes in a chain
+L1 = torch.tensor([0.2, -0.4, 0.7])
+L23 = torch.tensor([[0.5, 0.0, -0.8], [1.0, -0.3, 0.2], [-0.6, 0.4, 0.1]])
+TABLE = torch.arange(27.0).reshape(3, 3, 3).sin() * 3.0
+PARAMS3 = torch.cat([L1, L23.reshape(-1)])
+
+
+def three_model(theta):
+    l1, l23 = theta[..., :3], theta[..., 3:].unflatten(-1, (3, 3))
+    z1 = LocalExpectation("z1")(OneHotCategorical(logits=l1))
+    z2 = LocalExpectation("z2")(OneHotCategorical(logits=(z1.unsqueeze(-1) * l23).sum(-2)))
+    z3 = LocalExpectation("z3")(OneHotCategorical(logits=(z2.unsqueeze(-1) * l23).sum(-2) * 0.5))
+    assert z3.plate_names == ["z3", "replicate"] and z3.plates[0].size == 1 + 2 + 2 + 2
+    cost = (z1[..., :, None, None] * z2[..., None, :, None] * z3[..., None, None, :] * TABLE).sum((-1, -2, -3))
+    storch.add_cost(cost, "f")
+
+
+def exact_three(theta):
+    l1, l23 = theta[:3], theta[3:].reshape(3, 3)
+    p1, p2 = l1.softmax(-1), l23.softmax(-1)
+    p3 = (0.5 * l23).softmax(-1)
+    return (p1[:, None, None] * p2[:, :, None] * p3[None, :, :] * TABLE).sum()
+
+
+def test_three_node_chain_first_and_second_order():
+    (grads,) = replicated_gradients([PARAMS3], R, three_model)
+    assert_unbiased(grads, torch.autograd.functional.jacobian(exact_three, PARAMS3), label="3-chain")
+    hessians = replicated_hessians(PARAMS3, 4000, three_model)
+    exact = torch.autograd.functional.hessian(exact_three, PARAMS3)
+    assert_unbiased(hessians, exact.reshape(-1), label="3-chain hessian")
+
+
+# ---------------------------------------------------------------- same estimates as per-coordinate sums
+def test_same_gradient_as_evaluating_every_value_on_the_same_draws():
+    """The estimator as the 1 + D·K form states it, Σ_d Σ_k ∇p_d(k) f(x≠d, k) with the sample's own
+    value evaluated again, on the same draws: equal up to rounding."""
+    logits0 = torch.tensor([[0.3, -0.5, 1.0, 0.2], [-1.0, 0.4, 0.0, 0.8]])  # (data 2, D 4)
+    target = torch.tensor([0.49, 0.499, 0.8, 0.1])
+
+    def f(x, logits):
+        return ((x - target) ** 2).sum(-1) + 2.0 * x[..., 0] * x[..., 1] + (x * logits).sum(-1) ** 2
+
+    torch.manual_seed(5)
+    logits = logits0.clone().requires_grad_()
+    per_datum = storch.denote_independent(logits, 0, "data")
+    x = LocalExpectation("x", n_samples=3)(Bernoulli(logits=per_datum))
+    storch.add_cost(f(x, per_datum), "f")
+    storch.backward()
+
+    torch.manual_seed(5)
+    samples = Bernoulli(logits=logits0).sample((3,))  # the draws the node made: (3, data, D)
+    ref = logits0.clone().requires_grad_()
+    p = torch.sigmoid(ref)
+    total = f(samples, ref).mean(0)  # the pathwise part at the samples
+    for d, k in itertools.product(range(4), (0.0, 1.0)):
+        point = samples.clone()
+        point[..., d] = k
+        p_k = p[:, d] if k == 1.0 else 1 - p[:, d]
+        total = total + ((p_k - p_k.detach()) * f(point, ref)).mean(0)
+    (expected,) = torch.autograd.grad(total.mean(), ref)  # the data plate's weight: 1/2 each
+    assert torch.allclose(logits.grad, expected, atol=1e-5), (logits.grad, expected)
+
+
+# ---------------------------------------------------------------- variance: joint against nested
+def test_joint_form_has_no_more_variance_than_nested():
+    """First-order estimates of the chain: the joint plate's common random numbers make the
+    downstream draws at z1's changes equal where z1's change does not move them (measured, two
+    seeds: total variance joint 0.103–0.106, nested 0.132–0.134; for z1's parameters φ alone
+    0.030 against 0.058)."""
+    joint = replicated_gradients([THETA], R, chain_model(LocalExpectation("z1"), LocalExpectation("z2")))[0]
+    nested = replicated_gradients(
+        [THETA], R, chain_model(LocalExpectation("z1"), LocalExpectation("z2", joint=False), check_plates=False)
+    )[0]
+    exact = torch.autograd.functional.jacobian(exact_chain, THETA)
+    assert_unbiased(nested, exact, label="nested")
+    assert joint.var(0).sum() <= 1.1 * nested.var(0).sum(), (joint.var(0).sum(), nested.var(0).sum())
+
+
+# ---------------------------------------------------------------- loud refusals
+def test_nested_points_that_cannot_fit_are_refused_before_allocating():
+    x = LocalExpectation("x")(Bernoulli(logits=torch.zeros(3000)))
+    with pytest.raises(LocalExpectationMemoryError, match=r"3001 evaluation points per sample.*nested local"):
+        LocalExpectation("y", joint=False)(Bernoulli(logits=x - 0.5))
+    y = LocalExpectation("y")(Bernoulli(logits=x - 0.5))  # the joint form: 6001 points
+    assert y.n == 6001
+    storch.reset()
+
+
+def test_downstream_node_with_several_samples_is_nested():
+    x = LocalExpectation("x")(Bernoulli(logits=torch.zeros(2)))
+    y = LocalExpectation("y", n_samples=2)(Bernoulli(logits=x - 0.5))
+    assert y.plate_names == ["y", "x"] and y.n == 2 * 3
+    storch.reset()
