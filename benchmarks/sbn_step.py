@@ -15,6 +15,8 @@ and prior get the pathwise gradient of the ELBO in every case:
 * ``RLOO`` (n=2):       storch ``ScoreFunction("z", n_samples=2, baseline_factory="batch_average")``
 * ``ARM`` (1 pair):     storch ``ARM("z", n_samples=1)``    (2 cost evaluations)
 * ``DisARM`` (1 pair):  storch ``DisARM("z", n_samples=1)`` (2 cost evaluations)
+* ``BSB`` (n=1):        storch ``LocalExpectation("z", n_samples=1)``, the GSB paper's Bernoulli rule
+  (local expectations): the sample and its 200 one-bit flips, 201 cost evaluations
 
 In the storch steps the negative ELBO is one cost, registered with ``storch.add_cost``, whose
 ``log q(z|x)`` is computed from the distribution object, so its direct dependence on the encoder
@@ -68,7 +70,7 @@ BATCH = 50
 LR = 1e-3
 DEFAULT_DATA = ROOT.parent / "shared" / "data"
 
-ESTIMATORS = ("REINFORCE", "RLOO", "ARM", "DisARM")
+ESTIMATORS = ("REINFORCE", "RLOO", "ARM", "DisARM", "BSB")
 # storch; the hand-written step; the hand-written step on a do-nothing tensor subclass (FloorTensor);
 # the storch step under storch.compile_step (traced once, replayed as a graph of aten operations)
 VARIANTS = ("storch", "hand-written", "floor", "compiled")
@@ -171,6 +173,33 @@ def hw_disarm(model: LinearSBN, x: torch.Tensor, n: int = 1) -> torch.Tensor:
     return f.detach().mean()
 
 
+def hw_bsb(model: LinearSBN, x: torch.Tensor, n: int = 1) -> torch.Tensor:
+    """BSB (Echraibi et al., the GSB paper's Bernoulli rule) = local expectations::
+
+        z_j ~ q (no gradient);  z_j^(d) = z_j with bit d flipped, d = 1..D;
+        g_phi_d = [p_d(1 - z_jd)]' (f(z_j^(d)) - f(z_j))   (the sample's own value drops out)
+        surrogate = mean_{j, batch} [ f(z_j) + sum_d (q_d - stopgrad q_d) stopgrad(f(z_j^(d)) - f(z_j)) ]
+
+    with ``q_d = p_d(1 − z_jd)`` the probability of the flipped value. The model is evaluated at the
+    ``n·(1 + D)`` points in one batched call, as a user would write it.
+    """
+    model.zero_grad(set_to_none=True)
+    phi = model.encoder(x)  # (B, Z)
+    q = Bernoulli(logits=phi)
+    z = q.sample((n,))  # (n, B, Z)
+    flips = torch.eye(z.shape[-1], dtype=torch.bool)  # (d, Z): which bit each point flips
+    changed = torch.where(flips[:, None], 1.0 - z[:, None], z[:, None])  # (n, d, B, Z)
+    points = torch.cat([z[:, None], changed], 1)  # (n, 1 + D, B, Z)
+    f, _ = _neg_elbo(model, x, points, q)  # (n, 1 + D, B)
+    f0 = f[:, 0]
+    gaps = (f[:, 1:] - f0[:, None]).detach().transpose(1, 2)  # (n, B, D)
+    p = torch.sigmoid(phi)
+    q_other = torch.where(z == 1.0, 1.0 - p, p)  # probability of the flipped value
+    loss = f0.mean() + ((q_other - q_other.detach()) * gaps).sum(-1).mean()
+    loss.backward()
+    return f0.detach().mean()
+
+
 # --------------------------------------------------------------------------------------------
 # storch steps
 # --------------------------------------------------------------------------------------------
@@ -186,6 +215,8 @@ def make_method(name: str):
         return m.ARM("z", n_samples=1)
     if name == "DisARM":
         return m.DisARM("z", n_samples=1)
+    if name == "BSB":
+        return m.LocalExpectation("z", n_samples=1)
     raise ValueError(name)
 
 
@@ -218,6 +249,7 @@ def hw_grad(name: str) -> Callable[[LinearSBN, torch.Tensor], torch.Tensor]:
         "RLOO": lambda model, x: hw_score_function(model, x, 2),
         "ARM": lambda model, x: hw_arm(model, x, 1),
         "DisARM": lambda model, x: hw_disarm(model, x, 1),
+        "BSB": lambda model, x: hw_bsb(model, x, 1),
     }[name]
 
 
@@ -415,14 +447,14 @@ def print_training(train: torch.Tensor, test: torch.Tensor, steps: int, batch: i
     return ok
 
 
-def bench(train: torch.Tensor, blocks: int, steps: int, warmup: int, batch: int):
-    runners = {name: make_runners(train, name, batch) for name in ESTIMATORS}
+def bench(train: torch.Tensor, blocks: int, steps: int, warmup: int, batch: int, estimators=ESTIMATORS):
+    runners = {name: make_runners(train, name, batch) for name in estimators}
     for r in runners.values():  # warm-up
         for variant in VARIANTS:
             r[variant](warmup)
-    times = {name: {variant: [] for variant in VARIANTS} for name in ESTIMATORS}
+    times = {name: {variant: [] for variant in VARIANTS} for name in estimators}
     for blk in range(blocks):  # interleaved blocks, rotating which variant goes first
-        for i, name in enumerate(ESTIMATORS):
+        for i, name in enumerate(estimators):
             k = (blk + i) % len(VARIANTS)
             for variant in VARIANTS[k:] + VARIANTS[:k]:
                 times[name][variant].append(runners[name][variant](steps))
@@ -468,6 +500,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=BATCH)
     p.add_argument("--train", type=int, metavar="STEPS", help="train both versions STEPS steps and compare test -ELBO")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="random streams for --train")
+    p.add_argument("--estimators", nargs="+", choices=ESTIMATORS, default=list(ESTIMATORS),
+                   help="time these estimators only (default: all)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -486,7 +520,8 @@ def main(argv=None) -> int:
     train = load_train(args.data)
     ok = print_check(check_estimators(train[: args.batch]))
     print()
-    print_table(bench(train, args.blocks, args.steps, args.warmup, args.batch), args.blocks, args.steps)
+    times = bench(train, args.blocks, args.steps, args.warmup, args.batch, tuple(args.estimators))
+    print_table(times, args.blocks, args.steps)
     return 0 if ok else 1
 
 

@@ -109,7 +109,8 @@ def _fmt(v, width=9, prec=2) -> str:
 
 
 SUMMARY_COLUMNS = [("test_nelbo", "test -ELBO"), ("test_nll", "test -log p(x)"), ("valid_nelbo", "valid -ELBO"),
-                   ("train_nelbo", "train -ELBO"), ("grad_logvar", "grad log-var"), ("ms_per_step", "ms/step")]
+                   ("train_nelbo", "train -ELBO"), ("grad_logvar", "grad log-var"), ("ms_per_step", "ms/step"),
+                   ("peak_memory_mb", "peak MiB")]
 
 
 def run_table(summaries: Sequence[Dict]) -> str:
@@ -118,7 +119,7 @@ def run_table(summaries: Sequence[Dict]) -> str:
     lines = [head, "-" * len(head)]
     for s in summaries:
         lines.append(f"{s['model']:<15} {s['data']:<15} {s['label']:<44} {s['seed']:>4} {s['evals_per_datum']:>5} "
-                     + " ".join(_fmt(s.get(k), 14) for k, _ in SUMMARY_COLUMNS))
+                     + " ".join(_fmt(s.get(k), 14, 0 if k == "peak_memory_mb" else 2) for k, _ in SUMMARY_COLUMNS))
     return "\n".join(lines)
 
 

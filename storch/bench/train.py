@@ -378,11 +378,24 @@ class Run:
             "grad_logvar": last_var[-1] if last_var else None,
             "ms_per_step": 1000.0 * self.train_time / self.step if self.step else None,
             "train_seconds": self.train_time, "device": str(self.device),
+            "peak_memory_mb": peak_memory_mb(self.device),
         }
         with open(self.dir / "summary.json", "w") as f:
             json.dump(summary, f, indent=2)
         plot_run(self.dir, self.rows, cfg["label"], self.log)
         return summary
+
+
+def peak_memory_mb(device: torch.device) -> Optional[float]:
+    """The peak memory of this process so far, in MiB: the most the CUDA allocator held on a GPU,
+    the peak resident set size on the CPU (the data set included); ``None`` where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        import resource
+    except ImportError:  # not on every platform
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 class _Namespace:

@@ -334,6 +334,8 @@ class LocalExpectationMemoryError(MemoryError):
 #: the fraction of the free memory the samples of the points may take (the cost's evaluation at
 #: every point, activations and gradients, takes many times the samples themselves)
 _SAMPLES_MEMORY_FRACTION = 0.25
+#: samples smaller than this are not checked
+_ALWAYS_FITS = 2**28
 
 
 def _free_memory(device: torch.device) -> Optional[int]:
@@ -352,6 +354,8 @@ def _check_fits(who: str, points: int, shape: Sequence[int], dtype: torch.dtype,
                 nested: Sequence[Plate]) -> None:
     """Refuse, before allocating, samples of ``shape`` that would take more than a quarter of the free memory."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < _ALWAYS_FITS or torch.compiler.is_compiling():
+        return  # no system call for the common case, nor inside a torch.compile trace
     free = _free_memory(device)
     if free is None or nbytes <= _SAMPLES_MEMORY_FRACTION * free:
         return
