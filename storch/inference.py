@@ -170,14 +170,14 @@ def _node_step(S: Tensor, plate: Plate, cost_name: str, record: _Record) -> torc
     return reduce_plate(term, plate, detach_weights=False)  # type: ignore[arg-type]
 
 
-def _creation_order(plate: Plate) -> int:
-    return plate.order
+def _surrogate_order(plate: Plate) -> int:
+    return plate.surrogate_order
 
 
 def _cost_surrogate(cost: CostTensor, record: _Record) -> torch.Tensor:
     S: torch.Tensor = cost
     while isinstance(S, Tensor) and S._layout.plates:
-        plate = max(S._layout.plates, key=_creation_order)  # the newest remaining plate
+        plate = max(S._layout.plates, key=_surrogate_order)  # the newest remaining plate
         if plate.node is None:
             S = reduce_plate(S, plate, detach_weights=False)
         else:

@@ -156,6 +156,14 @@ class Plate:
         return None
 
     @property
+    def surrogate_order(self) -> int:
+        """Where this plate's node comes in the surrogate recursion, which handles the plates of a
+        cost newest first: its creation :attr:`order`, unless a subclass says otherwise (the joint
+        evaluation plate of chained local expectations comes where its chain began, after every node
+        drawn from its points)."""
+        return self.order
+
+    @property
     def is_stochastic(self) -> bool:
         """True if this plate holds the samples of a stochastic node."""
         return self.node is not None

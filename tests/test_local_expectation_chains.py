@@ -206,3 +206,99 @@ def test_downstream_node_with_several_samples_is_nested():
     y = LocalExpectation("y", n_samples=2)(Bernoulli(logits=x - 0.5))
     assert y.plate_names == ["y", "x"] and y.n == 2 * 3
     storch.reset()
+
+
+# ---------------------------------------------------------------- branches and siblings on one plate
+# θ = (a (2), B (2×2), c (2), V (2)); z1 ~ Bern(σ(a)); z2 | z1 ~ Bern(σ(z1 B)); z3 | z1 ~ Bern(σ(z1 + c));
+# w | z1 ~ Bern(σ(z1·V)) (one bit, score function with a baseline); s ~ Bern(σ(c)) a sibling of z1
+BRANCH = torch.tensor([0.3, -0.6, 0.8, -0.4, 0.2, 0.9, -0.5, 0.4, 0.7, -0.3])
+
+
+def bits(k):
+    return [torch.tensor(b) for b in itertools.product([0.0, 1.0], repeat=k)]
+
+
+def bern(p, x):
+    return (p * x + (1 - p) * (1 - x)).prod(-1)
+
+
+def branch_parts(theta):
+    return theta[..., :2], theta[..., 2:6].unflatten(-1, (2, 2)), theta[..., 6:8], theta[..., 8:10]
+
+
+def branch_cost(z1, z2, z3, w):
+    return (z1[..., 0] - 2 * z2[..., 1] + z3[..., 0] * z2[..., 0] + 1.5 * w[..., 0] * z3[..., 1]) ** 2 + z1[..., 1]
+
+
+def exact_branch(theta):
+    a, b, c, v = branch_parts(theta)
+    total = 0.0
+    for z1 in bits(2):
+        p2, p3, pw = torch.sigmoid(z1 @ b), torch.sigmoid(z1 + c), torch.sigmoid((z1 * v).sum(-1, keepdim=True))
+        for z2, z3, w in itertools.product(bits(2), bits(2), bits(1)):
+            prob = bern(torch.sigmoid(a), z1) * bern(p2, z2) * bern(p3, z3) * bern(pw, w)
+            total = total + prob * branch_cost(z1, z2, z3, w)
+    return total
+
+
+def branch_model(theta):
+    """z2 and z3 both come from z1, and w (score function) is drawn from z1's points between them."""
+    a, b, c, v = branch_parts(theta)
+    z1 = LocalExpectation("z1")(Bernoulli(logits=a))
+    z2 = LocalExpectation("z2")(Bernoulli(logits=(z1.unsqueeze(-2) @ b).squeeze(-2)))
+    w = ScoreFunction("w", n_samples=2, baseline_factory="batch_average")(
+        Bernoulli(logits=(z1 * v).sum(-1, keepdim=True)))
+    z3 = LocalExpectation("z3")(Bernoulli(logits=z1 + c))  # extends the chain's newest step, z2's
+    assert z3.plates[0].ancestor is z2.plates[0] and z3.plates[0].size == 1 + 2 + 2 + 2
+    storch.add_cost(branch_cost(z1, z2, z3, w), "f")
+
+
+def test_branches_and_a_score_function_node_between_them():
+    (grads,) = replicated_gradients([BRANCH], R, branch_model)
+    assert_unbiased(grads, torch.autograd.functional.jacobian(exact_branch, BRANCH), label="branches")
+    hessians = replicated_hessians(BRANCH, 4000, branch_model)
+    exact = torch.autograd.functional.hessian(exact_branch, BRANCH)
+    assert_unbiased(hessians, exact.reshape(-1), label="branches hessian")
+
+
+SIBLING_DATA = torch.tensor([[0.5], [-1.0]])
+
+
+def exact_siblings(theta):
+    a, b, c, _ = branch_parts(theta)
+    total = 0.0
+    for x in SIBLING_DATA:
+        for z1, s in itertools.product(bits(2), bits(2)):
+            prob = bern(torch.sigmoid(a * x), z1) * bern(torch.sigmoid(c), s)
+            total = total + prob * ((z1 - s) @ b.sum(0) + z1[0] * s[1]) ** 2
+    return total / len(SIBLING_DATA)
+
+
+def sibling_model(theta):
+    a, b, c, _ = branch_parts(theta)
+    x = storch.denote_independent(SIBLING_DATA, 0, "data")
+    z1 = LocalExpectation("z1")(Bernoulli(logits=a * x))
+    s = LocalExpectation("s")(Bernoulli(logits=c), joint_with=z1)  # not computed from z1: a sibling
+    assert s.plate_names == ["s", "replicate"] and s.plates[0].size == 1 + 2 + 2
+    storch.add_cost((((z1 - s) * b.sum(-2)).sum(-1) + z1[..., 0] * s[..., 1]) ** 2, "f")
+
+
+def test_siblings_joined_explicitly_are_unbiased_under_a_data_plate():
+    (grads,) = replicated_gradients([BRANCH], R, sibling_model)
+    assert_unbiased(grads, torch.autograd.functional.jacobian(exact_siblings, BRANCH), label="siblings")
+    hessians = replicated_hessians(BRANCH, 4000, sibling_model)
+    exact = torch.autograd.functional.hessian(exact_siblings, BRANCH)
+    assert_unbiased(hessians, exact.reshape(-1), label="siblings hessian")
+
+
+def test_joint_with_is_checked():
+    z = ScoreFunction("z")(Bernoulli(logits=torch.zeros(2)))
+    with pytest.raises(TypeError, match="joint_with must be the samples of a LocalExpectation node"):
+        LocalExpectation("s")(Bernoulli(logits=torch.zeros(2)), joint_with=z)
+    b = LocalExpectation("b")(Bernoulli(logits=torch.zeros(2)))
+    with pytest.raises(ValueError, match="needs joint=True and n_samples=1"):
+        LocalExpectation("s", n_samples=2)(Bernoulli(logits=torch.zeros(2)), joint_with=b)
+    late = ScoreFunction("late")(Bernoulli(logits=torch.zeros(2)))  # drawn after b's chain began
+    with pytest.raises(ValueError, match=r"cannot join the points of 'b'.*\['late'\]"):
+        LocalExpectation("s")(Bernoulli(logits=late), joint_with=b)
+    storch.reset()

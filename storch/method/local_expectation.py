@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -282,35 +283,70 @@ def local_expectation_weights(n_samples: int, group_size: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- the evaluation plate
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Group:
-    """How one node's points sit in the groups of its plate."""
+    """How one node's points sit in the groups of its plate.
+
+    ``start``: where the node's own changes begin (the points before are the upstream step's, or the
+    sample alone for the first node of a chain). ``carries``: whether the node's distribution varies
+    over the upstream points (it was computed from the chain); ``source``: for such a node, the
+    position, among the points of the step its distribution carries, of each upstream point (``None``
+    when it carries the upstream step itself).
+    """
 
     n_groups: int
-    size: int  # points per group on this plate, M_s
-    start: int  # where this node's changes begin, M_{s−1} (1 for the first node of a chain)
+    size: int
+    start: int
     n_vars: int
     k: int
+    carries: bool = False
+    source: Optional[torch.Tensor] = None
 
 
 class LocalExpectationPlate(AncestralPlate):
     """The evaluation plate of a local-expectation node: ``n`` groups of ``M`` points.
 
-    The plate of the first node of a chain has no ancestor; a node chained to it extends its groups
-    (see the module docstring) with a new step named after itself, descending from the upstream
-    plate; tensors of the upstream plate are re-indexed to it where they meet (point ``m`` of a group
-    takes the upstream point ``m`` for ``m < M_upstream``, the sample otherwise).
+    The plate of the first node of a chain has no ancestor; a node joined to the chain extends the
+    groups of its newest step (see the module docstring) with a new step named after itself; tensors
+    of earlier steps are re-indexed to it where they meet (point ``m`` of a group takes the upstream
+    point ``m`` for ``m < M_upstream``, the sample otherwise). In the surrogate every step of a chain
+    comes where its first step does (:attr:`surrogate_order`): after the nodes drawn from its points.
     """
 
-    __slots__ = ()
+    __slots__ = ("_extended_by",)
     renames_its_chain = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._extended_by: Optional[weakref.ref] = None
 
     @property
     def group(self) -> _Group:
         return self.info  # type: ignore[return-value]
 
+    @property
+    def root(self) -> "LocalExpectationPlate":
+        step = self
+        while isinstance(step.ancestor, LocalExpectationPlate):
+            step = step.ancestor
+        return step
+
+    @property
+    def surrogate_order(self) -> int:
+        return self.root.order
+
+    def tip(self) -> "LocalExpectationPlate":
+        """The newest step of this plate's chain (the one a new node extends)."""
+        step = self
+        while step._extended_by is not None:
+            newer = step._extended_by()
+            if newer is None:
+                break
+            step = newer
+        return step
+
     def chain(self) -> list["LocalExpectationPlate"]:
-        """The plates of the chain up to this one, first node first."""
+        """The steps of the chain up to this one, first node first."""
         out: list[LocalExpectationPlate] = []
         step: Optional[AncestralPlate] = self
         while isinstance(step, LocalExpectationPlate):
@@ -325,6 +361,37 @@ def _extension_index(n_groups: int, upstream: int, size: int, device: torch.devi
     m = torch.arange(size, device=device)
     within = torch.where(m < upstream, m, torch.zeros_like(m))
     return (torch.arange(n_groups, device=device)[:, None] * upstream + within).reshape(-1)
+
+
+def _index_between(newer: LocalExpectationPlate, older: LocalExpectationPlate) -> Optional[torch.Tensor]:
+    """For each point of ``newer``, its position among the points of its earlier step ``older``
+    (``None`` when they are the same step)."""
+    index = None
+    step = newer
+    while step is not older:
+        parent = step.parent_index
+        index = parent if index is None else parent[index]  # type: ignore[index]
+        step = step.ancestor  # type: ignore[assignment]
+    return index
+
+
+def _explicit_chain(who: str, joint_with: Optional[StochasticTensor], method: "LocalExpectation") -> Optional[LocalExpectationPlate]:
+    """The evaluation plate of ``joint_with`` (a local-expectation node), checked."""
+    if joint_with is None:
+        return None
+    plate = getattr(joint_with, "plates", [None])[0] if isinstance(joint_with, Tensor) else None
+    if not isinstance(plate, LocalExpectationPlate) or plate.node is None:
+        raise TypeError(
+            f"{who}: joint_with must be the samples of a LocalExpectation node of this step (their plate is "
+            f"extended), got {type(joint_with).__name__}"
+            + (f" with plates {joint_with.plate_names}" if isinstance(joint_with, Tensor) else "") + "."
+        )
+    if not method.joint or method.n_samples != 1:
+        raise ValueError(
+            f"{who}: joint_with needs joint=True and n_samples=1 (one draw per upstream sample), got "
+            f"joint={method.joint}, n_samples={method.n_samples}."
+        )
+    return plate
 
 
 class LocalExpectationMemoryError(MemoryError):
@@ -372,28 +439,55 @@ def _check_fits(who: str, points: int, shape: Sequence[int], dtype: torch.dtype,
     )
 
 
-def _joinable_plate(method: "LocalExpectation", distr: Distribution, plates: Sequence[Plate]) -> Optional[LocalExpectationPlate]:
-    """The upstream evaluation plate this node extends, or ``None`` for a plate of its own.
+def _chain_to_extend(
+    method: "LocalExpectation", parents: Sequence[Plate], explicit: Optional[LocalExpectationPlate]
+) -> tuple[Optional[LocalExpectationPlate], Optional[LocalExpectationPlate]]:
+    """``(tip, carried)``: the newest step of the chain this node joins and the step of it that the
+    distribution carries (``None`` for a node joined by ``joint_with``); ``(None, None)`` for a plate
+    of its own.
 
-    A node joins when its distribution's newest plate is a local-expectation evaluation plate and it
-    draws one sample per upstream sample. The newest only: a node drawn between the two from the
-    upstream points would be reduced after the joint plate, too late for the upstream node's term.
+    A node joins a chain whose step is its distribution's newest plate, or the chain of ``joint_with``,
+    when it draws one sample per upstream sample and its distribution's other plates are all older
+    than the chain's first step (they must still be there when the chain's term is computed, which
+    comes after every node drawn from the chain's points).
     """
-    if not method.joint or method.n_samples != 1 or not plates:
-        return None
-    newest = plates[0]
-    if isinstance(newest, LocalExpectationPlate) and newest.node is not None:
-        return newest
-    return None
+    if not method.joint or method.n_samples != 1:
+        return None, None
+    carried: Optional[LocalExpectationPlate] = None
+    if parents and isinstance(parents[0], LocalExpectationPlate) and parents[0].node is not None:
+        carried = parents[0]
+    if carried is None and explicit is None:
+        return None, None
+    step = carried if carried is not None else explicit
+    tip = step.tip()  # type: ignore[union-attr]
+    if explicit is not None and explicit.root is not tip.root:
+        if carried is not None:
+            raise ValueError(
+                f"{type(method).__name__}({method.plate_name!r}): joint_with names the chain of "
+                f"{explicit.root.name!r}, but the distribution is computed from the chain of {carried.root.name!r}; "
+                "a node joins the chain its distribution comes from."
+            )
+    root_order = tip.root.order
+    others = [p for p in parents if p is not carried]
+    if any(p.order >= root_order for p in others):
+        if explicit is not None:
+            late = [p.name for p in others if p.order >= root_order]
+            raise ValueError(
+                f"{type(method).__name__}({method.plate_name!r}): cannot join the points of {tip.root.name!r}: "
+                f"the distribution also carries the plates {late}, drawn after that chain began. Sample this node "
+                "with joint_with=None (its own plate) or draw those plates before the chain."
+            )
+        return None, None
+    return tip, carried
 
 
 # --------------------------------------------------------------------------- the surrogate term
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Segment:
     """What the term of one node of a chain needs, as plain tensors (shapes with ``P`` the node's
-    other plates): ``log_p`` ``(n, U, *P, D)``, the per-variable log-probability of its draws at the
-    ``U`` upstream points (``U = 1``: its sample); ``probs`` ``(n or 1, *P, D, K)`` at point 0;
-    ``index`` ``(n, *P, D)``, the index of each variable's value in the sample."""
+    other plates and ``U`` the upstream points, 1 for the first node): ``log_p`` ``(n, U, *P, D)``, the
+    per-variable log-probability of its draws at the upstream points; ``probs`` ``(n, *P, D, K)`` and
+    ``index`` ``(n, *P, D)``, its probabilities and the index of each variable's value at point 0."""
 
     group: _Group
     parents: tuple
@@ -402,32 +496,29 @@ class _Segment:
     index: torch.Tensor
 
 
-def _segment(node, group: _Group, upstream: int) -> _Segment:
-    """The :class:`_Segment` of ``node`` (a :class:`~storch.tensor.StochasticNode`), whose
-    distribution's parameters carry an upstream plate of ``upstream`` points per group (0: none)."""
+def _probs_at_upstream(distr: Distribution, group: _Group, coordinates: Coordinates, n_parents: int) -> torch.Tensor:
+    """The node's probabilities at the upstream points: ``(n, U, *P, D, K)``, or ``(1, 1, *P, D, K)``
+    for a distribution that does not vary over them."""
+    probs = coordinates.probs(distr)
+    if not group.carries:
+        return probs.reshape((1, 1) + tuple(probs.shape[:n_parents]) + (group.n_vars, group.k))
+    if group.source is not None:
+        probs = probs.index_select(0, group.source)
+    return probs.reshape((group.n_groups, group.start) + tuple(probs.shape[1: 1 + n_parents]) + (group.n_vars, group.k))
+
+
+def _segment(node, group: _Group) -> _Segment:
+    """The :class:`_Segment` of ``node`` (a :class:`~storch.tensor.StochasticNode`)."""
     distr, samples = node.distribution, node.samples
     parents = tuple(node.layout.plates[1:])
     other = tuple(samples.shape[1: 1 + len(parents)])
-    n, d, k = group.n_groups, group.n_vars, group.k
+    n, d, k, upstream = group.n_groups, group.n_vars, group.k, group.start
     coordinates = _require_coordinates(distr, "local_expectation_term")
     own = samples.reshape((n, group.size) + tuple(samples.shape[1:]))
-    if upstream:  # the draws at the upstream points, laid out like the distribution's batch
-        drawn = own[:, :upstream].reshape((n * upstream,) + tuple(samples.shape[1:]))
-    else:
-        drawn = own[:, 0]
-    log_p = log_prob_of_own_samples(distr, drawn).reshape((n, max(upstream, 1)) + other + (d,))
-    probs = coordinates.probs(distr)
-    if upstream:
-        probs = probs.reshape((n, upstream) + other + (d, k))[:, 0]
-    else:
-        probs = probs.reshape((1,) + tuple(probs.shape[: len(parents)]) + (d, k))
-    index = _value_index(own[:, 0], coordinates.values(distr)).reshape((n,) + other + (d,))
-    return _Segment(group, parents, log_p, probs, index)
-
-
-def _upstream_points(plate: "LocalExpectationPlate") -> int:
-    ancestor = plate.ancestor
-    return ancestor.size // plate.group.n_groups if isinstance(ancestor, LocalExpectationPlate) else 0
+    index = _value_index(own[:, :upstream], coordinates.values(distr)).reshape((n, upstream) + other + (d,))
+    probs = _probs_at_upstream(distr, group, coordinates, len(parents)).expand((n, upstream) + other + (d, k))
+    log_p = probs.gather(-1, index.unsqueeze(-1)).squeeze(-1).log()
+    return _Segment(group, parents, log_p, probs[:, 0], index[:, 0])
 
 
 def _segments(tensor: StochasticTensor) -> list[_Segment]:
@@ -435,12 +526,12 @@ def _segments(tensor: StochasticTensor) -> list[_Segment]:
     plate = tensor.plate
     with no_dispatch():
         if isinstance(plate, LocalExpectationPlate):
-            return [_segment(step.node, step.group, _upstream_points(step)) for step in plate.chain()]
+            return [_segment(step.node, step.group) for step in plate.chain()]
         # a plain plate whose points another method laid out (GSB's discrete rule): one node
         node = node_of(tensor)
         n_vars, k = _counts(node.distribution, len(node.layout.plates) - 1, "local_expectation_term")
         size = 1 + n_vars * (k - 1)
-        return [_segment(node, _Group(group_plate(plate, size).size, size, 1, n_vars, k), 0)]
+        return [_segment(node, _Group(group_plate(plate, size).size, size, 1, n_vars, k))]
 
 
 def _later_scores(later: Sequence[_Segment], groups: Plate, points: int) -> Optional[Tensor]:
@@ -464,7 +555,7 @@ def _segment_term(segment: _Segment, per_group: Tensor, groups: Plate, later: Se
         others = own.sum(-1, keepdim=True) - own  # Σ_{d' ≠ d} log p_{d'}(x_{d'})
         box = magic_box(0.5 * others).unsqueeze(-1)  # (n, *P, D, 1)
         index = segment.index
-        probs = segment.probs.expand(tuple(index.shape) + (group.k,))
+        probs = segment.probs
         q = probs.gather(-1, _other_values(index, group.k))  # (n, *P, D, K−1): the other values' probabilities
     q, box = wrap_new(q, layout), wrap_new(box, layout)
     end = group.start + group.n_vars * (group.k - 1)
@@ -547,28 +638,38 @@ class LocalExpectation(Method):
     def check_distribution(self, distr: Distribution) -> None:
         _require_coordinates(distr, f"{type(self).__name__}({self.plate_name!r})")
 
-    def forward(self, distr: Distribution) -> StochasticTensor:
+    def forward(self, distr: Distribution, joint_with: Optional[StochasticTensor] = None) -> StochasticTensor:
+        """Sample ``distr``: the sample and its changes, on a plate of its own or extending a chain.
+
+        Args:
+            distr: a factorised Bernoulli or categorical distribution.
+            joint_with: a local-expectation node of this step whose points this node joins although its
+                distribution is not computed from it (a *sibling*: ``z`` next to ``b`` in ``f(b, z)``),
+                so that the cost is evaluated at the sum of their points, not the product.
+        """
         if not isinstance(distr, Distribution):
             return super().forward(distr)  # raises the common error
         self.check_distribution(distr)
         parents = distribution_layout(distr)
         if self.plate_name in parents.names:
             return super().forward(distr)  # raises the common error
-        upstream = _joinable_plate(self, distr, parents.plates)
         who = f"{type(self).__name__}({self.plate_name!r})"
+        tip, carried = _chain_to_extend(self, parents.plates, _explicit_chain(who, joint_with, self))
         try:
             with no_dispatch():
-                if upstream is None:
+                if tip is None:
                     samples, group, others, index = self._draw_group(distr, parents.plates, who)
                 else:
-                    samples, group, others, index = self._extend_group(distr, parents.plates, upstream, who)
+                    samples, group, others, index = self._extend_group(distr, parents.plates, tip, carried, who)
         except RuntimeError as error:
             reraise_cuda_dimension_error(error, parents.plates, f"{who} sampling")
             raise
+        created_on = parents.plates if tip is None or carried is not None else parents.plates + (tip,)
         plate = LocalExpectationPlate(
-            self.plate_name, samples.shape[0], parents=parents.plates, ancestor=upstream,
-            parent_index=index, info=group,
+            self.plate_name, samples.shape[0], parents=created_on, ancestor=tip, parent_index=index, info=group,
         )
+        if tip is not None:
+            tip._extended_by = weakref.ref(plate)
         tensor = new_node(self, distr, samples, plate, others)
         plate.weight = self._plate_weight(tensor, plate)
         restore_lazy_plates(distr)  # parameters computed while sampling with dispatch disabled
@@ -587,29 +688,31 @@ class LocalExpectation(Method):
         samples = flatten_groups(local_expectation_points(distr, n, len(plates)))
         return samples, _Group(n, size, 1, n_vars, k), tuple(plates), None
 
-    def _extend_group(self, distr: Distribution, plates: Sequence[Plate], upstream: LocalExpectationPlate, who: str):
-        """Extend ``upstream``'s groups: a draw at each upstream point (shared uniforms within a
-        group), then the changes of the draw at point 0."""
+    def _extend_group(self, distr: Distribution, plates: Sequence[Plate], tip: LocalExpectationPlate,
+                      carried: Optional[LocalExpectationPlate], who: str):
+        """Extend the groups of ``tip``: a draw at each of its points (inverse CDF with one uniform per
+        group and variable, shared by the points), then the changes of the draw at point 0."""
         coordinates = _require_coordinates(distr, who)
         values = coordinates.values(distr)
-        n = upstream.group.n_groups
-        points_up = upstream.group.size
+        n, upstream = tip.group.n_groups, tip.group.size
         n_vars, k = _counts(distr, len(plates), who)
-        size = points_up + n_vars * (k - 1)
-        other = tuple(distr.batch_shape)[1: len(plates)]
+        size = upstream + n_vars * (k - 1)
+        first = 0 if carried is None else 1
+        other = tuple(distr.batch_shape)[first: len(plates)]
         event = tuple(distr.event_shape)
         _check_fits(who, size, (n * size,) + other + (n_vars,) + event, distr.probs.dtype,  # type: ignore[attr-defined]
                     distr.probs.device, [])  # type: ignore[attr-defined]
-        probs = coordinates.probs(distr).reshape((n, points_up) + other + (n_vars, k))
+        source = None if carried is None else _index_between(tip, carried)
+        group = _Group(n, size, upstream, n_vars, k, carries=carried is not None, source=source)
+        probs = _probs_at_upstream(distr, group, coordinates, len(plates) - first)
         u = torch.rand((n, 1) + other + (n_vars, 1), dtype=probs.dtype, device=probs.device)
         index = (probs.cumsum(-1)[..., :-1] <= u).sum(-1)  # inverse CDF: P(index = k) = probs[k]
-        drawn = values[index]  # (n, upstream points, *other, D, *event)
+        drawn = values[index.expand((n, upstream) + other + (n_vars,))]  # (n, upstream points, *other, D, *event)
         changed = _changes(drawn[:, 0], values, len(other))  # (n, D·(K−1), *other, D, *event)
         samples = torch.cat([drawn, changed], 1)
         samples = samples.reshape((n * size,) + other + _var_shape(distr, len(plates)) + event)
-        group = _Group(n, size, points_up, n_vars, k)
-        index = _extension_index(n, points_up, size, samples.device)
-        return samples, group, tuple(plates[1:]), index
+        parent_index = _extension_index(n, upstream, size, samples.device)
+        return samples, group, tuple(p for p in plates if p is not carried), parent_index
 
     def _weights(self, tensor: StochasticTensor, plate: Plate) -> torch.Tensor:
         group: _Group = plate.info  # type: ignore[assignment]
