@@ -30,8 +30,14 @@ sample. On the extended plate (named after the newest node), point ``m`` of a gr
 
 Tensors computed from ``z₁`` alone are re-indexed to the extended plate where they meet ``z₂``
 (an :class:`~storch.plate.AncestralPlate` step: ``z₁``'s values at the points ``m ≥ M₁`` are its
-sample). ``LocalExpectation(..., joint=False)`` keeps the nested form: a plate of its own, the cost at
-the product of the points.
+sample). A node computed from any step of a chain extends its newest step (branches ``z₁ → z₂``,
+``z₁ → z₃`` share one plate); a *sibling*, whose distribution does not come from the chain, joins it
+with ``joint_with=`` (its one draw per group is then the same at every upstream point). Nodes of other
+methods drawn from a chain's points come before the chain in the surrogate recursion
+(:attr:`~storch.plate.Plate.surrogate_order`), so their scores are part of the cost ``C`` below. A node
+joins only if its distribution's other plates are older than the chain's first step.
+``LocalExpectation(..., joint=False)`` keeps the nested form: a plate of its own, the cost at the
+product of the points.
 
 Surrogate. Node ``s`` of a chain (its changes at positions ``[M_{s−1}, M_s)`` of a group, ``M₀ = 1``)
 contributes, per group,
