@@ -1,7 +1,9 @@
 #!/bin/bash
 # The GSB paper's Tables 1-2 with local expectation (BSB / CSB, S = 1) at the same number of steps as its
 # competitors: 3000 steps, the gradient-variance probe every 500 steps, checkpoints every 500 steps.
-# One training process at a time, one thread; seed 0 of every model first, then seeds 1 and 2.
+# One thread per training process; seed 0 of every model first, then seeds 1 and 2. Several copies may
+# run side by side (one per core): a run is claimed with a lock folder, finished runs are skipped and
+# interrupted ones resume from their last checkpoint.
 # Run from the repository root: bash docs/results/gsb_at_scale.sh [SEEDS...]   (default: 0 1 2)
 set -u
 P=${PYTHON:-.venv/bin/python}
@@ -12,11 +14,13 @@ run() {  # model estimator seed [options]: skips a run whose summary exists, res
   model=$1; est=$2; seed=$3; shift 3
   dir=$OUT/${model}_binarized-mnist_${est}_seed$seed
   if [ -f "$dir/summary.json" ]; then return; fi
+  mkdir -p "$OUT"; mkdir "$dir.lock" 2>/dev/null || return  # another copy runs it
   if [ -d "$dir" ] && ls "$dir" | grep -q checkpoint; then
     $P -m storch.bench --resume "$dir" --steps 3000 --threads 1 --no-progress
   else
     $P -m storch.bench $C --model $model --estimator $est --seed $seed --overwrite "$@"
   fi
+  rmdir "$dir.lock"
 }
 for seed in ${@:-0 1 2}; do
   run sbn-categorical local-expectation $seed; run sbn-categorical gumbel-softmax $seed

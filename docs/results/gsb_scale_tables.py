@@ -1,0 +1,107 @@
+"""Markdown tables for the local-expectation section of docs/results.md, from storch-bench run folders.
+
+usage: python docs/results/gsb_scale_tables.py RUN_ROOT [RUN_ROOT ...]
+
+Three tables, one row per (model, estimator), mean ± std over the seeds that finished:
+
+1. equal steps: test -ELBO and test -log p(x) (K = 200) after the run's steps, the gradient
+   log-variance of the last probe, ms/step (median over seeds);
+2. equal seconds: for every competitor, its training seconds for the whole run, and local
+   expectation's step and test -ELBO at the last evaluation within those seconds;
+3. the gradient log-variance at each probe (the GSB paper's Figures 5-6).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics as st
+import sys
+from pathlib import Path
+
+LE = "local-expectation"
+
+
+def mean_std(values, digits=2):
+    values = [v for v in values if v is not None]
+    if not values:
+        return "–"
+    sd = st.stdev(values) if len(values) > 1 else 0.0
+    return f"{st.fmean(values):.{digits}f} ± {sd:.{digits}f}"
+
+
+def load(roots):
+    runs = {}
+    for root in roots:
+        for f in sorted(Path(root).rglob("summary.json")):
+            s = json.loads(f.read_text())
+            with open(f.parent / "metrics.csv") as fh:
+                s["rows"] = [r for r in csv.DictReader(fh)]
+            runs.setdefault((s["model"], s["estimator"], s["label"]), []).append(s)
+    return runs
+
+
+def value(row, key):
+    return float(row[key]) if row.get(key) not in (None, "") else None
+
+
+def equal_steps(runs):
+    print("| model | estimator | seeds | steps | evals/image | test −ELBO | test −log p(x), K = 200 | "
+          "grad log-var (last probe) | ms/step |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (model, _, label), ss in sorted(runs.items()):
+        print(f"| {model} | {label} | {len(ss)} | {ss[0]['steps']} | {ss[0]['evals_per_datum']} | "
+              f"{mean_std([s['test_nelbo'] for s in ss])} | {mean_std([s['test_nll'] for s in ss])} | "
+              f"{mean_std([s['grad_logvar'] for s in ss])} | {st.median(s['ms_per_step'] for s in ss):.1f} |")
+
+
+def at_seconds(run, seconds):
+    """(step, test -ELBO) of the last evaluation of ``run`` within ``seconds`` of training."""
+    best = None
+    for row in run["rows"]:
+        if value(row, "seconds") is not None and value(row, "seconds") <= seconds and value(row, "test_nelbo"):
+            best = (int(row["step"]), value(row, "test_nelbo"))
+    return best
+
+
+def equal_seconds(runs):
+    print("| model | competitor | its training seconds | its test −ELBO | local expectation within those "
+          "seconds: step | test −ELBO |")
+    print("|---|---|---|---|---|---|")
+    for (model, est, label), ss in sorted(runs.items()):
+        le = [r for (m, e, _), rs in runs.items() if m == model and e == LE for r in rs]
+        if est == LE or not le:
+            continue
+        seconds = st.fmean(s["train_seconds"] for s in ss)
+        points = [at_seconds(r, seconds) for r in le]
+        points = [p for p in points if p is not None]
+        steps = sorted({p[0] for p in points})
+        print(f"| {model} | {label} | {seconds:.0f} | {mean_std([s['test_nelbo'] for s in ss])} | "
+              f"{'/'.join(map(str, steps)) or '–'} | {mean_std([p[1] for p in points])} |")
+
+
+def variance(runs):
+    steps = sorted({int(r["step"]) for ss in runs.values() for s in ss for r in s["rows"] if r.get("grad_logvar")})
+    print("| model | estimator | " + " | ".join(f"step {k}" for k in steps) + " |")
+    print("|---|---|" + "---|" * len(steps))
+    for (model, _, label), ss in sorted(runs.items()):
+        cells = []
+        for k in steps:
+            vals = [value(r, "grad_logvar") for s in ss for r in s["rows"] if int(r["step"]) == k]
+            cells.append(mean_std(vals))
+        print(f"| {model} | {label} | " + " | ".join(cells) + " |")
+
+
+def main(argv):
+    runs = load(argv)
+    print("Equal steps\n")
+    equal_steps(runs)
+    print("\nEqual seconds\n")
+    equal_seconds(runs)
+    print("\nGradient log-variance over training\n")
+    variance(runs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
