@@ -9,6 +9,7 @@ requires |mean − exact| ≤ 4.5 standard errors per coordinate (storch.testing
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -302,3 +303,59 @@ def test_joint_with_is_checked():
     with pytest.raises(ValueError, match=r"cannot join the points of 'b'.*\['late'\]"):
         LocalExpectation("s")(Bernoulli(logits=late), joint_with=b)
     storch.reset()
+
+
+# ---------------------------------------------------------------- the ELBO of a two-layer network, as users write it
+X2 = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]])  # two data points of 3 pixels
+SBN2 = torch.linspace(-0.8, 0.9, 31)  # q1 (2×3, 2), q2 (2×2, 2), p1 (2×2, 2), px (3×2, 3), prior (2)
+
+
+def sbn2_parts(theta):
+    sizes = [(2, 3), (2,), (2, 2), (2,), (2, 2), (2,), (3, 2), (3,), (2,)]
+    out, i = [], 0
+    for shape in sizes:
+        k = math.prod(shape)
+        out.append(theta[..., i: i + k].unflatten(-1, shape))
+        i += k
+    return out
+
+
+def linear(w, b, x):
+    return (w * x.unsqueeze(-2)).sum(-1) + b
+
+
+def sbn2_model(theta):
+    """q(z1|x) q(z2|z1), p(z2) p(z1|z2) p(x|z1), 2 + 2 bits, each layer with LocalExpectation."""
+    wq1, bq1, wq2, bq2, wp1, bp1, wpx, bpx, prior = sbn2_parts(theta)
+    x = storch.denote_independent(X2, 0, "data")
+    q1 = Bernoulli(logits=linear(wq1, bq1, x))
+    z1 = LocalExpectation("z1")(q1)
+    q2 = Bernoulli(logits=linear(wq2, bq2, z1))
+    z2 = LocalExpectation("z2")(q2)
+    assert q2.batch_shape[0] == z2.shape[0] == 1 + 2 + 2  # q2 was moved to z2's plate
+    p1 = Bernoulli(logits=linear(wp1, bp1, z2), validate_args=False)  # scores the earlier z1
+    # (the data plate is newer than the test's replicate plate, so x's raw shape does not line up
+    # with the decoder's batch either: torch's validation compares raw shapes)
+    px = Bernoulli(logits=linear(wpx, bpx, z1), validate_args=False)
+    cost = -(px.log_prob(x).sum(-1) + p1.log_prob(z1).sum(-1)
+             + Bernoulli(logits=prior).log_prob(z2).sum(-1) - q1.log_prob(z1).sum(-1) - q2.log_prob(z2).sum(-1))
+    storch.add_cost(cost, "neg_elbo")
+
+
+def exact_sbn2(theta):
+    wq1, bq1, wq2, bq2, wp1, bp1, wpx, bpx, prior = sbn2_parts(theta)
+    total = 0.0
+    for x in X2:
+        for z1, z2 in itertools.product(bits(2), bits(2)):
+            lq1, lq2 = linear(wq1, bq1, x), linear(wq2, bq2, z1)
+            q = bern(torch.sigmoid(lq1), z1) * bern(torch.sigmoid(lq2), z2)
+            log_joint = (Bernoulli(logits=linear(wpx, bpx, z1)).log_prob(x).sum() + Bernoulli(logits=linear(wp1, bp1, z2))
+                         .log_prob(z1).sum() + Bernoulli(logits=prior).log_prob(z2).sum())
+            log_q = Bernoulli(logits=lq1).log_prob(z1).sum() + Bernoulli(logits=lq2).log_prob(z2).sum()
+            total = total + q * (log_q - log_joint)
+    return total / len(X2)
+
+
+def test_two_layer_elbo_with_torch_distributions():
+    (grads,) = replicated_gradients([SBN2], R, sbn2_model)
+    assert_unbiased(grads, torch.autograd.functional.jacobian(exact_sbn2, SBN2), label="two-layer ELBO")

@@ -85,17 +85,20 @@ from storch.extend import (
     StochasticTensor,
     Tensor,
     TypeRegistry,
+    align_to,
     distribution_layout,
     get_distr_parameters,
     layout_of_plates,
     log_prob_of_own_samples,
     magic_box,
+    merge_layouts,
     new_node,
     no_dispatch,
     node_of,
     note_sampled,
     reraise_cuda_dimension_error,
     restore_lazy_plates,
+    wrap,
     wrap_new,
 )
 
@@ -289,15 +292,14 @@ def local_expectation_weights(n_samples: int, group_size: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- the evaluation plate
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class _Group:
     """How one node's points sit in the groups of its plate.
 
     ``start``: where the node's own changes begin (the points before are the upstream step's, or the
     sample alone for the first node of a chain). ``carries``: whether the node's distribution varies
-    over the upstream points (it was computed from the chain); ``source``: for such a node, the
-    position, among the points of the step its distribution carries, of each upstream point (``None``
-    when it carries the upstream step itself).
+    over the points (it was computed from the chain; its parameters are then re-indexed to the node's
+    own plate, see :func:`_move_to_plate`).
     """
 
     n_groups: int
@@ -306,7 +308,6 @@ class _Group:
     n_vars: int
     k: int
     carries: bool = False
-    source: Optional[torch.Tensor] = None
 
 
 class LocalExpectationPlate(AncestralPlate):
@@ -379,6 +380,38 @@ def _index_between(newer: LocalExpectationPlate, older: LocalExpectationPlate) -
         index = parent if index is None else parent[index]  # type: ignore[index]
         step = step.ancestor  # type: ignore[assignment]
     return index
+
+
+def _move_to_plate(distr: Distribution, plate: LocalExpectationPlate) -> None:
+    """Re-index, in place, the parameters of a joined node's distribution from the chain step they
+    carry to the node's own plate, so that the distribution and its samples have the same plates:
+    ``q.log_prob(z)`` then lines up (torch.distributions compares the raw shapes of the value and
+    the batch before storch could align them) and ``q.batch_shape`` starts with the plate's size.
+
+    Cached lazy parameters (``probs`` of a ``Bernoulli(logits=…)``) are re-indexed alike.
+    """
+    restore_lazy_plates(distr)  # cached plain parameters get their plates back first
+    for dist in _with_nested(distr):
+        moved = False
+        for name, value in list(dist.__dict__.items()):
+            if not isinstance(value, Tensor) or not any(p.chain_name == plate.chain_name for p in value._layout.plates
+                                                        if isinstance(p, AncestralPlate)):
+                continue
+            union = merge_layouts([value._layout, layout_of_plates((plate,))])
+            with no_dispatch():
+                aligned = align_to(value, union)
+            dist.__dict__[name] = wrap(aligned, union)
+            moved = True
+        if moved:
+            dist._batch_shape = torch.Size((plate.size,) + tuple(dist._batch_shape)[1:])
+
+
+def _with_nested(d: Distribution) -> list[Distribution]:
+    found = [d]
+    for value in d.__dict__.values():
+        if isinstance(value, Distribution):
+            found.extend(_with_nested(value))
+    return found
 
 
 def _explicit_chain(who: str, joint_with: Optional[StochasticTensor], method: "LocalExpectation") -> Optional[LocalExpectationPlate]:
@@ -508,9 +541,8 @@ def _probs_at_upstream(distr: Distribution, group: _Group, coordinates: Coordina
     probs = coordinates.probs(distr)
     if not group.carries:
         return probs.reshape((1, 1) + tuple(probs.shape[:n_parents]) + (group.n_vars, group.k))
-    if group.source is not None:
-        probs = probs.index_select(0, group.source)
-    return probs.reshape((group.n_groups, group.start) + tuple(probs.shape[1: 1 + n_parents]) + (group.n_vars, group.k))
+    probs = probs.reshape((group.n_groups, group.size) + tuple(probs.shape[1: 1 + n_parents]) + (group.n_vars, group.k))
+    return probs[:, : group.start]
 
 
 def _segment(node, group: _Group) -> _Segment:
@@ -520,11 +552,24 @@ def _segment(node, group: _Group) -> _Segment:
     other = tuple(samples.shape[1: 1 + len(parents)])
     n, d, k, upstream = group.n_groups, group.n_vars, group.k, group.start
     coordinates = _require_coordinates(distr, "local_expectation_term")
-    own = samples.reshape((n, group.size) + tuple(samples.shape[1:]))
-    index = _value_index(own[:, :upstream], coordinates.values(distr)).reshape((n, upstream) + other + (d,))
+    own = samples.reshape((n, group.size) + tuple(samples.shape[1:]))[:, :upstream]
+    index = _value_index(own, coordinates.values(distr)).reshape((n, upstream) + other + (d,))
+    drawn = own.reshape((n * upstream,) + tuple(samples.shape[1:]))
+    if group.carries:  # the distribution is on the node's plate: evaluated at every point
+        log_p = _log_prob_upstream(distr, samples, group)
+    else:
+        log_p = log_prob_of_own_samples(distr, drawn)
+    log_p = log_p.reshape((n, upstream) + other + (d,))
     probs = _probs_at_upstream(distr, group, coordinates, len(parents)).expand((n, upstream) + other + (d, k))
-    log_p = probs.gather(-1, index.unsqueeze(-1)).squeeze(-1).log()
     return _Segment(group, parents, log_p, probs[:, 0], index[:, 0])
+
+
+def _log_prob_upstream(distr: Distribution, samples: torch.Tensor, group: _Group) -> torch.Tensor:
+    """``log p`` per variable of the node's draws at the upstream points, for a distribution on the
+    node's own plate (it is evaluated at every point and the upstream ones kept)."""
+    log_p = log_prob_of_own_samples(distr, samples)
+    log_p = log_p.reshape((group.n_groups, group.size) + tuple(log_p.shape[1:]))
+    return log_p[:, : group.start]
 
 
 def _segments(tensor: StochasticTensor) -> list[_Segment]:
@@ -676,6 +721,8 @@ class LocalExpectation(Method):
         )
         if tip is not None:
             tip._extended_by = weakref.ref(plate)
+        if carried is not None:
+            _move_to_plate(distr, plate)
         tensor = new_node(self, distr, samples, plate, others)
         plate.weight = self._plate_weight(tensor, plate)
         restore_lazy_plates(distr)  # parameters computed while sampling with dispatch disabled
@@ -708,9 +755,14 @@ class LocalExpectation(Method):
         event = tuple(distr.event_shape)
         _check_fits(who, size, (n * size,) + other + (n_vars,) + event, distr.probs.dtype,  # type: ignore[attr-defined]
                     distr.probs.device, [])  # type: ignore[attr-defined]
-        source = None if carried is None else _index_between(tip, carried)
-        group = _Group(n, size, upstream, n_vars, k, carries=carried is not None, source=source)
-        probs = _probs_at_upstream(distr, group, coordinates, len(plates) - first)
+        group = _Group(n, size, upstream, n_vars, k, carries=carried is not None)
+        probs = coordinates.probs(distr)
+        if carried is None:
+            probs = probs.reshape((1, 1) + other + (n_vars, k))
+        else:  # at the tip's points: the step the distribution carries, re-indexed along the chain
+            source = _index_between(tip, carried)
+            probs = probs if source is None else probs.index_select(0, source)
+            probs = probs.reshape((n, upstream) + other + (n_vars, k))
         u = torch.rand((n, 1) + other + (n_vars, 1), dtype=probs.dtype, device=probs.device)
         index = (probs.cumsum(-1)[..., :-1] <= u).sum(-1)  # inverse CDF: P(index = k) = probs[k]
         drawn = values[index.expand((n, upstream) + other + (n_vars,))]  # (n, upstream points, *other, D, *event)
