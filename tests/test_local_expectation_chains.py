@@ -299,6 +299,10 @@ def test_joint_with_is_checked():
     b = LocalExpectation("b")(Bernoulli(logits=torch.zeros(2)))
     with pytest.raises(ValueError, match="needs joint=True and n_samples=1"):
         LocalExpectation("s", n_samples=2)(Bernoulli(logits=torch.zeros(2)), joint_with=b)
+    a = LocalExpectation("a")(Bernoulli(logits=torch.zeros(2)))
+    with pytest.raises(ValueError, match="joint_with names the chain of 'b', but the distribution is computed from "
+                                         "the chain of 'a'"):
+        LocalExpectation("s")(Bernoulli(logits=a - 0.5), joint_with=b)
     late = ScoreFunction("late")(Bernoulli(logits=torch.zeros(2)))  # drawn after b's chain began
     with pytest.raises(ValueError, match=r"cannot join the points of 'b'.*\['late'\]"):
         LocalExpectation("s")(Bernoulli(logits=late), joint_with=b)

@@ -497,15 +497,13 @@ def _chain_to_extend(
         carried = parents[0]
     if carried is None and explicit is None:
         return None, None
-    step = carried if carried is not None else explicit
-    tip = step.tip()  # type: ignore[union-attr]
-    if explicit is not None and explicit.root is not tip.root:
-        if carried is not None:
-            raise ValueError(
-                f"{type(method).__name__}({method.plate_name!r}): joint_with names the chain of "
-                f"{explicit.root.name!r}, but the distribution is computed from the chain of {carried.root.name!r}; "
-                "a node joins the chain its distribution comes from."
-            )
+    if explicit is not None and carried is not None and explicit.root is not carried.root:
+        raise ValueError(
+            f"{type(method).__name__}({method.plate_name!r}): joint_with names the chain of "
+            f"{explicit.root.name!r}, but the distribution is computed from the chain of {carried.root.name!r}; "
+            "a node joins the chain its distribution comes from."
+        )
+    tip = (carried if carried is not None else explicit).tip()  # type: ignore[union-attr]
     root_order = tip.root.order
     others = [p for p in parents if p is not carried]
     if any(p.order >= root_order for p in others):
