@@ -641,6 +641,11 @@ def _reindex_step(t: torch.Tensor, src: PlateLayout, step: AncestralPlate) -> tu
     old = step.ancestor
     i = next(j for j, p in enumerate(src.plates) if p is old)
     rest = layout_of_plates([p for p in src.plates if p is not old])
+    if not step.index_plates:  # one parent per sample: a contiguous index_select along the plate
+        y = t.index_select(i, step.parent_index)  # type: ignore[arg-type]
+        new = merge_layouts([rest, layout_of_plates((step,))])
+        j = next(k for k, p in enumerate(new.plates) if p is step)
+        return (y if j == i else y.movedim(i, j)), new
     index_rest = layout_of_plates(step.index_plates)
     rest_union = merge_layouts([rest, index_rest])
     x = align_tensor(_as_layout(t.movedim(i, -1), rest), rest_union)  # (*rest_union, *event, old)

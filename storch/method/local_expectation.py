@@ -67,6 +67,7 @@ The values a coordinate can take and their probabilities are registered per dist
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import weakref
@@ -119,10 +120,13 @@ class Coordinates:
             (e.g. ``[0, 1]`` for a Bernoulli, the rows of the identity for a one-hot categorical).
         probs: ``distribution -> (*batch_shape, K)``, ``P(x_d = values[k])`` per coordinate,
             differentiable in the distribution's parameters.
+        index: ``samples -> (...)``, the index ``k`` of each coordinate's value in ``values``
+            (``samples`` of shape ``(..., *event_shape)``); ``None``: found by comparing with ``values``.
     """
 
     values: Callable[[Distribution], torch.Tensor]
     probs: Callable[[Distribution], torch.Tensor]
+    index: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
 
 _COORDINATES: TypeRegistry[Coordinates] = TypeRegistry(
@@ -161,15 +165,17 @@ def _bernoulli_probs(d: Bernoulli) -> torch.Tensor:
 
 _COORDINATES.register(Bernoulli)(
     Coordinates(values=lambda d: torch.tensor([0.0, 1.0], dtype=d.probs.dtype, device=d.probs.device),
-                probs=_bernoulli_probs)
+                probs=_bernoulli_probs, index=lambda x: x.long())
 )
 _COORDINATES.register(Categorical)(
-    Coordinates(values=lambda d: torch.arange(d.probs.shape[-1], device=d.probs.device), probs=lambda d: d.probs)
+    Coordinates(values=lambda d: torch.arange(d.probs.shape[-1], device=d.probs.device), probs=lambda d: d.probs,
+                index=lambda x: x.long())
 )
 _COORDINATES.register(OneHotCategorical)(
     Coordinates(
         values=lambda d: torch.eye(d.probs.shape[-1], dtype=d.probs.dtype, device=d.probs.device),
         probs=lambda d: d.probs,
+        index=lambda x: x.argmax(-1),
     )
 )
 
@@ -220,9 +226,11 @@ def local_expectation_group_size(distr: Distribution, n_plate_dims: int = 0) -> 
     return 1 + n_vars * (k - 1)
 
 
-def _value_index(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def _value_index(x: torch.Tensor, values: torch.Tensor, coordinates: Coordinates) -> torch.Tensor:
     """The index ``k`` of each coordinate's value in ``values`` (``(K, *event)``): ``x`` of shape
     ``(..., *event)`` gives ``(...)``."""
+    if coordinates.index is not None:
+        return coordinates.index(x)
     n_event = values.dim() - 1
     match = x.unsqueeze(x.dim() - n_event) == values.to(x.dtype)  # (..., K, *event)
     if n_event:
@@ -236,7 +244,7 @@ def _other_values(index: torch.Tensor, k: int) -> torch.Tensor:
     return j + (j >= index.unsqueeze(-1)).to(j.dtype)
 
 
-def _changes(x: torch.Tensor, values: torch.Tensor, n_between: int) -> torch.Tensor:
+def _changes(x: torch.Tensor, values: torch.Tensor, n_between: int, coordinates: Coordinates) -> torch.Tensor:
     """The one-coordinate changes of samples ``x`` of shape ``(G, *P, D, *event)``, with ``n_between``
     dimensions ``P`` (plates) between the groups ``G`` and the variables ``D``.
 
@@ -246,7 +254,7 @@ def _changes(x: torch.Tensor, values: torch.Tensor, n_between: int) -> torch.Ten
     k = values.shape[0]
     n_event = values.dim() - 1
     n_vars = x.shape[1 + n_between]
-    others = values[_other_values(_value_index(x, values), k)].to(x.dtype)  # (G, *P, D, K−1, *event)
+    others = values[_other_values(_value_index(x, values, coordinates), k)].to(x.dtype)  # (G, *P, D, K−1, *event)
     # (G, D, K−1, *P, 1, *event): the new value of variable d, to be placed at d' = d
     order = [0, 1 + n_between, 2 + n_between] + list(range(1, 1 + n_between))
     order += list(range(3 + n_between, 3 + n_between + n_event))
@@ -277,7 +285,7 @@ def local_expectation_points(distr: Distribution, n_samples: int, n_plate_dims: 
     plate_shape, n_vars = batch[:n_plate_dims], math.prod(batch[n_plate_dims:])
     x = distr.sample((n_samples,))
     flat = x.reshape((n_samples,) + plate_shape + (n_vars,) + event)
-    changed = _changes(flat, values, len(plate_shape)).reshape((n_samples, -1) + batch + event)
+    changed = _changes(flat, values, len(plate_shape), coordinates).reshape((n_samples, -1) + batch + event)
     return torch.cat([x.unsqueeze(1), changed], 1)
 
 
@@ -292,14 +300,16 @@ def local_expectation_weights(n_samples: int, group_size: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- the evaluation plate
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Group:
     """How one node's points sit in the groups of its plate.
 
     ``start``: where the node's own changes begin (the points before are the upstream step's, or the
-    sample alone for the first node of a chain). ``carries``: whether the node's distribution varies
-    over the points (it was computed from the chain; its parameters are then re-indexed to the node's
-    own plate, see :func:`_move_to_plate`).
+    sample alone for the first node of a chain). For a node whose distribution was computed from the
+    chain: ``drawn_from``, that distribution as it was when the node was drawn (on the chain step it
+    carried; the node's own distribution object is then moved to the node's plate, see
+    :func:`_move_to_plate`), and ``source``, the position among that step's points of each upstream
+    point (``None`` when it carried the upstream step itself).
     """
 
     n_groups: int
@@ -307,7 +317,8 @@ class _Group:
     start: int
     n_vars: int
     k: int
-    carries: bool = False
+    drawn_from: Optional[Distribution] = None
+    source: Optional[torch.Tensor] = None
 
 
 class LocalExpectationPlate(AncestralPlate):
@@ -404,6 +415,15 @@ def _move_to_plate(distr: Distribution, plate: LocalExpectationPlate) -> None:
             moved = True
         if moved:
             dist._batch_shape = torch.Size((plate.size,) + tuple(dist._batch_shape)[1:])
+
+
+def _copy_distribution(d: Distribution) -> Distribution:
+    """A copy of ``d`` and of the distributions nested in it that shares their tensors."""
+    c = copy.copy(d)
+    for name, value in c.__dict__.items():
+        if isinstance(value, Distribution):
+            c.__dict__[name] = _copy_distribution(value)
+    return c
 
 
 def _with_nested(d: Distribution) -> list[Distribution]:
@@ -536,11 +556,13 @@ class _Segment:
 def _probs_at_upstream(distr: Distribution, group: _Group, coordinates: Coordinates, n_parents: int) -> torch.Tensor:
     """The node's probabilities at the upstream points: ``(n, U, *P, D, K)``, or ``(1, 1, *P, D, K)``
     for a distribution that does not vary over them."""
-    probs = coordinates.probs(distr)
-    if not group.carries:
+    if group.drawn_from is None:
+        probs = coordinates.probs(distr)
         return probs.reshape((1, 1) + tuple(probs.shape[:n_parents]) + (group.n_vars, group.k))
-    probs = probs.reshape((group.n_groups, group.size) + tuple(probs.shape[1: 1 + n_parents]) + (group.n_vars, group.k))
-    return probs[:, : group.start]
+    probs = coordinates.probs(group.drawn_from)  # on the chain step it carried
+    if group.source is not None:
+        probs = probs.index_select(0, group.source)
+    return probs.reshape((group.n_groups, group.start) + tuple(probs.shape[1: 1 + n_parents]) + (group.n_vars, group.k))
 
 
 def _segment(node, group: _Group) -> _Segment:
@@ -551,23 +573,14 @@ def _segment(node, group: _Group) -> _Segment:
     n, d, k, upstream = group.n_groups, group.n_vars, group.k, group.start
     coordinates = _require_coordinates(distr, "local_expectation_term")
     own = samples.reshape((n, group.size) + tuple(samples.shape[1:]))[:, :upstream]
-    index = _value_index(own, coordinates.values(distr)).reshape((n, upstream) + other + (d,))
-    drawn = own.reshape((n * upstream,) + tuple(samples.shape[1:]))
-    if group.carries:  # the distribution is on the node's plate: evaluated at every point
-        log_p = _log_prob_upstream(distr, samples, group)
-    else:
-        log_p = log_prob_of_own_samples(distr, drawn)
-    log_p = log_p.reshape((n, upstream) + other + (d,))
+    index = _value_index(own, coordinates.values(distr), coordinates).reshape((n, upstream) + other + (d,))
     probs = _probs_at_upstream(distr, group, coordinates, len(parents)).expand((n, upstream) + other + (d, k))
+    if group.drawn_from is None:  # the sample of a first node, or a sibling's one draw per group
+        drawn = own.reshape((n * upstream,) + tuple(samples.shape[1:]))
+        log_p = log_prob_of_own_samples(distr, drawn).reshape((n, upstream) + other + (d,))
+    else:  # at the upstream points: from the probabilities there (no evaluation at the node's own points)
+        log_p = probs.gather(-1, index.unsqueeze(-1)).squeeze(-1).log()
     return _Segment(group, parents, log_p, probs[:, 0], index[:, 0])
-
-
-def _log_prob_upstream(distr: Distribution, samples: torch.Tensor, group: _Group) -> torch.Tensor:
-    """``log p`` per variable of the node's draws at the upstream points, for a distribution on the
-    node's own plate (it is evaluated at every point and the upstream ones kept)."""
-    log_p = log_prob_of_own_samples(distr, samples)
-    log_p = log_p.reshape((group.n_groups, group.size) + tuple(log_p.shape[1:]))
-    return log_p[:, : group.start]
 
 
 def _segments(tensor: StochasticTensor) -> list[_Segment]:
@@ -753,18 +766,14 @@ class LocalExpectation(Method):
         event = tuple(distr.event_shape)
         _check_fits(who, size, (n * size,) + other + (n_vars,) + event, distr.probs.dtype,  # type: ignore[attr-defined]
                     distr.probs.device, [])  # type: ignore[attr-defined]
-        group = _Group(n, size, upstream, n_vars, k, carries=carried is not None)
-        probs = coordinates.probs(distr)
-        if carried is None:
-            probs = probs.reshape((1, 1) + other + (n_vars, k))
-        else:  # at the tip's points: the step the distribution carries, re-indexed along the chain
-            source = _index_between(tip, carried)
-            probs = probs if source is None else probs.index_select(0, source)
-            probs = probs.reshape((n, upstream) + other + (n_vars, k))
+        source = None if carried is None else _index_between(tip, carried)
+        drawn_from = None if carried is None else _copy_distribution(distr)  # before it moves to the new plate
+        group = _Group(n, size, upstream, n_vars, k, drawn_from=drawn_from, source=source)
+        probs = _probs_at_upstream(distr, group, coordinates, len(plates) - first)
         u = torch.rand((n, 1) + other + (n_vars, 1), dtype=probs.dtype, device=probs.device)
         index = (probs.cumsum(-1)[..., :-1] <= u).sum(-1)  # inverse CDF: P(index = k) = probs[k]
         drawn = values[index.expand((n, upstream) + other + (n_vars,))]  # (n, upstream points, *other, D, *event)
-        changed = _changes(drawn[:, 0], values, len(other))  # (n, D·(K−1), *other, D, *event)
+        changed = _changes(drawn[:, 0], values, len(other), coordinates)  # (n, D·(K−1), *other, D, *event)
         samples = torch.cat([drawn, changed], 1)
         samples = samples.reshape((n * size,) + other + _var_shape(distr, len(plates)) + event)
         parent_index = _extension_index(n, upstream, size, samples.device)
