@@ -89,6 +89,7 @@ from storch.extend import (
     align_to,
     distribution_layout,
     get_distr_parameters,
+    layout_of,
     layout_of_plates,
     log_prob_of_own_samples,
     magic_box,
@@ -405,10 +406,12 @@ def _move_to_plate(distr: Distribution, plate: LocalExpectationPlate) -> None:
     for dist in _with_nested(distr):
         moved = False
         for name, value in list(dist.__dict__.items()):
-            if not isinstance(value, Tensor) or not any(p.chain_name == plate.chain_name for p in value._layout.plates
-                                                        if isinstance(p, AncestralPlate)):
+            if not isinstance(value, Tensor):
                 continue
-            union = merge_layouts([value._layout, layout_of_plates((plate,))])
+            layout = layout_of(value)
+            if not any(isinstance(p, AncestralPlate) and p.chain_name == plate.chain_name for p in layout.plates):
+                continue
+            union = merge_layouts([layout, layout_of_plates((plate,))])
             with no_dispatch():
                 aligned = align_to(value, union)
             dist.__dict__[name] = wrap(aligned, union)
