@@ -2,6 +2,7 @@
 
 usage: [X=seconds] python docs/results/plot_runs.py OUT.png TITLE RUN_ROOT [RUN_ROOT ...]
 ONLY=est1,est2: keep only these estimators. X=seconds: x axis = training seconds (train time only, one thread) instead of steps.
+Y=grad_logvar: y axis = the gradient log-variance probes instead of the test -ELBO.
 Runs are grouped by (model, label) read from each run's summary.json; one panel per model.
 """
 import csv
@@ -18,6 +19,7 @@ import numpy as np
 
 ONLY = [e for e in os.environ.get("ONLY", "").split(",") if e]  # estimator names to keep
 XCOL = "seconds" if os.environ.get("X") == "seconds" else "step"
+YCOL = "grad_logvar" if os.environ.get("Y") == "grad_logvar" else "test_nelbo"
 
 
 def load(roots):
@@ -28,9 +30,9 @@ def load(roots):
             if ONLY and summ["estimator"] not in ONLY:
                 continue
             with open(s.parent / "metrics.csv") as fh:
-                rows = [r for r in csv.DictReader(fh) if r["test_nelbo"]]
+                rows = [r for r in csv.DictReader(fh) if r[YCOL]]
             steps = np.array([float(r[XCOL]) for r in rows])
-            vals = np.array([float(r["test_nelbo"]) for r in rows])
+            vals = np.array([float(r[YCOL]) for r in rows])
             groups.setdefault(summ["model"], {}).setdefault(summ["label"], []).append((steps, vals))
     return groups
 
@@ -55,7 +57,7 @@ def main():
         ax.set_xlabel("training seconds (1 thread, without evaluation)" if XCOL == "seconds" else "training step (batch 50; 1000 steps = 1 epoch)")
         if XCOL == "seconds":
             ax.set_xscale("symlog", linthresh=10)
-        ax.set_ylabel("test -ELBO (nats, 1000 test images)")
+        ax.set_ylabel("log of the summed gradient variance" if YCOL == "grad_logvar" else "test -ELBO (nats, 1000 test images)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         lo = min(min(r[1].min() for r in runs) for runs in labels.values())
