@@ -187,7 +187,7 @@ def test_container_protocol_and_repr():
 REGISTRIES = [
     ("storch.method.cumulants", "_CUMULANTS", "cumulants", "register_cumulants",
      {Dirac, Exponential, Gamma, Independent, Laplace, Normal}),
-    ("storch.method.local_expectation", "_COORDINATES", "local-expectation coordinates", "register_coordinates",
+    ("storch.method.local_expectation_points", "_COORDINATES", "local-expectation coordinates", "register_coordinates",
      {Bernoulli, Categorical, OneHotCategorical}),
     ("storch.method.straight_through", "_VIEWS", "one-hot view", "register_one_hot_view",
      {Bernoulli, OneHotCategorical}),
