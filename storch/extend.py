@@ -29,6 +29,7 @@ as plain torch operations (no alignment, no wrapping, no plate checks); results 
 * ``floating_dtype(d, samples)``: the floating dtype of a distribution's parameters (for weights)
 * ``restore_lazy_plates(d)``: re-wrap lazily computed parameters (``probs`` from ``logits``)
 * ``log_prob_of_own_samples``: ``d.log_prob(samples)`` without re-validating samples ``d`` produced
+* ``with_nested(d)``: ``d`` and the distributions nested in it, outermost first
 * ``note_sampled(plate)``: mark a node that must reach a cost (the unused-node warning)
 * ``magic_box(l)``: ``exp(l - stopgrad(l))``: 1 in value, ``∇l`` in derivative (DiCE)
 * ``rsample_gumbel_softmax``: a reparameterized Gumbel-softmax draw
@@ -131,6 +132,7 @@ from storch.util import (
     magic_box,
     restore_lazy_plates,
     rsample_gumbel_softmax,
+    with_nested,
 )
 
 __all__ = [
@@ -164,6 +166,7 @@ __all__ = [
     "floating_dtype",
     "restore_lazy_plates",
     "log_prob_of_own_samples",
+    "with_nested",
     "note_sampled",
     "reraise_cuda_dimension_error",
     # surrogate-loss helpers

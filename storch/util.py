@@ -18,7 +18,7 @@ __all__ = [
     "magic_box", "get_distr_parameters", "distribution_layout", "has_differentiable_path",
     "has_backwards_path", "walk_backward_graph", "print_graph", "topological_sort", "split",
     "rsample_gumbel", "rsample_gumbel_softmax", "conditional_gumbel_rsample", "tensor_stats",
-    "reduce_mean", "log_prob_of_own_samples", "restore_lazy_plates", "floating_dtype",
+    "reduce_mean", "log_prob_of_own_samples", "restore_lazy_plates", "floating_dtype", "with_nested",
 ]
 
 
@@ -96,11 +96,13 @@ def distribution_layout(d: Distribution) -> PlateLayout:
     return union_of_layouts(layouts)
 
 
-def _with_nested(d: Distribution) -> list[Distribution]:
+def with_nested(d: Distribution) -> list[Distribution]:
+    """``d`` and the distributions nested in it (``OneHotCategorical``'s ``Categorical``, an
+    ``Independent``'s base), outermost first."""
     found = [d]
     for value in d.__dict__.values():
         if isinstance(value, Distribution):
-            found.extend(_with_nested(value))
+            found.extend(with_nested(value))
     return found
 
 
@@ -142,7 +144,7 @@ def restore_lazy_plates(d: Distribution) -> None:
     dimensions (``q.probs * logits`` a data × data grid). Each such cached value gets the plates of
     its own distribution's parameters back (a view; nothing is recomputed).
     """
-    for dist in _with_nested(d):
+    for dist in with_nested(d):
         layout = None
         cached = dist.__dict__
         for name in _lazy_property_names(type(dist)):
@@ -163,7 +165,7 @@ def log_prob_of_own_samples(d: Distribution, samples: torch.Tensor) -> torch.Ten
     skipped on this distribution object only (restored afterwards; torch's global default is
     untouched). It costs about as much as the log-probability itself.
     """
-    dists = _with_nested(d)
+    dists = with_nested(d)
     saved = [dist.__dict__.get("_validate_args", None) for dist in dists]
     try:
         for dist in dists:

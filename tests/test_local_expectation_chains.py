@@ -30,6 +30,15 @@ pytestmark = pytest.mark.seed(2025)
 
 R = 3000
 
+
+def assert_first_and_second_order(params, model, expectation, label):
+    """Gradient and Hessian estimates of ``model`` unbiased against ``expectation``'s, enumerated."""
+    (grads,) = replicated_gradients([params], R, model)
+    assert_unbiased(grads, torch.autograd.functional.jacobian(expectation, params), label=label)
+    hessians = replicated_hessians(params, 4000, model)
+    exact = torch.autograd.functional.hessian(expectation, params)
+    assert_unbiased(hessians, exact.reshape(-1), label=f"{label} hessian")
+
 # ---------------------------------------------------------------- a Bernoulli chain z1 → z2 under data
 # θ = (φ (2), W (2×2), b (2)); z1 ~ Bern(σ(x·φ)) per datum x, z2 | z1 ~ Bern(σ(z1 W + b));
 # f = an interacting cost of both layers that also depends on W directly (a pathwise part)
@@ -92,16 +101,9 @@ def test_chain_points_add_up():
     storch.reset()
 
 
-def test_chain_is_unbiased_first_order():
-    (grads,) = replicated_gradients([THETA], R, chain_model(LocalExpectation("z1"), LocalExpectation("z2")))
-    exact = torch.autograd.functional.jacobian(exact_chain, THETA)
-    assert_unbiased(grads, exact, label="z1 -> z2, data plate")
-
-
-def test_chain_is_unbiased_second_order():
-    hessians = replicated_hessians(THETA, 4000, chain_model(LocalExpectation("z1"), LocalExpectation("z2")))
-    exact = torch.autograd.functional.hessian(exact_chain, THETA)
-    assert_unbiased(hessians, exact.reshape(-1), label="z1 -> z2 hessian")
+def test_chain_is_unbiased_first_and_second_order():
+    model = chain_model(LocalExpectation("z1"), LocalExpectation("z2"))
+    assert_first_and_second_order(THETA, model, exact_chain, "z1 -> z2, data plate")
 
 
 @pytest.mark.parametrize("pair", ["le_sf", "sf_le"])
@@ -139,11 +141,7 @@ def exact_three(theta):
 
 
 def test_three_node_chain_first_and_second_order():
-    (grads,) = replicated_gradients([PARAMS3], R, three_model)
-    assert_unbiased(grads, torch.autograd.functional.jacobian(exact_three, PARAMS3), label="3-chain")
-    hessians = replicated_hessians(PARAMS3, 4000, three_model)
-    exact = torch.autograd.functional.hessian(exact_three, PARAMS3)
-    assert_unbiased(hessians, exact.reshape(-1), label="3-chain hessian")
+    assert_first_and_second_order(PARAMS3, three_model, exact_three, "3-chain")
 
 
 # ---------------------------------------------------------------- same estimates as per-coordinate sums
@@ -255,11 +253,7 @@ def branch_model(theta):
 
 
 def test_branches_and_a_score_function_node_between_them():
-    (grads,) = replicated_gradients([BRANCH], R, branch_model)
-    assert_unbiased(grads, torch.autograd.functional.jacobian(exact_branch, BRANCH), label="branches")
-    hessians = replicated_hessians(BRANCH, 4000, branch_model)
-    exact = torch.autograd.functional.hessian(exact_branch, BRANCH)
-    assert_unbiased(hessians, exact.reshape(-1), label="branches hessian")
+    assert_first_and_second_order(BRANCH, branch_model, exact_branch, "branches")
 
 
 SIBLING_DATA = torch.tensor([[0.5], [-1.0]])
@@ -285,11 +279,7 @@ def sibling_model(theta):
 
 
 def test_siblings_joined_explicitly_are_unbiased_under_a_data_plate():
-    (grads,) = replicated_gradients([BRANCH], R, sibling_model)
-    assert_unbiased(grads, torch.autograd.functional.jacobian(exact_siblings, BRANCH), label="siblings")
-    hessians = replicated_hessians(BRANCH, 4000, sibling_model)
-    exact = torch.autograd.functional.hessian(exact_siblings, BRANCH)
-    assert_unbiased(hessians, exact.reshape(-1), label="siblings hessian")
+    assert_first_and_second_order(BRANCH, sibling_model, exact_siblings, "siblings")
 
 
 def test_joint_with_is_checked():

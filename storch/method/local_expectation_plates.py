@@ -33,6 +33,7 @@ from storch.extend import (
     merge_layouts,
     no_dispatch,
     restore_lazy_plates,
+    with_nested,
     wrap,
 )
 from storch.method.groups import flatten_groups
@@ -156,7 +157,7 @@ def move_to_plate(distr: Distribution, plate: LocalExpectationPlate) -> None:
     Cached lazy parameters (``probs`` of a ``Bernoulli(logits=…)``) are re-indexed alike.
     """
     restore_lazy_plates(distr)  # cached plain parameters get their plates back first
-    for dist in _with_nested(distr):
+    for dist in with_nested(distr):
         moved = False
         for name, value in list(dist.__dict__.items()):
             if not isinstance(value, Tensor):
@@ -180,14 +181,6 @@ def _copy_distribution(d: Distribution) -> Distribution:
         if isinstance(value, Distribution):
             c.__dict__[name] = _copy_distribution(value)
     return c
-
-
-def _with_nested(d: Distribution) -> list[Distribution]:
-    found = [d]
-    for value in d.__dict__.values():
-        if isinstance(value, Distribution):
-            found.extend(_with_nested(value))
-    return found
 
 
 def explicit_chain(who: str, joint_with: Optional[StochasticTensor], method: "LocalExpectation") -> Optional[LocalExpectationPlate]:
