@@ -109,7 +109,7 @@ ESTIMATORS: Dict[str, Estimator] = {e.name: e for e in [
               lambda p, n, a, lat: sm.RELAX(p, control_variate=ControlVariateNet(lat), n_samples=n)),
     Estimator("rebar", "REBAR (Tucker et al. 2017), learned eta and temperature; 3 evaluations per sample",
               lambda p, n, a, lat: sm.REBAR(p, n_samples=n), evals=lambda lat: 3),
-    Estimator("local-expectation", "local expectations / IndeCateR; 1 + D*(K-1) evaluations per sample, layers add theirs",
+    Estimator("local-expectation", "local expectations / IndeCateR; chained layers add their points",
               lambda p, n, a, lat: sm.LocalExpectation(p, n_samples=n), evals=_local_expectation_evals,
               additive_layers=True),
     Estimator("mvd", "measure-valued derivative; 1 + D*(K-1) evaluations per sample",
