@@ -73,19 +73,7 @@ from typing import Optional
 import torch
 from torch.distributions import Distribution
 
-from storch.extend import (
-    CostTensor,
-    Plate,
-    StochasticTensor,
-    Tensor,
-    distribution_layout,
-    get_distr_parameters,
-    new_node,
-    no_dispatch,
-    note_sampled,
-    reraise_cuda_dimension_error,
-    restore_lazy_plates,
-)
+from storch.extend import CostTensor, Plate, PlateLayout, StochasticTensor, Tensor
 from storch.method.local_expectation_plates import (
     LocalExpectationMemoryError,
     LocalExpectationPlate,
@@ -169,23 +157,16 @@ class LocalExpectation(Method):
                 distribution is not computed from it (a *sibling*: ``z`` next to ``b`` in ``f(b, z)``),
                 so that the cost is evaluated at the sum of their points, not the product.
         """
-        if not isinstance(distr, Distribution):
-            return super().forward(distr)  # raises the common error
-        self.check_distribution(distr)
-        parents = distribution_layout(distr)
-        if self.plate_name in parents.names:
-            return super().forward(distr)  # raises the common error
+        return self._new_node(distr, lambda d, parents: self._draw_points(d, parents, joint_with))
+
+    def _draw_points(self, distr: Distribution, parents: PlateLayout, joint_with: Optional[StochasticTensor]):
+        """The points on a plate of their own, or extending the chain the node joins."""
         who = f"{type(self).__name__}({self.plate_name!r})"
         tip, carried = chain_to_extend(self, parents.plates, explicit_chain(who, joint_with, self))
-        try:
-            with no_dispatch():
-                if tip is None:
-                    samples, group, others, index = own_points(distr, parents.plates, self.n_samples, who)
-                else:
-                    samples, group, others, index = extended_points(distr, parents.plates, tip, carried, who)
-        except RuntimeError as error:
-            reraise_cuda_dimension_error(error, parents.plates, f"{who} sampling")
-            raise
+        if tip is None:
+            samples, group, others, index = own_points(distr, parents.plates, self.n_samples, who)
+        else:
+            samples, group, others, index = extended_points(distr, parents.plates, tip, carried, who)
         created_on = parents.plates if tip is None or carried is not None else parents.plates + (tip,)
         plate = LocalExpectationPlate(
             self.plate_name, samples.shape[0], parents=created_on, ancestor=tip, parent_index=index, info=group,
@@ -194,12 +175,7 @@ class LocalExpectation(Method):
             tip._extended_by = weakref.ref(plate)
         if carried is not None:
             move_to_plate(distr, plate)
-        tensor = new_node(self, distr, samples, plate, others)
-        plate.weight = self._plate_weight(tensor, plate)
-        restore_lazy_plates(distr)  # parameters computed while sampling with dispatch disabled
-        if torch.is_grad_enabled() and get_distr_parameters(distr):
-            note_sampled(plate)  # its gradient needs a cost that carries its plate (see storch.backward)
-        return tensor
+        return samples, plate, others
 
     def _weights(self, tensor: StochasticTensor, plate: Plate) -> torch.Tensor:
         group: PointGroup = plate.info  # type: ignore[assignment]

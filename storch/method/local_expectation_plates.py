@@ -187,7 +187,8 @@ def explicit_chain(who: str, joint_with: Optional[StochasticTensor], method: "Lo
     """The evaluation plate of ``joint_with`` (a local-expectation node), checked."""
     if joint_with is None:
         return None
-    plate = getattr(joint_with, "plates", [None])[0] if isinstance(joint_with, Tensor) else None
+    plates = joint_with.plates if isinstance(joint_with, Tensor) else []
+    plate = plates[0] if plates else None
     if not isinstance(plate, LocalExpectationPlate) or plate.node is None:
         raise TypeError(
             f"{who}: joint_with must be the samples of a LocalExpectation node of this step (their plate is "

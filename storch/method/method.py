@@ -41,7 +41,7 @@ through the surrogate once more.
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -50,6 +50,7 @@ from torch.distributions import Distribution
 from storch.extend import (
     CostTensor,
     Plate,
+    PlateLayout,
     StochasticTensor,
     Tensor,
     distribution_layout,
@@ -226,6 +227,14 @@ class Method(nn.Module):
 
     # --------------------------------------------------------------- sampling
     def forward(self, distr: Distribution) -> StochasticTensor:
+        return self._new_node(distr, self._draw)
+
+    def _new_node(
+        self, distr: Distribution, draw: Callable[[Distribution, PlateLayout], tuple[torch.Tensor, Plate, Sequence[Plate]]]
+    ) -> StochasticTensor:
+        """Check ``distr``, draw the node with ``draw(distr, parents)`` (storch dispatch disabled; it
+        returns the plain samples, the node's plate and the samples' other plates), and make the node:
+        its plate weight, the plates of lazily computed parameters, the unused-node bookkeeping."""
         if not isinstance(distr, Distribution):
             raise TypeError(
                 f"{type(self).__name__}({self.plate_name!r}) samples a torch.distributions.Distribution, "
@@ -242,18 +251,22 @@ class Method(nn.Module):
             )
         try:
             with no_dispatch():
-                samples = self.sampling_method(distr, parents.plates, self.reparameterized)
+                samples, plate, others = draw(distr, parents)
         except RuntimeError as error:
             reraise_cuda_dimension_error(error, parents.plates, f"{type(self).__name__}({self.plate_name!r}) sampling")
             raise
-        self._check_samples(distr, samples, parents.sizes)
-        plate = Plate(self.plate_name, samples.shape[0], parents=parents.plates)
-        tensor = new_node(self, distr, samples, plate, parents.plates)
+        tensor = new_node(self, distr, samples, plate, others)
         plate.weight = self._plate_weight(tensor, plate)
         restore_lazy_plates(distr)  # parameters computed while sampling with dispatch disabled
         if not self.reparameterized and torch.is_grad_enabled() and get_distr_parameters(distr):
             note_sampled(plate)  # its gradient needs a cost that carries its plate (see storch.backward)
         return tensor
+
+    def _draw(self, distr: Distribution, parents: PlateLayout) -> tuple[torch.Tensor, Plate, Sequence[Plate]]:
+        """The proposal's samples on a new plate over all the distribution's plates."""
+        samples = self.sampling_method(distr, parents.plates, self.reparameterized)
+        self._check_samples(distr, samples, parents.sizes)
+        return samples, Plate(self.plate_name, samples.shape[0], parents=parents.plates), parents.plates
 
     def sample(self, distr: Distribution) -> StochasticTensor:
         """Sample ``distr`` with this method: the same as calling it, ``method(distr)``.
