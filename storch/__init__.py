@@ -1,7 +1,7 @@
 """storch: automatic differentiation of stochastic computation graphs for PyTorch.
 
 Write the model as a generative story, choose a gradient estimator at each sampling step
-(``storch.method``), register costs with :func:`add_cost`, and call :func:`backward`.
+(``storch.method``), register costs with [`add_cost`][storch.add_cost], and call [`backward`][storch.backward].
 
 Examples:
     >>> import torch, storch

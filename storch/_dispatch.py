@@ -1,7 +1,7 @@
-"""Plate alignment and operator dispatch for :class:`storch.Tensor` (``__torch_function__``).
+"""Plate alignment and operator dispatch for [`storch.Tensor`][storch.Tensor] (``__torch_function__``).
 
 Every torch function, method or operator that receives a storch tensor comes through
-:func:`torch_function`. It
+`torch_function`. It
 
 1. collects the plate layouts of the storch arguments (top level, inside lists/tuples, and keyword
    values);
@@ -12,11 +12,11 @@ Every torch function, method or operator that receives a storch tensor comes thr
    dimensions right after their plates, so that event dimensions broadcast as they would for a single
    sample. Plain ``torch.Tensor`` arguments and storch tensors without plates are left as they are:
    they broadcast against the event dimensions, right-aligned, as in PyTorch. Tensors carrying an
-   older step of a sequence than another argument (:class:`storch.plate.AncestralPlate`) are
-   re-indexed along the beams' ancestry (:func:`reindex_ancestral`; only on this slow path);
-4. wraps tensor outputs as :class:`storch.Tensor` with the union layout, after checking that the
+   older step of a sequence than another argument ([`storch.plate.AncestralPlate`][storch.plate.AncestralPlate]) are
+   re-indexed along the beams' ancestry (`reindex_ancestral`; only on this slow path);
+4. wraps tensor outputs as [`storch.Tensor`][storch.Tensor] with the union layout, after checking that the
    plate dimensions survived (a reduction or reshape over a plate dimension is an error that names the
-   plate; see :func:`storch.reduce_plates` for reducing plates on purpose).
+   plate; see [`storch.reduce_plates`][storch.reduce_plates] for reducing plates on purpose).
 """
 
 from __future__ import annotations
@@ -469,7 +469,7 @@ def _align_call(func: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict,
 
 
 def _convert(a: Any, union: PlateLayout, pad_to: int | None, expand: bool) -> Any:
-    """One argument laid out for ``union`` (see :func:`align_tensor`)."""
+    """One argument laid out for ``union`` (see [`align_tensor`][storch._dispatch.align_tensor])."""
     if isinstance(a, Tensor) and a._layout.sizes:
         return align_tensor(a, union, pad_to, expand)
     if expand and isinstance(a, _T):
@@ -516,7 +516,8 @@ _plan_cache = _LayoutCache()  # (source layout, union) -> (permutation, index)
 
 
 def union_of_layouts(layouts: list[PlateLayout]) -> PlateLayout:
-    """The union of layouts (see :func:`storch.plate.merge_layouts`), cached for repeated calls."""
+    """The union of layouts (see [`storch.plate.merge_layouts`][storch.plate.merge_layouts]), cached for repeated
+    calls."""
     first = layouts[0]
     if all(lay is first or lay.plates == first.plates for lay in layouts):
         return first

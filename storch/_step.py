@@ -1,8 +1,8 @@
 """What the current step has sampled: the plates of stochastic nodes that should reach a cost.
 
-Kept per context (thread, asyncio task) like the cost registry. :func:`storch.backward` reads it to
-warn about nodes whose gradient would silently be zero, and :func:`storch.reset` forgets it. Only
-nodes that need a cost to carry their plate are noted (see :meth:`storch.method.Method.forward`);
+Kept per context (thread, asyncio task) like the cost registry. [`storch.backward`][storch.backward] reads it to
+warn about nodes whose gradient would silently be zero, and [`storch.reset`][storch.reset] forgets it. Only
+nodes that need a cost to carry their plate are noted (see `storch.method.Method.forward`);
 entries are weak, so a step that never reaches ``backward`` keeps nothing alive.
 """
 
@@ -28,7 +28,7 @@ def note_sampled(plate: Plate) -> None:
 
 
 def sampled_plates() -> list[Plate]:
-    """The live plates noted since the last :func:`forget_sampled`, oldest first."""
+    """The live plates noted since the last `forget_sampled`, oldest first."""
     return [p for p in (r() for r in _SAMPLED.get()) if p is not None]
 
 

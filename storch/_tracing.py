@@ -1,15 +1,17 @@
-"""Whether storch code runs inside the trace of :func:`storch.compile_step`, and what the trace collects.
+"""Whether storch code runs inside the trace of [`storch.compile_step`][storch.compile_step], and what the trace
+collects.
 
 While a step is traced, storch keeps every check that reads a value on the host out of the traced
-graph and hands it to :mod:`storch.compiled_step` instead, which runs it on each replay:
+graph and hands it to [`storch.compiled_step`][storch.compiled_step] instead, which runs it on each replay:
 
-* :func:`storch.backward` notes its surrogate loss and costs here (:meth:`TraceState.note_loss`)
+* [`storch.backward`][storch.backward] notes its surrogate loss and costs here (`TraceState.note_loss`)
   instead of reading the loss on the host; the compiled step checks that they are finite;
 * ``torch.distributions`` argument validation and ``F.one_hot``'s range check become assertions in
-  the graph (CPU) or note their boolean here (:meth:`TraceState.note_check`), read after the step;
+  the graph (CPU) or note their boolean here (`TraceState.note_check`), read after the step;
 * code that would choose a faster branch by reading a tensor on the host (the zero-weight test of
-  :func:`storch.reductions.reduce_plate`, the device-copy cache of plate weights) takes the general
-  branch when :func:`active`.
+  [`storch.reductions.reduce_plate`][storch.reductions.reduce_plate], the device-copy cache of plate weights) takes
+  the general
+  branch when [`active`][storch._tracing.active].
 
 Kept per context (thread, asyncio task) like the cost registry, so an eager step on another thread
 is not affected by a trace on this one.
@@ -51,12 +53,12 @@ def current() -> Optional[TraceState]:
 
 
 def active() -> bool:
-    """True while :func:`storch.compile_step` traces a step in this context."""
+    """True while [`storch.compile_step`][storch.compile_step] traces a step in this context."""
     return _STATE.get() is not None
 
 
 def start(state: TraceState):
-    """Begin tracing in this context; returns the token for :func:`stop`."""
+    """Begin tracing in this context; returns the token for `stop`."""
     return _STATE.set(state)
 
 

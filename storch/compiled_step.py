@@ -10,7 +10,7 @@ pass of ``storch.backward()``. Later calls replay that graph: no storch Python, 
 bookkeeping, no autograd graph to build, only the recorded tensor operations. The graph can also be
 handed to ``torch.compile`` (``backend="inductor"``).
 
-Semantics (see :func:`compile_step` for the API):
+Semantics (see [`compile_step`][storch.compiled_step.compile_step] for the API):
 
 * **The first call is an eager step** (the trace runs the step for real): its values, gradients,
   warnings and errors are those of eager mode. Each later call with arguments of the same shapes
@@ -25,13 +25,15 @@ Semantics (see :func:`compile_step` for the API):
   are assertions in the graph on the CPU (off the CPU, outputs read after the step), and storch's
   check that the surrogate loss is finite is read after each replay (one host read per step, as in
   eager mode): a failure raises the error eager mode raises (``ValueError`` naming the parameter
-  and the constraint; :class:`storch.exceptions.NonFiniteCostError` naming the costs) and the
+  and the constraint; [`storch.exceptions.NonFiniteCostError`][storch.exceptions.NonFiniteCostError] naming the costs)
+  and the
   step's gradients are not applied.
-* **What cannot be replayed is refused**, with :class:`storch.exceptions.CompileStepError` naming
+* **What cannot be replayed is refused**, with
+[`storch.exceptions.CompileStepError`][storch.exceptions.CompileStepError] naming
   it, instead of being baked in silently: a value read on the host during the step (an ``if`` on a
   tensor, ``.item()``), an estimator that keeps state between steps outside tensors it updates in
   place (an annealed temperature, a trained control variate, a critic: see
-  :attr:`storch.method.Method.keeps_state_between_steps`), a tensor that requires grad but is not
+  `storch.method.Method.keeps_state_between_steps`), a tensor that requires grad but is not
   a parameter of the given modules, a storch tensor in the arguments or the result, costs left
   registered without ``storch.backward()``, a step that changes its modules' Python settings or
   updates in place a tensor that is not a buffer of a given module.
@@ -98,7 +100,8 @@ def compile_step(
 
     Args:
         step: the step as written for eager mode: it samples, registers costs with
-            :func:`storch.add_cost` and calls :func:`storch.backward` (its arguments: tensors, and
+            [`storch.add_cost`][storch.add_cost] and calls [`storch.backward`][storch.backward] (its arguments:
+            tensors, and
             hashable values that become part of the graph; its result: plain tensors, ``None``,
             numbers or strings, in any nesting of tuples, lists and dicts).
         *modules: the modules whose parameters ``step`` trains (and whose buffers it may update),
@@ -114,7 +117,7 @@ def compile_step(
         **compile_options: further keywords for ``torch.compile`` (``mode``, ``dynamic``, ...).
 
     Returns:
-        A :class:`CompiledStep`: call it as you would call ``step``.
+        A [`CompiledStep`][storch.compiled_step.CompiledStep]: call it as you would call ``step``.
 
     Raises:
         CompileStepError: (on the call that traces) what the step does that a replay cannot
@@ -193,7 +196,7 @@ class _Inputs:
 
 
 class CompiledStep:
-    """A step traced by :func:`compile_step`; call it with the step's arguments.
+    """A step traced by [`compile_step`][storch.compiled_step.compile_step]; call it with the step's arguments.
 
     Attributes:
         traces: the number of graphs traced so far (one per combination of argument shapes).
@@ -478,7 +481,8 @@ class _DeferredChecks(TorchFunctionMode):
     In the trace the check is decided on the real value (the traced call is a real step, and raises
     torch's error as eager mode does) and recorded for the replays: on the CPU as an assertion in
     the graph, which raises where eager mode would; on other devices as an output that
-    :class:`CompiledStep` reads once per step (an assertion there would be asynchronous and end the
+    [`CompiledStep`][storch.compiled_step.CompiledStep] reads once per step (an assertion there would be asynchronous
+    and end the
     process). ``F.one_hot`` with ``num_classes`` given is computed by comparison with
     ``arange(num_classes)`` (the same result for indices in range).
     """
@@ -869,7 +873,7 @@ def _simplify(graph: torch.fx.Graph) -> None:
 def replay_function(module: torch.fx.GraphModule) -> Callable[..., list]:
     """A plain Python function that runs the operations of the traced graph ``module``.
 
-    The graph is simplified first (:func:`_simplify`); each operation is called through its
+    The graph is simplified first (`_simplify`); each operation is called through its
     ``OpOverload``'s C++ handle (no Python frame per operation), and each value is deleted after
     its last use, as in the graph module's own code. Called as ``run(trainable, incoming_grads,
     frozen, buffers, arguments)`` (five lists of tensors), under ``torch.no_grad()``.

@@ -1,6 +1,6 @@
 """storch under ``torch.compile``: storch's own frames run eagerly, the rest of a step compiles.
 
-A training step that samples, registers costs and calls :func:`storch.backward` can be given to
+A training step that samples, registers costs and calls [`storch.backward`][storch.backward] can be given to
 ``torch.compile`` as a whole. TorchDynamo would otherwise trace into storch's Python code (the
 plate bookkeeping, the ``__torch_function__`` dispatch) and compile it with the plated tensors as
 plain inputs, which fails inside AOTAutograd ("Multiple dispatch failed for aten.addmm.out").
@@ -21,7 +21,7 @@ compiled module sees the plates as leading batch dimensions (see ``docs/scaling.
 
 The skip is registered through ``torch._C._dynamo.eval_frame.set_code_exec_strategy`` (the
 mechanism behind ``torch._dynamo.skip``), which needs no import of ``torch._dynamo`` (0.8 s). If
-a torch version lacks it, nothing is registered and :data:`REGISTERED` stays ``False``.
+a torch version lacks it, nothing is registered and `REGISTERED` stays ``False``.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def skip_storch_frames() -> int:
 
 
 def compile(fn: Callable, **kwargs: Any) -> Callable:  # noqa: A001 - the torch.compile of storch
-    """``torch.compile(fn, **kwargs)`` after :func:`skip_storch_frames` (for storch modules imported
+    """``torch.compile(fn, **kwargs)`` after `skip_storch_frames` (for storch modules imported
     after ``import storch``).
 
     Examples:

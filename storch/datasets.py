@@ -1,20 +1,23 @@
 """Data sets for discrete-latent models: a bundled default and loaders for standard files.
 
-* :func:`load_digits_binarized` -- scikit-learn's 8x8 digits, binarized. It ships with an installed
+* [`load_digits_binarized`][storch.datasets.load_digits_binarized] -- scikit-learn's 8x8 digits, binarized. It ships
+with an installed
   package, so examples and tests run anywhere without data files.
-* :func:`load_mnist` -- grey-scale MNIST (LeCun et al.) from the original IDX files
+* [`load_mnist`][storch.datasets.load_mnist] -- grey-scale MNIST (LeCun et al.) from the original IDX files
   (``train-images-idx3-ubyte`` ..., plain or ``.gz``) or from ``mnist_uint8.npz``.
-* :func:`load_binarized_mnist` -- the fixed ("static") binarization of Larochelle & Murray (2011),
+* [`load_binarized_mnist`][storch.datasets.load_binarized_mnist] -- the fixed ("static") binarization of Larochelle &
+Murray (2011),
   train/valid/test = 50000/10000/10000, from the original ``binarized_mnist_{split}.amat`` text
   files or from ``binarized_mnist_packed.npz`` (``np.packbits`` rows).
-* :func:`load_omniglot` -- the 28x28 Omniglot of the IWAE paper (``chardata.mat``).
-* :func:`dynamic_binarize` -- draw Bernoulli(x) pixels, redrawn for every minibatch ("dynamic"
+* [`load_omniglot`][storch.datasets.load_omniglot] -- the 28x28 Omniglot of the IWAE paper (``chardata.mat``).
+* [`dynamic_binarize`][storch.datasets.dynamic_binarize] -- draw Bernoulli(x) pixels, redrawn for every minibatch
+("dynamic"
   binarization); a loader cannot do this once and for all, so it is a separate step.
-* :func:`minibatches` -- iterate over (shuffled) minibatches of one or several tensors.
-* :func:`read_idx` / :func:`write_idx` -- the IDX file format.
+* [`minibatches`][storch.datasets.minibatches] -- iterate over (shuffled) minibatches of one or several tensors.
+* [`read_idx`][storch.datasets.read_idx] / [`write_idx`][storch.datasets.write_idx] -- the IDX file format.
 
 Every loader reads from a directory the caller names and never downloads anything; a missing file
-raises :class:`FileNotFoundError` that names the directory, the files looked for and how to get them.
+raises `FileNotFoundError` that names the directory, the files looked for and how to get them.
 
 This module depends only on the standard library, numpy and torch (scikit-learn and scipy are
 imported lazily by the functions that need them).
@@ -129,7 +132,7 @@ def read_idx(path: PathLike) -> np.ndarray:
 def write_idx(path: PathLike, array: np.ndarray) -> None:
     """Write ``array`` as an IDX file; gzip-compressed when ``path`` ends in ``.gz``.
 
-    Supported dtypes: uint8, int8, int16, int32, float32, float64 (see :func:`read_idx`).
+    Supported dtypes: uint8, int8, int16, int32, float32, float64 (see [`read_idx`][storch.datasets.read_idx]).
 
     Examples:
         >>> import os, tempfile
@@ -229,8 +232,9 @@ def load_mnist(directory: PathLike, split: str = "train") -> Tuple[torch.Tensor,
     ``.gz``; the dotted names ``train-images.idx3-ubyte`` are accepted too), and otherwise for
     ``mnist_uint8.npz`` with arrays ``x_train``, ``y_train``, ``x_test``, ``y_test``.
 
-    For a binary likelihood, either binarize each minibatch with :func:`dynamic_binarize`, or use
-    the standard fixed binarization from :func:`load_binarized_mnist`.
+    For a binary likelihood, either binarize each minibatch with
+    [`dynamic_binarize`][storch.datasets.dynamic_binarize], or use
+    the standard fixed binarization from [`load_binarized_mnist`][storch.datasets.load_binarized_mnist].
 
     Args:
         directory: the folder holding the files.
@@ -378,7 +382,7 @@ def load_omniglot(
     ``testdata``: 784 x 8070) stored column-major, so each image is transposed back, as the IWAE
     code does (``reshape((-1, 28, 28)).reshape((-1, 784), order="F")``). The alphabet of each image
     (one-hot rows ``target`` / ``testtarget``) is returned as a label when present. Binarize with
-    :func:`dynamic_binarize` per minibatch, as is customary. Reading ``.mat`` needs scipy.
+    [`dynamic_binarize`][storch.datasets.dynamic_binarize] per minibatch, as is customary. Reading ``.mat`` needs scipy.
 
     Args:
         directory: the folder holding ``chardata.mat``.

@@ -14,7 +14,7 @@ class IllegalStorchExposeError(Exception):
 
 
 class NonFiniteCostError(ValueError):
-    """:func:`storch.backward` found a cost (or the surrogate loss) that is NaN or infinite.
+    """[`storch.backward`][storch.backward] found a cost (or the surrogate loss) that is NaN or infinite.
 
     Raised before anything is differentiated: no ``.grad`` is touched, no baseline or method state
     is updated, and the cost registry is cleared.
@@ -30,7 +30,7 @@ class UnusedNodeWarning(UserWarning):
 
 
 class CompileStepError(RuntimeError):
-    """:func:`storch.compile_step` cannot turn a step into one fixed graph without changing what it
+    """[`storch.compile_step`][storch.compile_step] cannot turn a step into one fixed graph without changing what it
     computes: the step reads a tensor's value on the host (an ``if`` on a tensor, ``.item()``), uses
     an estimator that keeps state between steps, captures a tensor that requires grad from outside
     the given modules, or returns a storch tensor. The message names what and where; the step still

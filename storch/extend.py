@@ -1,6 +1,7 @@
 """The interface for writing estimators and samplers: everything the in-tree ones use.
 
-An estimator (:class:`storch.method.Method`) or a proposal (:class:`storch.sampling.SamplingMethod`)
+An estimator ([`storch.method.Method`][storch.method.Method]) or a proposal
+([`storch.sampling.SamplingMethod`][storch.sampling.SamplingMethod])
 works on the plain tensors underneath storch's plated ones, says which plates its results carry,
 and registers distribution-specific math. The estimators and samplers of ``storch.method`` and
 ``storch.sampling`` import the engine from here and nowhere else (``tests/test_extend.py`` checks
@@ -11,12 +12,13 @@ as plain torch operations (no alignment, no wrapping, no plate checks); results 
 
 **Tensors and plates.**
 
-* ``layout_of(t)``: the :class:`~storch.plate.PlateLayout` of ``t`` (empty for plain tensors)
+* ``layout_of(t)``: the [`PlateLayout`][storch.plate.PlateLayout] of ``t`` (empty for plain tensors)
 * ``plain(t)``: a plain ``torch.Tensor`` view of ``t`` (same autograd graph)
 * ``wrap(t, layout)``: a storch view of ``t`` with ``layout`` (``t`` untouched)
 * ``wrap_new(t, layout)``: make a fresh plain result, held by nobody else, a storch tensor (no view)
 * ``new_node(method, distribution, samples, plate, parents)``: make plain samples a node on ``plate``
-* ``node_of(t)``: the :class:`StochasticNode` of samples: ``samples``, ``distribution``, ``method``,
+* ``node_of(t)``: the [`StochasticNode`][storch.extend.StochasticNode] of samples: ``samples``, ``distribution``,
+``method``,
   ``plate``, ``layout``, ``param_grads``
 * ``layout_of_plates(plates)``: the (cached) layout of plates in the order given
 * ``merge_layouts(layouts)``: the union of layouts, newest plate first
@@ -33,16 +35,18 @@ as plain torch operations (no alignment, no wrapping, no plate checks); results 
 * ``note_sampled(plate)``: mark a node that must reach a cost (the unused-node warning)
 * ``magic_box(l)``: ``exp(l - stopgrad(l))``: 1 in value, ``∇l`` in derivative (DiCE)
 * ``rsample_gumbel_softmax``: a reparameterized Gumbel-softmax draw
-* ``is_tracing()``: whether :func:`storch.compile_step` is tracing the step (take no branch that reads
+* ``is_tracing()``: whether [`storch.compile_step`][storch.compile_step] is tracing the step (take no branch that reads
   a tensor's value on the host)
 * ``state_declared_for(obj, hook)``: whether ``obj.keeps_state_between_steps`` was written by the
   class that defines its ``hook`` (``update_parameters``): an override of the hook alone counts as
   keeping state
 
-**Operations.** :func:`register_operation` says how a function treats plates (elementwise, joins,
+**Operations.** [`register_operation`][storch.extend.register_operation] says how a function treats plates
+(elementwise, joins,
 dimension arguments, …) when it is not one of torch's that storch already knows.
 
-**Registries.** Distribution-specific math is kept in :class:`TypeRegistry` instances, each filled
+**Registries.** Distribution-specific math is kept in [`TypeRegistry`][storch.extend.TypeRegistry] instances, each
+filled
 by one ``register_*`` function (most specific base class wins; ambiguity and double registration
 are errors). All of them are available here:
 

@@ -1,6 +1,6 @@
 """Costs, the surrogate loss and ``storch.backward``.
 
-Registered costs live in a :class:`contextvars.ContextVar`, so each thread and each asyncio task
+Registered costs live in a `contextvars.ContextVar`, so each thread and each asyncio task
 builds its own graph. The registry is an immutable tuple that is replaced, never mutated, so a task
 that inherits its parent's context cannot add costs to the parent's graph.
 
@@ -45,7 +45,7 @@ _COSTS: ContextVar[tuple[CostTensor, ...]] = ContextVar("storch_costs", default=
 
 
 def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
-    """Register a cost node (to be minimised) for the next :func:`backward`.
+    """Register a cost node (to be minimised) for the next [`backward`][storch.inference.backward].
 
     A cost must hold one value per combination of its plates: no event dimensions. Sum or average
     them first (e.g. ``loss.sum(-1)``).
@@ -119,8 +119,10 @@ def registered_costs() -> tuple[CostTensor, ...]:
 def reset() -> None:
     """Forget the registered costs (and the sampled nodes) of the current context.
 
-    :func:`backward` resets on its own, also when it raises. Call ``reset`` at the start of a step,
-    or where you catch an error raised between :func:`add_cost` and :func:`backward`, so that costs
+    [`backward`][storch.inference.backward] resets on its own, also when it raises. Call ``reset`` at the start of a
+    step,
+    or where you catch an error raised between [`add_cost`][storch.inference.add_cost] and
+    [`backward`][storch.inference.backward], so that costs
     of a failed step do not join the next one.
     """
     _COSTS.set(())
@@ -229,7 +231,7 @@ def surrogate_loss(costs: tuple[CostTensor, ...] | None = None) -> torch.Tensor:
     """The surrogate loss of the registered costs (or of ``costs``), without differentiating it.
 
     Its value is the estimate of the expected total cost; its derivatives are the gradient
-    estimates. Unlike :func:`backward` this keeps the registry and updates no method state.
+    estimates. Unlike [`backward`][storch.inference.backward] this keeps the registry and updates no method state.
 
     Examples:
         >>> import torch, storch
@@ -269,12 +271,13 @@ def _keep_grad(grads: dict, name: str, layout: Any, grad: torch.Tensor) -> None:
 
 
 def _named_costs(costs: tuple[CostTensor, ...]) -> list[tuple[str, torch.Tensor, list[str]]]:
-    """``(name, detached plain values, plate names)`` of each cost, for :func:`non_finite_error`."""
+    """``(name, detached plain values, plate names)`` of each cost, for `non_finite_error`."""
     return [(cost.name, plain(cost).detach(), cost.plate_names) for cost in costs]
 
 
 def _check_finite(loss: torch.Tensor, costs: tuple[CostTensor, ...]) -> None:
-    """Raise :class:`NonFiniteCostError`, naming the costs, if the surrogate loss is NaN or infinite."""
+    """Raise [`NonFiniteCostError`][storch.inference.NonFiniteCostError], naming the costs, if the surrogate loss is
+    NaN or infinite."""
     if loss.device.type == "meta" or math.isfinite(loss.item()):  # meta tensors hold no values
         return
     raise non_finite_error(
@@ -312,7 +315,7 @@ def non_finite_error(
 
 
 def _refuse_state_between_steps(record: _Record) -> None:
-    """In a trace of :func:`storch.compile_step`: refuse methods whose state changes after each step.
+    """In a trace of [`storch.compile_step`][storch.compile_step]: refuse methods whose state changes after each step.
 
     The compiled step replays the traced operations only; a method that updates a baseline, a
     temperature or a learned control variate in ``update_parameters`` would be frozen at its state

@@ -1,8 +1,9 @@
 """Plates: named sample dimensions.
 
-A *plate* is a left dimension of a :class:`storch.Tensor` that indexes conditionally independent
+A *plate* is a left dimension of a [`storch.Tensor`][storch.Tensor] that indexes conditionally independent
 samples: the samples of a stochastic node (``Method("z", n_samples=8)`` makes a plate ``z`` of size 8),
-a minibatch (:func:`storch.denote_independent`), or repeated estimates (:func:`storch.gather_samples`).
+a minibatch ([`storch.denote_independent`][storch.denote_independent]), or repeated estimates
+([`storch.gather_samples`][storch.gather_samples]).
 Each plate carries a *weight* used when it is reduced: ``1/n`` for i.i.d. samples, or a tensor for
 importance or enumeration weights.
 
@@ -12,9 +13,11 @@ remaining dimensions are *event* dimensions and broadcast as in plain PyTorch.
 
 Identity rule: the plate of a stochastic node is unique to that node. Two different nodes that use
 the same plate name clash with an error instead of merging. Plates made by
-:func:`storch.denote_independent` or :func:`storch.gather_samples` are compared by name and size, so a
+[`storch.denote_independent`][storch.denote_independent] or [`storch.gather_samples`][storch.gather_samples] are
+compared by name and size, so a
 minibatch plate re-created in every training step is the same plate. The steps of a sequence decoded
-step by step share a name by design (:class:`AncestralPlate`): where two steps of one chain meet,
+step by step share a name by design ([`AncestralPlate`][storch.plate.AncestralPlate]): where two steps of one chain
+meet,
 the newer step is kept and the older tensor is re-indexed along the ancestry.
 """
 
@@ -72,7 +75,7 @@ class Plate:
         order: the creation order (newer plates have larger numbers).
         info: what the sampling method keeps about this plate's draw (``None`` if nothing).
 
-    Two plates are equal when they have the same :attr:`identity`: a node's plate only equals
+    Two plates are equal when they have the same [`identity`][storch.plate.Plate.identity]: a node's plate only equals
     itself, an independent plate equals every independent plate of its name and size.
 
     Examples:
@@ -111,7 +114,7 @@ class Plate:
 
     @property
     def n(self) -> int:
-        """The plate size (the Storchastic manual's name for :attr:`size`)."""
+        """The plate size (the Storchastic manual's name for `size`)."""
         return self.size
 
     @property
@@ -158,7 +161,7 @@ class Plate:
     @property
     def surrogate_order(self) -> int:
         """Where this plate's node comes in the surrogate recursion, which handles the plates of a
-        cost newest first: its creation :attr:`order`, unless a subclass says otherwise (the joint
+        cost newest first: its creation `order`, unless a subclass says otherwise (the joint
         evaluation plate of chained local expectations comes where its chain began, after every node
         drawn from its points)."""
         return self.order
@@ -181,9 +184,9 @@ class Plate:
         """What makes two plates the same plate; ``==`` and ``hash`` compare it.
 
         * The plate of a stochastic node is identified by the object itself: two nodes' samples
-          never merge, even with equal names and sizes (that is a :class:`PlateClashError`).
-        * An independent plate (no node: a minibatch from :func:`storch.denote_independent`, the
-          copies of :func:`storch.gather_samples`) is identified by ``(name, size)``, so that the
+          never merge, even with equal names and sizes (that is a [`PlateClashError`][storch.plate.PlateClashError]).
+        * An independent plate (no node: a minibatch from [`storch.denote_independent`][storch.denote_independent], the
+          copies of [`storch.gather_samples`][storch.gather_samples]) is identified by ``(name, size)``, so that the
           plate re-created in every step, or for every tensor of one minibatch, is one plate.
         """
         return self if self.node is not None else (self.name, self.size)
@@ -214,15 +217,15 @@ class AncestralPlate(Plate):
     Each step makes a new plate with the *same name*; sample ``b`` of this step extends sample
     ``parent_index[b]`` of the ``ancestor`` step. When tensors of two steps of one chain meet in an
     operation, the newer plate is kept and the older tensor is re-indexed along the chain (see
-    :func:`storch._dispatch.reindex_ancestral`), so a decoder combines its previous tokens and states
+    `storch._dispatch.reindex_ancestral`), so a decoder combines its previous tokens and states
     with the new ones without bookkeeping. Plates of different chains still clash.
 
     Args:
-        name: as for :class:`Plate`.
-        size: as for :class:`Plate`.
-        weight: as for :class:`Plate`.
-        parents: as for :class:`Plate`.
-        node: as for :class:`Plate`.
+        name: as for [`Plate`][storch.plate.Plate].
+        size: as for [`Plate`][storch.plate.Plate].
+        weight: as for [`Plate`][storch.plate.Plate].
+        parents: as for [`Plate`][storch.plate.Plate].
+        node: as for [`Plate`][storch.plate.Plate].
         ancestor: the plate of the previous step (``None`` for the first step).
         parent_index: a plain ``LongTensor`` ``(size, *sizes of index_plates)``: for each sample of
             this plate (and each value of ``index_plates``) the position of its parent along
@@ -270,7 +273,7 @@ class AncestralPlate(Plate):
         self.parent_index = parent_index
         self.info = info
         #: what identifies the chain: the name of its first step (every step of a sequence shares it;
-        #: a subclass whose steps are renamed, see :attr:`renames_its_chain`, keeps the first one's)
+        #: a subclass whose steps are renamed, see `renames_its_chain`, keeps the first one's)
         self.chain_name: str = name if ancestor is None else ancestor.chain_name
 
     #: whether a step may have another name than its ancestor (the joint evaluation plates of chained
@@ -329,7 +332,7 @@ class PlateLayout:
         return hash(self.plates)
 
     def index(self, plate: Plate | str) -> int:
-        """Position of ``plate`` (a :class:`Plate` or a plate name) in this layout."""
+        """Position of ``plate`` (a [`Plate`][storch.plate.Plate] or a plate name) in this layout."""
         if isinstance(plate, str):
             try:
                 return self.names.index(plate)
@@ -343,7 +346,8 @@ class PlateLayout:
         raise ValueError(f"Plate {plate!r} is not on this tensor; its plates are {list(self.names)}.")
 
     def position(self, plate: Plate) -> int:
-        """Position of ``plate`` in this layout, found by identity first (see :meth:`index`)."""
+        """Position of ``plate`` in this layout, found by identity first (see
+        [`index`][storch.plate.PlateLayout.index])."""
         for i, p in enumerate(self.plates):
             if p is plate:
                 return i
@@ -370,7 +374,7 @@ _interned: "weakref.WeakValueDictionary[tuple[int, ...], PlateLayout]" = weakref
 
 
 def layout_of_plates(plates: Sequence[Plate]) -> PlateLayout:
-    """The shared :class:`PlateLayout` object for ``plates`` (in the given order).
+    """The shared [`PlateLayout`][storch.plate.PlateLayout] object for ``plates`` (in the given order).
 
     Interning layouts lets tensors that carry the same plates share one layout object, so the
     dispatcher's identity check takes the fast path. A layout keeps its plates alive, so an entry
@@ -394,7 +398,7 @@ MAX_PLATES = 64
 
 
 class TooManyPlatesError(ValueError):
-    """More than :data:`MAX_PLATES` plates would meet in one tensor."""
+    """More than `MAX_PLATES` plates would meet in one tensor."""
 
     def __init__(self, plates: Sequence["Plate"]) -> None:
         names = ", ".join(repr(p.name) for p in list(plates)[:6])
@@ -414,7 +418,7 @@ _CUDA_DIMS_MESSAGE = "CUDA Tensors cannot have more than 25 dimensions"
 
 
 class CudaDimensionError(TooManyPlatesError):
-    """A CUDA kernel refused a tensor of more than :data:`CUDA_MAX_DIMS` dimensions, plates included."""
+    """A CUDA kernel refused a tensor of more than `CUDA_MAX_DIMS` dimensions, plates included."""
 
     def __init__(self, plates: Sequence["Plate"], where: str) -> None:
         ValueError.__init__(
@@ -430,7 +434,8 @@ class CudaDimensionError(TooManyPlatesError):
 
 
 def reraise_cuda_dimension_error(error: RuntimeError, plates: Sequence["Plate"], where: str) -> None:
-    """Raise :class:`CudaDimensionError` from ``error`` if it is CUDA's dimension limit; else return."""
+    """Raise [`CudaDimensionError`][storch.plate.CudaDimensionError] from ``error`` if it is CUDA's dimension limit;
+    else return."""
     if _CUDA_DIMS_MESSAGE in str(error):
         raise CudaDimensionError(plates, where) from error
 
@@ -443,7 +448,8 @@ def _describe(plate: Plate) -> str:
 def merge_layouts(layouts: Iterable[PlateLayout]) -> PlateLayout:
     """The union of several layouts, newest plate first.
 
-    Two steps of one ancestral chain (:class:`AncestralPlate`, a sequence decoded step by step) merge
+    Two steps of one ancestral chain ([`AncestralPlate`][storch.plate.AncestralPlate], a sequence decoded step by
+    step) merge
     into the newer one, plus the plates its parent indices depend on.
 
     Raises:
@@ -513,7 +519,8 @@ def _raise_clash(seen: Plate, plate: Plate) -> None:
 
 
 def _newer_of_one_chain(a: Plate, b: Plate) -> "AncestralPlate | None":
-    """The newer of two plates of one ancestral chain (see :class:`AncestralPlate`), else ``None``."""
+    """The newer of two plates of one ancestral chain (see [`AncestralPlate`][storch.plate.AncestralPlate]), else
+    ``None``."""
     if isinstance(a, AncestralPlate) and isinstance(b, AncestralPlate):
         if b.descends_from(a):
             return b

@@ -1,9 +1,12 @@
 """Creating and reducing plates.
 
-* :func:`denote_independent` and :func:`gather_samples` create independent plates;
-* :func:`reduce_plates` and :func:`variance` reduce plates *with their weights* (use these for
+* [`denote_independent`][storch.reductions.denote_independent] and
+[`gather_samples`][storch.reductions.gather_samples] create independent plates;
+* [`reduce_plates`][storch.reductions.reduce_plates] and [`variance`][storch.reductions.variance] reduce plates *with
+their weights* (use these for
   estimates);
-* :func:`sum`, :func:`mean` and :func:`logsumexp` reduce named dimensions *without* weights.
+* [`sum`][storch.reductions.sum], [`mean`][storch.reductions.mean] and [`logsumexp`][storch.reductions.logsumexp]
+reduce named dimensions *without* weights.
 
 Reducing a plate with a plain torch reduction (``t.mean(0)``) is an error, because it silently
 discards the per-sample values the gradient estimators need.
@@ -32,7 +35,7 @@ def denote_independent(tensor: torch.Tensor, dim: int, plate_name: str) -> Indep
     """Declare dimension ``dim`` of ``tensor`` a plate of independent values (e.g. a minibatch).
 
     The dimension moves to the left of the event dimensions and becomes the newest plate; its
-    weight is ``1/size``, so :func:`reduce_plates` averages over it.
+    weight is ``1/size``, so [`reduce_plates`][storch.reductions.reduce_plates] averages over it.
 
     Examples:
         >>> import torch, storch
@@ -138,7 +141,7 @@ def _reduce_dims(tensor: torch.Tensor, dims: PlateRef | Sequence[PlateRef], op: 
 
 
 def sum(tensor: torch.Tensor, dims: PlateRef | Sequence[PlateRef]) -> torch.Tensor:  # noqa: A001
-    """Sum over plates (by name or :class:`Plate`) and/or dimensions, ignoring plate weights.
+    """Sum over plates (by name or [`Plate`][storch.reductions.Plate]) and/or dimensions, ignoring plate weights.
 
     Examples:
         >>> import torch, storch
@@ -150,7 +153,8 @@ def sum(tensor: torch.Tensor, dims: PlateRef | Sequence[PlateRef]) -> torch.Tens
 
 
 def mean(tensor: torch.Tensor, dims: PlateRef | Sequence[PlateRef]) -> torch.Tensor:
-    """Unweighted mean over plates and/or dimensions. For estimates use :func:`reduce_plates`.
+    """Unweighted mean over plates and/or dimensions. For estimates use
+    [`reduce_plates`][storch.reductions.reduce_plates].
 
     Examples:
         >>> import torch, storch
@@ -208,7 +212,8 @@ def reduce_plate(tensor: Tensor, plate: Plate, detach_weights: bool = True) -> t
 
 
 def _reduce_by_vector(tensor: Tensor, plate: Plate, w: torch.Tensor) -> Tensor:
-    """:func:`reduce_plate` for a plain weight vector, one weight per sample of ``plate`` (groups of
+    """[`reduce_plate`][storch.reductions.reduce_plate] for a plain weight vector, one weight per sample of ``plate``
+    (groups of
     ARM, DisARM, LocalExpectation, MVD; importance weights): the same arithmetic on the plain
     values, with ``w`` laid along the plate's dimension, instead of six aligned operations."""
     layout = tensor._layout
@@ -243,7 +248,7 @@ def reduce_plates(
 
     Args:
         tensor: the tensor to reduce.
-        plates: plate names or :class:`Plate` objects; ``None`` reduces all plates.
+        plates: plate names or [`Plate`][storch.reductions.Plate] objects; ``None`` reduces all plates.
         detach_weights: detach weights that require grad (e.g. enumeration weights ``p(x)``).
 
     Examples:

@@ -4,16 +4,20 @@ Distribution-specific math (relaxations, cumulants, measure-valued decomposition
 supports for sampling without replacement, …) lives in registries keyed by distribution type, in
 the manner of ``torch.distributions.kl.register_kl``: a value registered for a type also serves its
 subclasses, and the most specific registered base class wins (``Chi2`` finds ``Gamma``'s entry
-unless it has its own). Every registry is a :class:`TypeRegistry` and is filled one way, by
-:meth:`TypeRegistry.register`; the public ``register_*`` functions of the modules (e.g.
-:func:`storch.distributions.relaxation.register_relaxation`) are thin wrappers around it.
+unless it has its own). Every registry is a [`TypeRegistry`][storch.registry.TypeRegistry] and is filled one way, by
+[`TypeRegistry.register`][storch.registry.TypeRegistry.register]; the public ``register_*`` functions of the modules
+(e.g.
+[`storch.distributions.relaxation.register_relaxation`][storch.distributions.relaxation.register_relaxation]) are thin
+wrappers around it.
 
 Two things that would otherwise go unnoticed are errors:
 
-* a type registered twice in one registry (:class:`DuplicateRegistrationError`), unless the
+* a type registered twice in one registry
+([`DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError]), unless the
   second registration says ``replace=True``, so that overriding a built-in entry is deliberate;
 * a type that inherits from two or more registered types of which none is more specific than the
-  others (multiple inheritance; :class:`AmbiguousLookupError`), whose fix is to register the type
+  others (multiple inheritance; [`AmbiguousLookupError`][storch.registry.AmbiguousLookupError]), whose fix is to
+  register the type
   itself.
 """
 
@@ -29,13 +33,15 @@ V = TypeVar("V")
 class AmbiguousLookupError(LookupError):
     """A type inherits from several registered types and none of them is more specific than the others.
 
-    Raised by :meth:`TypeRegistry.lookup`; the message names the registry, the type, the candidates
+    Raised by [`TypeRegistry.lookup`][storch.registry.TypeRegistry.lookup]; the message names the registry, the type,
+    the candidates
     and the fix (register the type itself).
     """
 
 
 class DuplicateRegistrationError(ValueError):
-    """A type registered a second time in one :class:`TypeRegistry` without ``replace=True``."""
+    """A type registered a second time in one [`TypeRegistry`][storch.registry.TypeRegistry] without
+    ``replace=True``."""
 
 
 def _name(cls: type) -> str:
@@ -52,7 +58,8 @@ def _describe(value: object) -> str:
 
 
 def ambiguity_message(registry: str, cls: type, candidates: Sequence[type], register_with: str) -> str:
-    """The message of :class:`AmbiguousLookupError` (shared with lookups that combine registries)."""
+    """The message of [`AmbiguousLookupError`][storch.registry.AmbiguousLookupError] (shared with lookups that combine
+    registries)."""
     listed = ", ".join(f"{_name(c)} ({c.__module__})" for c in candidates)
     return (
         f"The {registry} registry cannot choose an entry for {_name(cls)}: it inherits from "
@@ -62,24 +69,27 @@ def ambiguity_message(registry: str, cls: type, candidates: Sequence[type], regi
 
 
 class TypeRegistry(Generic[V]):
-    """Values keyed by type; :meth:`lookup` finds the entry of the most specific registered base class.
+    """Values keyed by type; [`lookup`][storch.registry.TypeRegistry.lookup] finds the entry of the most specific
+    registered base class.
 
     A value registered for a type serves its subclasses too. When several registered types are
     bases of the queried one, the most specific wins (the one that is a subclass of all the
     others). With multiple inheritance two registered bases can be equally specific (neither is a
-    subclass of the other); :meth:`lookup` then raises :class:`AmbiguousLookupError` rather than
+    subclass of the other); [`lookup`][storch.registry.TypeRegistry.lookup] then raises
+    [`AmbiguousLookupError`][storch.registry.AmbiguousLookupError] rather than
     picking one by the method resolution order. ``torch.distributions.kl`` warns in that case and
     goes on; storch reports it as an error because the choice changes the gradient estimate without
     any other sign, and the fix, registering the subclass itself, is one line.
 
     ``in`` (exact registration, not inheritance), ``len`` and iteration (over the registered types,
-    in registration order) work as on a ``dict``; entries are added only by :meth:`register` and
-    removed by :meth:`unregister`.
+    in registration order) work as on a ``dict``; entries are added only by
+    [`register`][storch.registry.TypeRegistry.register] and
+    removed by [`unregister`][storch.registry.TypeRegistry.unregister].
 
     Args:
         name: what the registry holds, for messages (``"relaxation"``: "the relaxation registry").
         register_with: the function users call to add entries, named in messages (default: this
-            registry's :meth:`register`).
+            registry's [`register`][storch.registry.TypeRegistry.register]).
 
     Examples:
         >>> import torch
@@ -118,7 +128,7 @@ class TypeRegistry(Generic[V]):
             *types: the types to register the value for (at least one).
             replace: allow replacing an existing entry of one of ``types`` (e.g. to override a
                 built-in one); without it a second registration raises
-                :class:`DuplicateRegistrationError` and changes nothing.
+                [`DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError] and changes nothing.
 
         Returns:
             A function ``value -> value`` that registers ``value``.
@@ -187,7 +197,8 @@ class TypeRegistry(Generic[V]):
     def match(self, obj: object) -> Optional[tuple[type, V]]:
         """``(registered type, value)`` of the most specific registered base class of ``obj``, else ``None``.
 
-        ``obj`` is a type or an instance (then its type is used). Like :meth:`lookup`, which
+        ``obj`` is a type or an instance (then its type is used). Like
+        [`lookup`][storch.registry.TypeRegistry.lookup], which
         returns the value only.
 
         Raises:

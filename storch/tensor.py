@@ -1,13 +1,13 @@
 """Storch tensors: ``torch.Tensor`` subclasses that carry plates.
 
-* :class:`Tensor` — any tensor computed from plated values. It *is* a ``torch.Tensor``: it works with
+* [`Tensor`][storch.tensor.Tensor] — any tensor computed from plated values. It *is* a ``torch.Tensor``: it works with
   every torch function, ``nn.Module`` and optimizer; plates propagate through ``__torch_function__``
-  (see :mod:`storch._dispatch`).
-* :class:`StochasticTensor` — the samples of a stochastic node, returned by a
-  :class:`storch.method.Method`.
-* :class:`CostTensor` — a cost registered with :func:`storch.add_cost`.
-* :class:`IndependentTensor` — a tensor with a new independent plate
-  (:func:`storch.denote_independent`, :func:`storch.gather_samples`).
+  (see `storch._dispatch`).
+* [`StochasticTensor`][storch.tensor.StochasticTensor] — the samples of a stochastic node, returned by a
+  [`storch.method.Method`][storch.method.Method].
+* [`CostTensor`][storch.tensor.CostTensor] — a cost registered with [`storch.add_cost`][storch.add_cost].
+* [`IndependentTensor`][storch.tensor.IndependentTensor] — a tensor with a new independent plate
+  ([`storch.denote_independent`][storch.denote_independent], [`storch.gather_samples`][storch.gather_samples]).
 
 Examples:
     >>> import torch, storch
@@ -89,7 +89,7 @@ class Tensor(torch.Tensor):
         >>> (samples * torch.tensor([1.0, -1.0]))._tensor.tolist()   # a plain tensor is one sample's event
         [[1.0, -2.0], [3.0, -4.0], [5.0, -6.0]]
 
-    Plates align automatically in every torch operation; see :mod:`storch._dispatch`.
+    Plates align automatically in every torch operation; see `storch._dispatch`.
     """
 
     _layout: PlateLayout = EMPTY_LAYOUT
@@ -209,13 +209,14 @@ _dispatch.Tensor = Tensor
 
 
 class StochasticNode:
-    """What the surrogate loss needs to know about a sampled node; owned by its :class:`Plate`.
+    """What the surrogate loss needs to know about a sampled node; owned by its [`Plate`][storch.tensor.Plate].
 
     The plate holds the node (``plate.node``); the node refers back to its plate, and to its layout
     (the plate and the parents' plates), only weakly. So no reference cycle ties a step's samples and
     distribution to their plate: they are freed as soon as the last tensor carrying the plate goes,
     without waiting for Python's cyclic garbage collector (on a GPU, that is device memory). It
-    keeps a plain view of the samples, not the user's :class:`StochasticTensor`, for the same reason.
+    keeps a plain view of the samples, not the user's [`StochasticTensor`][storch.tensor.StochasticTensor], for the
+    same reason.
     """
 
     __slots__ = ("name", "method", "distribution", "samples", "param_grads", "parents", "_plate", "_layout")
@@ -256,7 +257,8 @@ class StochasticNode:
         return layout
 
     def stochastic_tensor(self) -> "StochasticTensor":
-        """A :class:`StochasticTensor` view of the samples (shares the node's ``param_grads``)."""
+        """A [`StochasticTensor`][storch.tensor.StochasticTensor] view of the samples (shares the node's
+        ``param_grads``)."""
         return StochasticTensor._from_node(alias(self.samples), self)
 
 
@@ -264,7 +266,8 @@ def new_node(
     method: "Method", distribution: Distribution, samples: torch.Tensor, plate: Plate, parents: Sequence[Plate]
 ) -> "StochasticTensor":
     """Make the plain ``samples`` (``(plate.size, *sizes of parents, *event)``) a stochastic node on
-    ``plate`` over the ``parents`` plates, owned by ``method``; returns its :class:`StochasticTensor`.
+    ``plate`` over the ``parents`` plates, owned by ``method``; returns its
+    [`StochasticTensor`][storch.tensor.StochasticTensor].
 
     ``plate`` becomes the node's plate (``plate.node``); its weight is left as it is.
     """
@@ -281,8 +284,8 @@ class StochasticTensor(Tensor):
         name: the node's name (also the name of its plate).
         n: the number of samples (the size of its plate).
         distribution: the distribution the samples were drawn from.
-        method: the :class:`storch.method.Method` that estimates gradients for this node.
-        param_grads: after :func:`storch.backward`, the gradient of the surrogate loss with respect
+        method: the [`storch.method.Method`][storch.method.Method] that estimates gradients for this node.
+        param_grads: after [`storch.backward`][storch.backward], the gradient of the surrogate loss with respect
             to each distribution parameter that requires grad, by parameter name.
 
     Examples:
@@ -343,8 +346,8 @@ class StochasticTensor(Tensor):
 class CostTensor(Tensor):
     """A cost node: one value per combination of its plates (no event dimensions).
 
-    :func:`storch.add_cost` registers a cost under a name and keeps storch's own view of it as a
-    ``CostTensor``; :func:`storch.backward` estimates the gradient of the sum of the expected costs.
+    [`storch.add_cost`][storch.add_cost] registers a cost under a name and keeps storch's own view of it as a
+    ``CostTensor``; [`storch.backward`][storch.backward] estimates the gradient of the sum of the expected costs.
 
     Examples:
         >>> import torch, storch
@@ -359,7 +362,7 @@ class CostTensor(Tensor):
     """
 
     _kind = "Cost"
-    #: the name the cost was registered under (see :attr:`name`)
+    #: the name the cost was registered under (see [`name`][storch.tensor.CostTensor.name])
     _name: str = "cost"
 
     def __new__(cls, data: torch.Tensor, plates: Sequence[Plate] = (), name: str = "cost") -> "CostTensor":
@@ -386,9 +389,10 @@ class CostTensor(Tensor):
 class IndependentTensor(Tensor):
     """A tensor whose leftmost plate indexes independent values (a minibatch, repeated estimates).
 
-    Made by :func:`storch.denote_independent` and :func:`storch.gather_samples`. Its plate is
+    Made by [`storch.denote_independent`][storch.denote_independent] and
+    [`storch.gather_samples`][storch.gather_samples]. Its plate is
     compared by name and size, so a minibatch plate re-created in every step is the same plate, and
-    its weight is ``1/size``: :func:`storch.reduce_plates` averages over it.
+    its weight is ``1/size``: [`storch.reduce_plates`][storch.reduce_plates] averages over it.
 
     Examples:
         >>> import torch, storch
@@ -405,7 +409,7 @@ class IndependentTensor(Tensor):
 
 
 def is_storch(t: Any) -> bool:
-    """True for a :class:`storch.Tensor`."""
+    """True for a [`storch.Tensor`][storch.Tensor]."""
     return isinstance(t, Tensor)
 
 
@@ -415,7 +419,8 @@ def layout_of(t: Any) -> PlateLayout:
 
 
 def node_of(t: torch.Tensor) -> StochasticNode:
-    """The :class:`StochasticNode` of the samples ``t`` (a :class:`StochasticTensor`)."""
+    """The [`StochasticNode`][storch.tensor.StochasticNode] of the samples ``t`` (a
+    [`StochasticTensor`][storch.tensor.StochasticTensor])."""
     if not isinstance(t, StochasticTensor):
         raise TypeError(
             f"node_of: expected the samples of a stochastic node (a storch.StochasticTensor returned "

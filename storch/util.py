@@ -216,7 +216,7 @@ def has_differentiable_path(output: torch.Tensor, input: torch.Tensor) -> bool: 
 
 
 def has_backwards_path(output: torch.Tensor, inputs: Sequence[torch.Tensor]) -> list[bool]:
-    """:func:`has_differentiable_path` for several inputs."""
+    """[`has_differentiable_path`][storch.util.has_differentiable_path] for several inputs."""
     return [has_differentiable_path(output, i) for i in inputs]
 
 

@@ -1,16 +1,19 @@
 """Wrappers that run ordinary functions on plated tensors.
 
-* :func:`deterministic` — align the storch arguments, optionally expand or flatten the plates and
+* [`deterministic`][storch.wrappers.deterministic] — align the storch arguments, optionally expand or flatten the
+plates and
   name plate dimensions for ``dim``/``dims`` arguments, run the function on plain tensors, and give
   the outputs the plates back.
-* :func:`reduce` — the same for functions that reduce some plates away.
-* :func:`make_left_broadcastable` — for functions that accept exactly one batch dimension, such as
+* [`reduce`][storch.wrappers.reduce] — the same for functions that reduce some plates away.
+* [`make_left_broadcastable`][storch.wrappers.make_left_broadcastable] — for functions that accept exactly one batch
+dimension, such as
   ``nn.Conv2d`` on ``(N, C, H, W)`` or ``nn.LSTMCell`` on ``(N, F)`` with an ``(h, c)`` state: the
   plates (and, with ``batch_dims``, the leading non-plate dimensions) are flattened into that batch
   dimension.
-* :func:`stochastic` — check that a user function that samples returns storch tensors.
-* :func:`ignore_wrapping` — a block in which the wrappers above return their function's plain
-  outputs; :func:`is_iterable` — whether a value is a container (the manual's helper).
+* [`stochastic`][storch.wrappers.stochastic] — check that a user function that samples returns storch tensors.
+* [`ignore_wrapping`][storch.wrappers.ignore_wrapping] — a block in which the wrappers above return their function's
+plain
+  outputs; [`is_iterable`][storch.wrappers.is_iterable] — whether a value is a container (the manual's helper).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from storch.tensor import Tensor, _Disable, layout_of, wrap_new
 
 __all__ = ["deterministic", "reduce", "make_left_broadcastable", "stochastic", "ignore_wrapping", "is_iterable"]
 
-#: how many :func:`ignore_wrapping` blocks are open (per thread / asyncio task)
+#: how many [`ignore_wrapping`][storch.wrappers.ignore_wrapping] blocks are open (per thread / asyncio task)
 _IGNORE_WRAPPING: contextvars.ContextVar[int] = contextvars.ContextVar("storch_ignore_wrapping", default=0)
 
 
@@ -184,7 +187,8 @@ def deterministic(
 
 
 def reduce(fn: Callable, plates: str | Sequence[str]) -> Callable:
-    """Like :func:`deterministic`, for a function that reduces the plates named in ``plates``.
+    """Like [`deterministic`][storch.wrappers.deterministic], for a function that reduces the plates named in
+    ``plates``.
 
     The plate's dimension index is passed as ``fn``'s ``dim`` keyword (``dims`` for several).
 
@@ -259,7 +263,7 @@ def make_left_broadcastable(fn: Callable | None = None, *, batch_dims: int = 0) 
 
 def stochastic(fn: Callable) -> Callable:
     """Mark ``fn`` as a function that samples: it must return storch tensors that keep the plates of
-    its storch inputs (for example the output of a :class:`storch.method.Method`).
+    its storch inputs (for example the output of a [`storch.method.Method`][storch.method.Method]).
 
     Raises:
         IllegalStorchExposeError: if a tensor output is a plain ``torch.Tensor`` or lost an input plate.
@@ -303,14 +307,16 @@ def stochastic(fn: Callable) -> Callable:
 def ignore_wrapping() -> Iterator[None]:
     """A block in which the storch wrappers return their function's outputs as they are.
 
-    Inside ``with storch.wrappers.ignore_wrapping():`` a function wrapped by :func:`deterministic`,
-    :func:`reduce` or :func:`make_left_broadcastable` still receives its arguments aligned (and
+    Inside ``with storch.wrappers.ignore_wrapping():`` a function wrapped by
+    [`deterministic`][storch.wrappers.deterministic],
+    [`reduce`][storch.wrappers.reduce] or [`make_left_broadcastable`][storch.wrappers.make_left_broadcastable] still
+    receives its arguments aligned (and
     expanded or flattened) over their plates, but its outputs are returned unchanged: plain
     ``torch.Tensor`` objects without plates (with ``flatten_plates``, still flattened). This is the
     manual's (Storchastic 0.3.7's) ``ignore_wrapping``, which sampling methods use to compute on
     aligned tensors without creating storch tensors. Blocks nest, and each thread and asyncio
     task has its own. Torch operations applied directly to storch tensors are not affected: they
-    return storch tensors as always (unwrap one with :func:`storch.tensor.plain`).
+    return storch tensors as always (unwrap one with [`storch.tensor.plain`][storch.tensor.plain]).
 
     Examples:
         >>> import torch, storch

@@ -2,7 +2,7 @@
 
 The models of the ARM / DisARM / GSB papers (sigmoid belief networks, Bernoulli and categorical VAEs),
 the standard data sets (scikit-learn's digits by default, binarized MNIST, MNIST, Fashion-MNIST read
-from a directory), every estimator of :mod:`storch.method` that applies to the model's latents, an
+from a directory), every estimator of `storch.method` that applies to the model's latents, an
 equal budget of cost evaluations per datum, and the usual metrics (train/valid/test −ELBO, the
 importance-weighted bound on the test set, the log-variance of the encoder's gradient, ms per step).
 

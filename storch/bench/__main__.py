@@ -1,4 +1,4 @@
-"""``python -m storch.bench``: see :mod:`storch.bench.cli`."""
+"""``python -m storch.bench``: see `storch.bench.cli`."""
 
 import sys
 

@@ -163,7 +163,7 @@ def estimator_evals(est: Estimator, latents: Sequence[Latent]) -> int:
 def samples_for_budget(est: Estimator, latents: Sequence[Latent], budget: Optional[int],
                        n_samples: Optional[int] = None) -> tuple[int, int]:
     """``(n, evaluations per datum)``: ``n`` from ``budget`` if given, else ``n_samples`` (default the
-    estimator's minimum). Raises :class:`BudgetError` when the budget is too small or ``n`` invalid."""
+    estimator's minimum). Raises `BudgetError` when the budget is too small or ``n`` invalid."""
     per_sample = estimator_evals(est, latents)
     if est.exact:
         if budget is not None and budget < per_sample:

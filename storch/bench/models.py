@@ -1,11 +1,11 @@
 """The models of the ARM / DisARM papers and the GSB paper's appendix B.
 
-Every model describes its latent layers (:class:`Latent`) and one generative story,
-:meth:`BenchModel.story`, written once for both uses:
+Every model describes its latent layers (`Latent`) and one generative story,
+`BenchModel.story`, written once for both uses:
 
 * training: ``sample(i, name, q)`` is the storch method of layer ``i`` and the inputs carry the
   ``data`` plate, so each term keeps the plates of the nodes it depends on and is registered with
-  :func:`storch.add_cost`;
+  [`storch.add_cost`][storch.add_cost];
 * evaluation: ``sample`` draws ``K`` plain samples ancestrally and the same terms give the
   importance weights ``log w = log p(x, z) − log q(z | x)`` (shape ``(K, B)``).
 
@@ -95,7 +95,7 @@ def _init_output_bias(layer: nn.Linear, train_mean: Optional[torch.Tensor]) -> N
 
 
 class BenchModel(nn.Module, ABC):
-    """Base class: ``latents`` (top first, in sampling order), :meth:`story` and its helpers."""
+    """Base class: ``latents`` (top first, in sampling order), `story` and its helpers."""
 
     latents: List[Latent]
     iwae_ok = True  # one stochastic layer: the importance-weighted bound applies
@@ -105,7 +105,7 @@ class BenchModel(nn.Module, ABC):
         """The negative ELBO as named terms (one value per sample and datum); ``−Σ terms = log w``."""
 
     def forward(self, x: torch.Tensor, sample: Sampler) -> Dict[str, torch.Tensor]:
-        """:meth:`story`, so that a ``DistributedDataParallel`` wrapper sees the forward pass."""
+        """`story`, so that a ``DistributedDataParallel`` wrapper sees the forward pass."""
         return self.story(x, sample)
 
     @abstractmethod
@@ -260,7 +260,7 @@ def make_model(name: str, input_dim: int, train_mean=None, latent_dim: Optional[
 def storch_story(model: nn.Module, batch: torch.Tensor, methods, objective: str = "elbo"):
     """Register the training costs of one minibatch; returns the bound (iwae) or None.
 
-    ``model`` is a :class:`BenchModel` or a ``DistributedDataParallel`` wrapping one (called, so that
+    ``model`` is a `BenchModel` or a ``DistributedDataParallel`` wrapping one (called, so that
     DDP prepares its gradient all-reduce).
     """
     inner: BenchModel = getattr(model, "module", model)

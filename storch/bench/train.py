@@ -6,7 +6,7 @@ A run directory holds ``config.json`` (everything needed to rerun or resume it),
 
 Randomness: the global torch generator drives the model's initialisation and the estimators'
 samples; the minibatch order and the dynamic binarisation have generators of their own. Evaluations
-and gradient-variance probes run under :func:`torch.random.fork_rng` with seeds of their own, so they
+and gradient-variance probes run under `torch.random.fork_rng` with seeds of their own, so they
 do not change the training trajectory, and a resumed run repeats an uninterrupted one exactly.
 
 Checkpoints hold state dicts only (model, optimizer, each method's ``state_dict`` with its own
@@ -17,7 +17,7 @@ rank builds the same model (same seed), wrapped in ``DistributedDataParallel``; 
 same minibatch of ``--batch-size`` data and trains on its own contiguous slice of ``batch-size / N``
 of them, with a random stream of its own for the estimators' samples. DDP averages the model's
 gradients, so one step is the step of one process on the whole minibatch with ``N`` times as many
-independent samples drawn. The methods keep their own state in sync (:mod:`storch.distributed`).
+independent samples drawn. The methods keep their own state in sync ([`storch.distributed`][storch.distributed]).
 Rank 0 alone evaluates, prints and writes files; a checkpoint holds every rank's random state and
 method state, and resumes with the same number of ranks.
 
@@ -132,7 +132,7 @@ def _from_main(fn):
 
 
 class Run:
-    """A run being built, trained or resumed (see :func:`run` and :func:`resume`)."""
+    """A run being built, trained or resumed (see `run` and `resume`)."""
 
     def __init__(self, cfg: Dict[str, Any], run_dir: Path, data: Optional[Dataset] = None, progress: bool = True,
                  log=print):
@@ -201,7 +201,7 @@ class Run:
         return float(loss)
 
     def _compile_step(self) -> CompiledStep:
-        """The training step under :func:`storch.compile_step` (the model and the methods' modules)."""
+        """The training step under [`storch.compile_step`][storch.compile_step] (the model and the methods' modules)."""
         if self.world > 1:
             raise ValueError("--compile-step does not run with --distributed (DDP's gradient hooks are not "
                              "traced); train eagerly on several ranks")

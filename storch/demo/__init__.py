@@ -1,8 +1,8 @@
 """Demonstrations that reproduce the Storchastic manual: ``python -m storch.demo`` (or ``make demo``).
 
-* :mod:`storch.demo.intro` -- the introduction example (§1.2): mean and variance of the gradient
+* `storch.demo.intro` -- the introduction example (§1.2): mean and variance of the gradient
   of ``E[(a+b) e²]``, ``e ~ N(b+c, 1)``, w.r.t. ``c`` for several estimators, against exact values.
-* :mod:`storch.demo.vae` -- the discrete VAE tutorial (§1.3): training with the score function
+* `storch.demo.vae` -- the discrete VAE tutorial (§1.3): training with the score function
   (with and without a baseline), Gumbel-softmax and exact enumeration, and with the estimators of
   the catalog (importance sampling, sampling without replacement, local expectations, MVD, SPSA,
   straight-through variants, REBAR/RELAX, ...), with gradient variance and bias measured against

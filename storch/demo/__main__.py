@@ -1,4 +1,4 @@
-"""``python -m storch.demo``: see :mod:`storch.demo`."""
+"""``python -m storch.demo``: see `storch.demo`."""
 
 import sys
 

@@ -18,7 +18,7 @@ Exact values, with ``μ = b + c = −2.77``, ``ε = e − μ ~ N(0, 1)``:
   ``Var g = E[h²]/n + ((n−1)/n) E[XY]² (1 + 1/(n−1)²) − E[XY]²`` (= 14.94 for n = 20).
 
 The moments ``E[X^p Y^q]`` are computed by Gauss–Hermite quadrature, which is exact for these
-polynomial integrands; :func:`closed_form_variance` gives the closed forms above as a cross-check.
+polynomial integrands; `closed_form_variance` gives the closed forms above as a cross-check.
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def run_row(row: Row, repetitions: int, threshold: float = 3.0,
 
 
 def format_table(results: Sequence[RowResult]) -> str:
-    """The table of :func:`run_intro` as text."""
+    """The table of `run_intro` as text."""
     head = (f"{'estimator':<30} {'n':>3} {'mean':>9} {'true mean':>9} {'z':>6}  "
             f"{'variance':>9} {'true var':>9} {'z':>6} {'manual var':>10}  within error")
     lines = [head, "-" * len(head)]

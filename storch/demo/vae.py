@@ -5,14 +5,15 @@ Generative story (the manual's, with the posterior given by its logits)::
     x ~ data;  q = OneHotCategorical(logits=E_φ(x))  (L latent variables with K values each)
     z ~ q  (by the chosen method);  cost KL(q ‖ uniform prior);  x̂ = D_θ(z);  cost BCE(x̂, x)
 
-By default the data are scikit-learn's 8×8 digits, binarized (:func:`storch.datasets.load_digits_binarized`),
+By default the data are scikit-learn's 8×8 digits, binarized
+([`storch.datasets.load_digits_binarized`][storch.datasets.load_digits_binarized]),
 with a 64-256-128-(2×10)-128-256-64 network; ``--mnist DIR`` uses binarized MNIST and the manual's
 784-512-256-(2×10)-256-512-784 network.
 
 The estimators: the score function without and with a leave-one-out baseline, Gumbel-softmax and
 exact enumeration (``Expect``), as in the manual, and the estimators of the catalog (importance
 sampling, ARM/DisARM, local expectations, REBAR/RELAX, straight-through variants, ...; see
-:data:`METHODS`). A catalog estimator whose module is not importable is listed as "not run".
+`METHODS`). A catalog estimator whose module is not importable is listed as "not run".
 
 Evaluation (the manual's ``evaluate``): on a fixed evaluation minibatch, the exact gradient of the
 ELBO w.r.t. the posterior's parameters by ``storch.method.Expect("z")``, then ``S`` gradient samples
@@ -160,7 +161,7 @@ def generative_story(method: Method, model: DiscreteVAE, data: torch.Tensor) -> 
 class MethodSpec:
     """One estimator of the comparison: a key (``--methods``), a label, and how to build it.
 
-    ``requires`` names the module and class the method comes from; :meth:`missing` says why it
+    ``requires`` names the module and class the method comes from; `missing` says why it
     cannot be built (a method whose module is not importable is reported as not run, never dropped
     silently). ``not_applicable`` says why a method of the catalog does not fit this model (it is
     listed, not run).
@@ -282,7 +283,7 @@ METHODS: dict[str, MethodSpec] = {
 
 @dataclass
 class VAEConfig:
-    """Data, model and schedule of one demo run (see :func:`digits_config`, :func:`mnist_config`)."""
+    """Data, model and schedule of one demo run (see `digits_config`, `mnist_config`)."""
 
     data_name: str
     train_data: torch.Tensor
@@ -331,8 +332,10 @@ def quick_config(seed: int = 0, **kw) -> VAEConfig:
 def load_mnist_data(directory: str) -> tuple[str, torch.Tensor]:
     """Binarized MNIST training images from ``directory`` (never downloads).
 
-    Tries :func:`storch.datasets.load_binarized_mnist` (Larochelle & Murray's fixed binarization)
-    and falls back to :func:`storch.datasets.load_mnist` with one Bernoulli draw per pixel (seed 0).
+    Tries [`storch.datasets.load_binarized_mnist`][storch.datasets.load_binarized_mnist] (Larochelle & Murray's fixed
+    binarization)
+    and falls back to [`storch.datasets.load_mnist`][storch.datasets.load_mnist] with one Bernoulli draw per pixel
+    (seed 0).
     """
     from storch.datasets import dynamic_binarize, load_binarized_mnist, load_mnist
 

@@ -30,8 +30,8 @@ share ``W`` (the SPEC's form): this cancels the part of ``f`` that is even aroun
 cost only ``4W(μ − t)/√(2π)`` remains), and for the odd part it at most doubles the variance against
 independent ``W``s (exactly twice for a linear cost); both are measured in ``tests/test_mvd.py``.
 
-Supporting a new distribution means registering one :class:`MeasureValuedDecomposition` here, in the
-manner of ``torch.distributions.kl.register_kl``; :class:`storch.method.mvd.MVD` never branches on
+Supporting a new distribution means registering one `MeasureValuedDecomposition` here, in the
+manner of ``torch.distributions.kl.register_kl``; [`storch.method.mvd.MVD`][storch.method.mvd.MVD] never branches on
 distribution types.
 
 Shapes. A distribution's batch shape is ``(*plates, *C)``: the plates of its parameters (independent
@@ -94,7 +94,7 @@ class MeasureValuedDecomposition:
             differentiable functions of what the user gave (e.g. ``σ(logits)`` for a Bernoulli built
             from logits: the gradient then reaches the logits by the chain rule). Each ``θ`` has
             shape ``(*batch_shape, *extra)``.
-        parts: the :class:`MeasureValuedParameter` of each name of ``parameters``.
+        parts: the `MeasureValuedParameter` of each name of ``parameters``.
     """
 
     parameters: Callable[[Distribution], dict[str, torch.Tensor]]
@@ -113,9 +113,10 @@ def register_measure_valued(
 
     Args:
         dist_type: the distribution type.
-        decomposition: its :class:`MeasureValuedDecomposition`.
+        decomposition: its `MeasureValuedDecomposition`.
         replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
-            it a second registration raises :class:`storch.registry.DuplicateRegistrationError`.
+            it a second registration raises
+            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
     """
     _DECOMPOSITIONS.register(dist_type, replace=replace)(decomposition)
 

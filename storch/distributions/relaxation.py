@@ -1,6 +1,6 @@
 """Continuous relaxations of discrete distributions (Gumbel-softmax / Concrete), by distribution type.
 
-Supporting a new discrete distribution means registering one :class:`Relaxation` here, in the
+Supporting a new discrete distribution means registering one `Relaxation` here, in the
 manner of ``torch.distributions.kl.register_kl``; estimators never branch on distribution types.
 
 Math (Jang et al. 2017; Maddison et al. 2017). For a categorical with probabilities ``p`` and
@@ -10,9 +10,11 @@ Gumbel noise ``G``, ``z = log p + G`` has ``argmax z ~ Cat(p)``; the relaxed sam
 
 REBAR and RELAX (Tucker et al. 2017; Grathwohl et al. 2018) couple the discrete sample ``b = H(z)``
 with its relaxation: they need the noise ``z`` itself and a second draw ``z̃ ~ p(z | b)`` conditioned
-on the outcome. A :class:`GumbelCoupling` holds these pieces for one distribution type (in
-:attr:`Relaxation.coupling`); :func:`conditional_gumbel_rsample` is the relaxed conditional sample
-``σ_τ(z̃)``. The conditional formulas are in the SPEC appendix and in :func:`conditional_gumbel_rsample`.
+on the outcome. A `GumbelCoupling` holds these pieces for one distribution type (in
+`Relaxation.coupling`); [`conditional_gumbel_rsample`][storch.distributions.relaxation.conditional_gumbel_rsample] is
+the relaxed conditional sample
+``σ_τ(z̃)``. The conditional formulas are in the SPEC appendix and in
+[`conditional_gumbel_rsample`][storch.distributions.relaxation.conditional_gumbel_rsample].
 """
 
 from __future__ import annotations
@@ -92,9 +94,10 @@ def register_relaxation(dist_type: type, relaxation: Relaxation, *, replace: boo
 
     Args:
         dist_type: the distribution type.
-        relaxation: its :class:`Relaxation`.
+        relaxation: its `Relaxation`.
         replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
-            it a second registration raises :class:`storch.registry.DuplicateRegistrationError`.
+            it a second registration raises
+            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
     """
     _RELAXATIONS.register(dist_type, replace=replace)(relaxation)
 
@@ -205,7 +208,7 @@ def conditional_gumbel_rsample(
     draw ``v ~ U(0, 1)``, set ``u' = (1 − p) + v p`` if ``b = 1`` else ``u' = v (1 − p)``,
     ``z̃ = φ + log(u' / (1 − u'))``; return ``σ(z̃ / τ)``. Both are reparameterised in ``probs``.
     ``hard_sample`` may have leading sample dimensions that ``probs`` lacks; every element gets its
-    own noise. Estimators that own the distribution use its :class:`GumbelCoupling` instead, which
+    own noise. Estimators that own the distribution use its `GumbelCoupling` instead, which
     works on the logits.
 
     Examples:
@@ -228,7 +231,7 @@ def conditional_gumbel_rsample(
 class AnnealedTemperature:
     """Mixin for an ``nn.Module`` whose relaxation temperature anneals once per backward pass.
 
-    ``τ_t = max(τ_min, τ_0 · exp(−r · t))`` after ``t`` calls of :meth:`anneal`. The temperature is
+    ``τ_t = max(τ_min, τ_0 · exp(−r · t))`` after ``t`` calls of `anneal`. The temperature is
     a buffer (it moves with ``.to()`` and is saved); the step count ``t`` is the module's extra
     state, so a loaded ``state_dict`` resumes the schedule where it was.
     """
@@ -264,7 +267,7 @@ class AnnealedTemperature:
         return {"steps": self.steps}
 
     def set_extra_state(self, state: Any) -> None:
-        """Restore the step count saved by :meth:`get_extra_state`, so annealing resumes where it was."""
+        """Restore the step count saved by `get_extra_state`, so annealing resumes where it was."""
         if not isinstance(state, dict) or "steps" not in state:
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: the '_extra_state' entry must be a dict with key "

@@ -1,14 +1,18 @@
-"""Gradient-estimation methods (``storch.method``); see :class:`storch.method.Method`.
+"""Gradient-estimation methods (``storch.method``); see [`storch.method.Method`][storch.method.Method].
 
-One family per module: pathwise (:mod:`~storch.method.reparameterization`), score function and
-baselines (:mod:`~storch.method.score_function`, :mod:`~storch.method.baseline`), enumeration
-(:mod:`~storch.method.expect`), relaxations (:mod:`~storch.method.gumbel`,
-:mod:`~storch.method.straight_through`), antithetic pairs (:mod:`~storch.method.arm`),
-measure-valued derivatives (:mod:`~storch.method.mvd`), finite differences
-(:mod:`~storch.method.spsa`), learned control variates (:mod:`~storch.method.relax`), local expectations (:mod:`~storch.method.local_expectation`),
-generalized stochastic backpropagation (:mod:`~storch.method.gsb`, cumulants in
-:mod:`~storch.method.cumulants`), sampling without replacement (:mod:`~storch.method.score_function_wor`, :mod:`~storch.method.unordered_set`), Rao-Blackwellisation
-(:mod:`~storch.method.rao_blackwell`), memory-augmented policy optimization (:mod:`~storch.method.mapo`) and multi-sample bounds (:mod:`~storch.method.vimco`).
+One family per module: pathwise ([`reparameterization`][storch.method.reparameterization]), score function and
+baselines ([`score_function`][storch.method.score_function], [`baseline`][storch.method.baseline]), enumeration
+([`expect`][storch.method.expect]), relaxations ([`gumbel`][storch.method.gumbel],
+[`straight_through`][storch.method.straight_through]), antithetic pairs ([`arm`][storch.method.arm]),
+measure-valued derivatives ([`mvd`][storch.method.mvd]), finite differences
+([`spsa`][storch.method.spsa]), learned control variates ([`relax`][storch.method.relax]), local expectations
+([`local_expectation`][storch.method.local_expectation]),
+generalized stochastic backpropagation ([`gsb`][storch.method.gsb], cumulants in
+[`cumulants`][storch.method.cumulants]), sampling without replacement
+([`score_function_wor`][storch.method.score_function_wor], [`unordered_set`][storch.method.unordered_set]),
+Rao-Blackwellisation
+([`rao_blackwell`][storch.method.rao_blackwell]), memory-augmented policy optimization ([`mapo`][storch.method.mapo])
+and multi-sample bounds ([`vimco`][storch.method.vimco]).
 """
 
 from storch.method import baseline, critic, cumulants

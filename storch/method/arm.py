@@ -11,7 +11,7 @@ Variables") integrates ``u`` out given the pair (a Rao-Blackwellisation of ARM, 
     g_φᵢ = ½ (f(b) − f(b̃)) (−1)^{b̃ᵢ} 1[bᵢ ≠ b̃ᵢ] σ(|φᵢ|)
 
 Both ``b`` and ``b̃`` are samples of ``Bernoulli(σ(φ))`` (antithetic: they share ``u``). Each ``u``
-gives an evaluation group (:mod:`storch.method.groups`) of the two points ``[b, b̃]``, each with
+gives an evaluation group (`storch.method.groups`) of the two points ``[b, b̃]``, each with
 weight ``1/(2n)``, so the forward value averages the cost over both. No gradient function; the
 control-variate term ``(φ − stopgrad φ) · stopgrad(g_φ)`` (summed over the coordinates) is zero in
 the forward pass and has gradient ``g_φ``. Gradients reaching the cost by other paths flow through
@@ -211,7 +211,7 @@ class ARM(_AntitheticBernoulli):
 class DisARM(_AntitheticBernoulli):
     """DisARM for ``Bernoulli`` nodes: ``g_φᵢ = ½ (f(b) − f(b̃)) (−1)^{b̃ᵢ} 1[bᵢ ≠ b̃ᵢ] σ(|φᵢ|)``.
 
-    The same antithetic pairs as :class:`ARM` (2 cost evaluations per draw, each weighted
+    The same antithetic pairs as [`ARM`][storch.method.arm.ARM] (2 cost evaluations per draw, each weighted
     ``1/(2n)``), with the uniform integrated out given the pair: the variance is never larger than
     ARM's. Unbiased for the first-order gradient with respect to the logits (or ``probs``); not for
     higher orders.

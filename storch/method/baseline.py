@@ -3,9 +3,10 @@
 A baseline that does not depend on the sample it multiplies keeps the estimator unbiased, for
 derivatives of every order, through the term ``(1 − □(l(x))) · a(x)`` (Storchastic §3.5).
 
-* :class:`MovingAverageBaseline` — ``b ← β b + (1 − β) mean(f)``, updated *after* each backward
+* [`MovingAverageBaseline`][storch.method.baseline.MovingAverageBaseline] — ``b ← β b + (1 − β) mean(f)``, updated
+*after* each backward
   pass, so the value used for a batch never depends on that batch (Williams 1992).
-* :class:`BatchAverageBaseline` (the manual's ``BatchAverage``) — leave-one-out:
+* [`BatchAverageBaseline`][storch.method.baseline.BatchAverageBaseline] (the manual's ``BatchAverage``) — leave-one-out:
   ``b_j = Σ_{m≠j} f_m / (n − 1)``, needs ``n ≥ 2``
   (Mnih & Rezende 2016; Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for free!").
 """
@@ -32,7 +33,8 @@ class Baseline(nn.Module, ABC):
     """A control variate for the score function, computed per registered cost."""
 
     #: whether the baseline depends on the node's own sample, so that a method using it must add
-    #: :meth:`correction` to stay unbiased (methods that cannot refuse such a baseline when built)
+    #: [`correction`][storch.method.baseline.Baseline.correction] to stay unbiased (methods that cannot refuse such a
+    # baseline when built)
     needs_correction: bool = False
 
     @abstractmethod
@@ -47,7 +49,8 @@ class Baseline(nn.Module, ABC):
 
     @property
     def keeps_state_between_steps(self) -> bool:
-        """Whether :meth:`update` changes the baselines of later steps (a running average, a trained
+        """Whether [`update`][storch.method.baseline.Baseline.update] changes the baselines of later steps (a running
+        average, a trained
         critic); an override of ``update`` counts as keeping state unless its class also overrides
         this property."""
         return not state_declared_for(self, "update")
@@ -56,9 +59,11 @@ class Baseline(nn.Module, ABC):
         """An extra surrogate term beside ``(1 − □(l)) · b``, of forward value 0; ``None`` (default): none.
 
         A baseline that depends on the node's own sample ``x`` (a Q-function critic,
-        :class:`storch.method.critic.QCritic`) is biased by ``E[b(x) ∇log p(x)] = ∇E_p[b]``; its
+        [`storch.method.critic.QCritic`][storch.method.critic.QCritic]) is biased by ``E[b(x) ∇log p(x)] = ∇E_p[b]``;
+        its
         correction ``E_p[b] − stopgrad(E_p[b])`` adds that gradient back. Methods that use baselines
-        add it to their control-variate term, after :meth:`compute_baseline`.
+        add it to their control-variate term, after
+        [`compute_baseline`][storch.method.baseline.Baseline.compute_baseline].
         """
         return None
 
@@ -71,7 +76,8 @@ class MovingAverageBaseline(Baseline):
 
     **Data-parallel training** (``torch.distributed`` with more than one rank): with ``sync=True``
     (the default) the baseline is *global*: ``m`` is the mean of the ranks' batch means (one
-    all-reduce of a scalar per cost name and step, :func:`storch.distributed.all_reduce_mean_`),
+    all-reduce of a scalar per cost name and step,
+    [`storch.distributed.all_reduce_mean_`][storch.distributed.all_reduce_mean_]),
     so every rank holds the same average, equal to the one a single process would track over the
     whole minibatch (ranks with equal shard sizes), and a checkpoint written by rank 0 holds it all.
     With ``sync=False`` it is *per rank*: each rank averages its own shard's costs (no
@@ -83,7 +89,7 @@ class MovingAverageBaseline(Baseline):
     ``state_dict()`` holds the averages (key ``_extra_state``), so a checkpoint resumes exactly.
 
     Each cost name's average lives in a buffer (made on first use, not saved as a buffer: the
-    averages are the extra state) and is updated in place, so :func:`storch.compile_step` traces
+    averages are the extra state) and is updated in place, so [`storch.compile_step`][storch.compile_step] traces
     the update with the step and every replay carries it out.
 
     Args:
@@ -144,7 +150,7 @@ class MovingAverageBaseline(Baseline):
     def update(self) -> None:
         """Fold the costs of the last step into the averages; a NaN or infinite mean is skipped.
 
-        (:func:`storch.backward` refuses non-finite costs before this runs; the guard also covers
+        ([`storch.backward`][storch.backward] refuses non-finite costs before this runs; the guard also covers
         a surrogate differentiated by hand.) No value is read back, so this never syncs a GPU.
         With ``sync`` under ``torch.distributed``, the means are first averaged across the ranks
         (sorted by cost name, one collective per device and dtype).
@@ -170,7 +176,9 @@ class MovingAverageBaseline(Baseline):
         return {"averages": {name: value.detach().clone() for name, value in self.averages.items()}}
 
     def set_extra_state(self, state: Any) -> None:
-        """Restore the averages saved by :meth:`get_extra_state` (``load_state_dict`` calls it)."""
+        """Restore the averages saved by
+        [`get_extra_state`][storch.method.baseline.MovingAverageBaseline.get_extra_state] (``load_state_dict`` calls
+        it)."""
         if not isinstance(state, dict) or not isinstance(state.get("averages"), dict):
             raise ValueError(
                 "MovingAverageBaseline.load_state_dict: the '_extra_state' entry must be a dict with a dict "
@@ -229,7 +237,8 @@ class BatchAverageBaseline(Baseline):
         return (plate_sum(costs, tensor.plate) - costs) / (n - 1)
 
 
-#: The manual's name for :class:`BatchAverageBaseline` (its tutorial calls the leave-one-out baseline
+#: The manual's name for [`BatchAverageBaseline`][storch.method.baseline.BatchAverageBaseline] (its tutorial calls the
+# leave-one-out baseline
 #: ``storch.method.baseline.BatchAverage``); the same class, e.g.
 #: ``ScoreFunction("z", 8, baseline_factory=BatchAverage)``.
 BatchAverage = BatchAverageBaseline
@@ -258,7 +267,8 @@ _BY_NAME: dict[str, Callable[[], Baseline]] = {
 
 
 def make_baseline(factory: BaselineFactory) -> Baseline | None:
-    """Build a baseline from ``None``/``"none"``, a name, a :class:`Baseline`, or a zero-argument factory."""
+    """Build a baseline from ``None``/``"none"``, a name, a [`Baseline`][storch.method.baseline.Baseline], or a
+    zero-argument factory."""
     if factory is None or (isinstance(factory, str) and factory.lower() == "none"):
         return None
     if isinstance(factory, str):

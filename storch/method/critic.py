@@ -11,7 +11,8 @@ of), the paper's estimators of ``∇θ E[S]`` are
 
 **Why the value critic is unbiased.** ``V`` is a function of ``ŝ`` alone, so
 ``E_{x~q(·|ŝ)}[V(ŝ) ∇log q(x|ŝ)] = V(ŝ) ∇Σ_x q(x|ŝ) = V(ŝ) ∇1 = 0``: any function of
-non-descendants is a valid baseline (the paper's central observation). :class:`Critic` feeds ``V``
+non-descendants is a valid baseline (the paper's central observation). [`Critic`][storch.method.critic.Critic] feeds
+``V``
 the node's *distribution parameters* (and optionally the samples of its ancestor nodes): they are
 computed before ``x`` is drawn, from non-descendants of ``x`` only, never from ``x`` or anything
 downstream of it. Its input and output are detached, so ``V`` is a constant of the surrogate: the
@@ -21,7 +22,8 @@ error ``(V(ŝ) − S)²`` (``S`` the detached downstream estimate), so the value
 depends on that step's samples. At its optimum ``V(ŝ) = E[S | ŝ]``, the expected downstream cost.
 
 **Why the Q critic is unbiased.** ``Q(ŝ, x)`` depends on the sample, so ``E[Q ∇log q] = ∇E_q[Q]``
-(``Q`` fixed) is not zero; the second term adds exactly that back. :class:`QCritic` computes it in
+(``Q`` fixed) is not zero; the second term adds exactly that back. [`QCritic`][storch.method.critic.QCritic] computes
+it in
 closed form for factorised discrete nodes (``Bernoulli``, ``Categorical``, ``OneHotCategorical``):
 ``Q(ŝ, x) = Σ_d Q_d(ŝ, x_d)`` is additive over the node's ``D`` independent variables, so
 ``E_q[Q] = Σ_d Σ_k q_d(k) Q_d(ŝ, k)`` by enumerating the ``K`` values of each variable (``D·K``
@@ -30,9 +32,9 @@ the correction ``E_q[Q] − stopgrad(E_q[Q])`` (forward value 0) with ``Q`` deta
 With ``□`` read as ``q_θ'(x)/q_θ(x)``, the expected extra surrogate is
 ``(E_θ[Q] − E_θ'[Q]) + (E_θ'[Q] − E_θ[Q]) = 0`` for every ``θ'``, so every derivative is unbiased.
 
-Both are :class:`storch.method.baseline.Baseline` objects: ``ScoreFunction("z",
+Both are [`storch.method.baseline.Baseline`][storch.method.baseline.Baseline] objects: ``ScoreFunction("z",
 baseline_factory="critic")`` or ``baseline_factory="q_critic"``, or an instance
-(``baseline_factory=Critic(lr=3e-3)``), also through :class:`storch.method.Infer`. One network per
+(``baseline_factory=Critic(lr=3e-3)``), also through [`storch.method.Infer`][storch.method.Infer]. One network per
 registered cost name (built at first use, when the input size is known): with several costs
 downstream of a node, each gets its own ``V_c`` and the control variates add up to
 ``Σ_c V_c(ŝ) ≈ E[Σ_c S_c | ŝ]``. Each critic has its own optimizer, which steps once per
@@ -103,7 +105,8 @@ def register_critic_inputs(dist_type: type, inputs: InputFunction, *, replace: b
         dist_type: the distribution type.
         inputs: ``distribution -> tensors``.
         replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
-            it a second registration raises :class:`storch.registry.DuplicateRegistrationError`.
+            it a second registration raises
+            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
     """
     _INPUTS.register(dist_type, replace=replace)(inputs)
 
@@ -117,7 +120,7 @@ def critic_inputs(distr: Distribution) -> list[torch.Tensor]:
     """The tensors a critic reads from ``distr``: the registered ones, else its parameters by name.
 
     Without a registered entry these are the distribution's parameter tensors
-    (:func:`storch.util.get_distr_parameters`, sorted by name; ``logits`` is left out when
+    ([`storch.util.get_distr_parameters`][storch.util.get_distr_parameters], sorted by name; ``logits`` is left out when
     ``probs`` is there, as both describe the same thing).
 
     Examples:
@@ -240,14 +243,16 @@ class Critic(Baseline):
     it is unbiased for any ``V``, trained or not (Weber et al. 2019).
 
     The input ``ŝ`` is wired from the graph: the node's distribution parameters
-    (:func:`critic_inputs`: ``probs`` for Bernoulli and categorical nodes, the parameter tensors
+    ([`critic_inputs`][storch.method.critic.critic_inputs]: ``probs`` for Bernoulli and categorical nodes, the
+    parameter tensors
     otherwise), flattened per element of the node's parent plates, and with ``include_ancestors``
     also the samples of the stochastic nodes whose plates the distribution carries (its ancestors:
     also non-descendants). All of it is detached; the node's own sample is never an input.
 
     Args:
         network_factory: ``(in_features, out_features) -> nn.Module``, called once per cost name at
-            the first step (when the input size is known); default :func:`mlp` with ``hidden`` units.
+            the first step (when the input size is known); default [`mlp`][storch.method.critic.mlp] with ``hidden``
+            units.
         hidden: hidden units of the default network.
         optimizer_factory: ``params -> optimizer``; default Adam with learning rate ``lr``.
         lr: learning rate of the default optimizer.
@@ -255,11 +260,11 @@ class Critic(Baseline):
             critic is unbiased too.
         decay: ``β`` of the running mean and standard deviation that normalise the targets.
         include_ancestors: also feed the samples of the node's ancestor nodes.
-        inputs: ``distribution -> tensors`` replacing :func:`critic_inputs` (it sees the
+        inputs: ``distribution -> tensors`` replacing [`critic_inputs`][storch.method.critic.critic_inputs] (it sees the
             distribution only, so it cannot reach the node's sample).
         sync: under ``torch.distributed`` with several ranks, average the critic's gradients and
             target statistics across ranks and broadcast a new network from rank 0, so that the
-            replicas stay identical (:mod:`storch.distributed`). The networks are built lazily, so
+            replicas stay identical ([`storch.distributed`][storch.distributed]). The networks are built lazily, so
             DDP never sees them.
 
     Attributes:
@@ -540,7 +545,8 @@ class Critic(Baseline):
         return {"heads": heads, "optimizers": optimizers}
 
     def set_extra_state(self, state: Any) -> None:
-        """Rebuild the networks saved by :meth:`get_extra_state` (their weights load next) and the
+        """Rebuild the networks saved by [`get_extra_state`][storch.method.critic.Critic.get_extra_state] (their
+        weights load next) and the
         optimizers' states."""
         valid = isinstance(state, dict) and all(isinstance(state.get(k), dict) for k in ("heads", "optimizers"))
         if not valid:
@@ -588,19 +594,23 @@ class QCritic(Critic):
     ``ĝ = (S − Q(ŝ, x)) ∇log q(x | ŝ) + ∇ E_{x'~q}[Q(ŝ, x')]``, unbiased for any ``Q`` (see the
     module docstring, and Weber et al. 2019 on critics that condition on the node's value). ``Q`` is
     additive over the node's independent variables, ``Q(ŝ, x) = μ + σ Σ_d net(ŝ)[d, x_d]``: the
-    network maps ``ŝ`` (the node's distribution parameters, as for :class:`Critic`) to one value per
+    network maps ``ŝ`` (the node's distribution parameters, as for [`Critic`][storch.method.critic.Critic]) to one
+    value per
     variable ``d`` and value ``k`` of the node, and ``E_q[Q] = μ + σ Σ_d Σ_k q_d(k) net(ŝ)[d, k]`` is
     exact. It is trained on ``(Q(ŝ, x) − S)²`` after each backward pass.
 
     Supports the distributions with registered coordinates
-    (:func:`storch.method.local_expectation.register_coordinates`: ``Bernoulli``, ``Categorical``,
+    ([`storch.method.local_expectation.register_coordinates`][storch.method.local_expectation.register_coordinates]:
+    ``Bernoulli``, ``Categorical``,
     ``OneHotCategorical``, each with any batch shape). The correction is added by
-    :class:`storch.method.ScoreFunction` (and :class:`storch.method.Infer`) through
-    :meth:`correction` (``needs_correction = True``); a method that cannot apply it refuses the
-    baseline when it is built (:class:`storch.method.MAPO`), and one that uses the baseline's value
+    [`storch.method.ScoreFunction`][storch.method.ScoreFunction] (and [`storch.method.Infer`][storch.method.Infer])
+    through
+    [`correction`][storch.method.critic.QCritic.correction] (``needs_correction = True``); a method that cannot apply
+    it refuses the
+    baseline when it is built ([`storch.method.MAPO`][storch.method.MAPO]), and one that uses the baseline's value
     without it gets an error after the backward pass, since its gradient would be biased.
 
-    Takes the arguments of :class:`Critic`.
+    Takes the arguments of [`Critic`][storch.method.critic.Critic].
 
     Examples:
         >>> import torch, storch

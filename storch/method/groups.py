@@ -12,10 +12,10 @@ of a group sum to ``1/n`` (e.g. ``1/n`` on the one sample drawn from ``p`` and `
 points, or ``1/(2n)`` on each of two antithetic samples), so that reducing the plate gives an
 unbiased estimate of the expectation.
 
-Inside :meth:`~storch.method.Method.estimator` the method views the cost per group with
-:func:`split_groups` (the plate of ``n·M`` becomes a plate of ``n`` groups, and ``M`` the first event
+Inside `estimator` the method views the cost per group with
+`split_groups` (the plate of ``n·M`` becomes a plate of ``n`` groups, and ``M`` the first event
 dimension), computes one term per group with ordinary storch arithmetic, and hands it back per point
-with :func:`spread_groups`. A term spread over a group counts once per group, since the group's
+with `spread_groups`. A term spread over a group counts once per group, since the group's
 weights sum to ``1/n``.
 
 Examples:
@@ -113,7 +113,7 @@ def spread_groups(term: torch.Tensor, like: Tensor, plate: Plate, group_size: in
     """Give each point of a group its group's value of ``term``, laid out like ``like``.
 
     ``term`` holds one value per group (a storch tensor with the group plate of
-    :func:`split_groups`, or without it for a term shared by all groups) and per value of
+    `split_groups`, or without it for a term shared by all groups) and per value of
     ``like``'s other plates; it may lack some of them, and must have no event dimensions.
     """
     groups = group_plate(plate, group_size)
@@ -146,7 +146,7 @@ class GroupRecords:
     A method that lays out evaluation groups often needs more than the points themselves to build
     its estimate: the layout of a group (MVD), the sign vectors (SPSA), the uniforms (ARM). It
     decides them in ``proposal_dist``, which returns the plain samples, and reads them back in the
-    weighting function or ``estimator``, which see the node's :class:`~storch.tensor.StochasticTensor`.
+    weighting function or ``estimator``, which see the node's [`StochasticTensor`][storch.tensor.StochasticTensor].
     The record is keyed by the samples tensor (weakly, by identity: it lives as long as the node)
     and found again through ``node_of(tensor).samples``.
 

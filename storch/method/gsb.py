@@ -3,29 +3,31 @@
 Paper: Echraibi, Flocon Cholet, Gosselin & Vaton, "Generalized stochastic backpropagation" (NeurIPS 2020
 workshop "Beyond Backpropagation"; ``seeds/004_…``, theorem 1 and sections 3–5). Written with
 cumulants ``κ_n`` (the Taylor coefficients of the log characteristic function,
-``log φ(ω) = Σ_n κ_n (iω)^n / n!``; :mod:`storch.method.cumulants`), the theorem reads, for a
+``log φ(ω) = Σ_n κ_n (iω)^n / n!``; [`storch.method.cumulants`][storch.method.cumulants]), the theorem reads, for a
 factorised ``z`` with parameters θ and a cost ``f`` differentiable in ``z``,
 
     ∇θ E f(z) = Σ_j Σ_{n≥1} (∇θ κ_n(θ)_j / n!) · E[∂ⁿf/∂z_jⁿ (z)]
 
-(pure derivatives per coordinate ``j``). :class:`GSB` truncates the series at ``order = N``. Its
+(pure derivatives per coordinate ``j``). [`GSB`][storch.method.gsb.GSB] truncates the series at ``order = N``. Its
 surrogate term for one node (a control-variate term with forward value 0, no gradient function) is
 
     Σ_j Σ_{n=1..N} ((κ_n(θ)_j − stopgrad κ_n(θ)_j) / n!) · stopgrad(∂ⁿS/∂z_jⁿ)
 
-with ``S`` the downstream estimate of the cost (:func:`storch.inference` hands it to the method per
+with ``S`` the downstream estimate of the cost ([`storch.inference`][storch.inference] hands it to the method per
 sample). The samples are drawn without any pathwise gradient into θ (``sample()``, detached) and made a
 leaf that autograd differentiates ``S`` with respect to; no score term is used. Gradients that reach θ
 by other paths (a cost that depends on θ directly, e.g. ``log q(z; θ)``) flow as usual.
 
-Dispatch by distribution type (registry :func:`register_gsb_rule`; representations
-:func:`register_representation`; cumulants :func:`storch.method.cumulants.register_cumulants`):
+Dispatch by distribution type (registry [`register_gsb_rule`][storch.method.gsb.register_gsb_rule]; representations
+[`register_representation`][storch.method.gsb.register_representation]; cumulants
+[`storch.method.cumulants.register_cumulants`][storch.method.cumulants.register_cumulants]):
 
 ====================================  =============================================  ================  ===========================
 distribution                          rule                                           exact?            cost evaluations / sample
 ====================================  =============================================  ================  ===========================
 ``Normal``                            cumulants ``μ, σ²`` (eq. 14)                    at order ≥ 2      1 + min(N, 2) VJPs
-``Dirac`` (:mod:`storch.distributions`)  ``κ₁ = a``: plain backpropagation            at order ≥ 1      1 + 1 VJP
+``Dirac`` ([`storch.distributions`][storch.distributions])  ``κ₁ = a``: plain backpropagation            at order ≥ 1
+1 + 1 VJP
 ``Gamma``, ``Chi2``, ``Exponential``  ``κ_n = k (n−1)!/βⁿ`` (eq. 19)                  truncated         1 + N VJPs
 ``Laplace``                           ``κ₁ = μ``, ``κ_{2m} = 2(2m−1)! b^{2m}`` (eq. 18) truncated         1 + N VJPs
 ``Independent`` of the above          those of the base distribution                 as the base       as the base
@@ -33,10 +35,10 @@ distribution                          rule                                      
                                       ``z = ζ₁/(ζ₁+ζ₂)`` (eq. 20)
 ``Dirichlet(α)``                      gammas ``ζ_k ~ Γ(α_k,1)``, ``z = ζ/Σζ`` (eq. 21)  truncated         1 + N VJPs (D = K per Dirichlet)
 ``Bernoulli``, ``Categorical``,       discrete rule (eqs. 16–17) =                   exact (unbiased)  1 + D·(K−1) points, no VJP
-``OneHotCategorical``                 :class:`~storch.method.local_expectation.LocalExpectation`
+``OneHotCategorical``                 [`LocalExpectation`][storch.method.local_expectation.LocalExpectation]
 ``Poisson(λ)``                        ``κ_n = λ`` on integers: ``∇λ E f =             exact (unbiased)  1 + D points, no VJP
                                       E[f(z + e_j) − f(z)]`` (finite difference,
-                                      :mod:`storch.distributions.measure_valued`)
+                                      `storch.distributions.measure_valued`)
 ====================================  =============================================  ================  ===========================
 
 "exact" means the surrogate's first derivative is unbiased; "truncated" means a bias from the terms
@@ -47,7 +49,7 @@ and otherwise shrinks with ``N`` when the series converges (e.g. Gamma with ``f 
 Cost. The continuous rule evaluates the cost once per sample and then runs ``N`` vector-Jacobian
 products of the downstream graph per node (``D`` = coordinates per sample): one plain VJP for
 ``∂S/∂z`` and, for ``n ≥ 2``, one VJP batched over the ``D`` one-hot coordinate vectors
-(``is_grads_batched``, broadcast over the plates, :mod:`storch.method.derivatives`). Because the graph
+(``is_grads_batched``, broadcast over the plates, `storch.method.derivatives`). Because the graph
 of the order-``n`` derivative is itself batched, an exact order ``n`` costs ``D^{n−1}`` copies of the
 graph; orders with ``D^{n−1} > max_exact_batch`` (default 256: all orders for ``D = 1``, order 2 up to
 ``D = 256``, order 3 up to ``D = 16``, order 8 up to ``D = 2``) use unbiased random-sign probes instead
@@ -161,15 +163,17 @@ def register_representation(dist_type: type, representation: Representation, *, 
 
     Args:
         dist_type: the distribution type (and its subclasses).
-        representation: its :class:`Representation`.
+        representation: its [`Representation`][storch.method.gsb.Representation].
         replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
-            it a second registration raises :class:`storch.registry.DuplicateRegistrationError`.
+            it a second registration raises
+            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
     """
     _REPRESENTATIONS.register(dist_type, replace=replace)(representation)
 
 
 def representation_for(distr: Distribution) -> Optional[Representation]:
-    """The :class:`Representation` registered for ``type(distr)`` or a base class, else ``None``.
+    """The [`Representation`][storch.method.gsb.Representation] registered for ``type(distr)`` or a base class, else
+    ``None``.
 
     Examples:
         >>> import torch
@@ -199,7 +203,7 @@ _REPRESENTATIONS.register(Dirichlet)(Representation(_dirichlet_latent, lambda ze
 
 # --------------------------------------------------------------------------- rules
 class GSBRule(ABC):
-    """How :class:`GSB` samples a distribution family and builds its surrogate term."""
+    """How [`GSB`][storch.method.gsb.GSB] samples a distribution family and builds its surrogate term."""
 
     @abstractmethod
     def sample(self, method: "GSB", distr: Distribution, plates: Sequence[Plate], n: int) -> torch.Tensor:
@@ -222,9 +226,10 @@ def register_gsb_rule(dist_type: type, rule: GSBRule, *, replace: bool = False) 
 
     Args:
         dist_type: the distribution type.
-        rule: the :class:`GSBRule`.
+        rule: the [`GSBRule`][storch.method.gsb.GSBRule].
         replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
-            it a second registration raises :class:`storch.registry.DuplicateRegistrationError`.
+            it a second registration raises
+            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
     """
     _RULES.register(dist_type, replace=replace)(rule)
 
@@ -237,7 +242,7 @@ class _CumulantRule(GSBRule):
     """Continuous distributions: cumulants times expected pure derivatives, truncated at the order.
 
     The samples are a differentiable function of a hidden leaf (the latent draw); the leaf is kept
-    in :attr:`leaves`, keyed by the samples, for the pure derivatives in :meth:`term`.
+    in `leaves`, keyed by the samples, for the pure derivatives in `term`.
     """
 
     def __init__(self) -> None:
@@ -409,7 +414,8 @@ class GSB(Method):
     """Generalized stochastic backpropagation, truncated at ``order`` (Echraibi et al. 2020, ``seeds/004_…``).
 
     ``∇θ E f(z) ≈ Σ_j Σ_{n=1..N} (∇θ κ_n(θ)_j / n!) · E[∂ⁿf/∂z_jⁿ]`` for continuous factorised
-    distributions (cumulants :mod:`storch.method.cumulants`; Beta and Dirichlet through their gamma
+    distributions (cumulants [`storch.method.cumulants`][storch.method.cumulants]; Beta and Dirichlet through their
+    gamma
     representation); the discrete rule for Bernoulli / categorical (local expectations) and Poisson
     (finite differences). See the module docstring for the table of distributions, exactness and cost.
     First-order gradients only (the term is built with ``stopgrad(∂ⁿf)``).
@@ -419,7 +425,7 @@ class GSB(Method):
         n_samples: the number of samples ``n`` (discrete rules lay out ``n`` evaluation groups).
         order: the truncation order ``N ≥ 1`` (continuous distributions).
         max_exact_batch: orders ``n`` with ``D^{n−1}`` above this are estimated by random-sign probes
-            (unbiased, more variance) instead of exact batched VJPs (:mod:`storch.method.derivatives`).
+            (unbiased, more variance) instead of exact batched VJPs (`storch.method.derivatives`).
 
     Examples:
         >>> import torch, storch

@@ -5,7 +5,7 @@ The discrete sample is replaced by a relaxed, reparameterised sample at temperat
 ``straight_through`` the forward value is the discrete sample and the backward pass uses the
 relaxed one (Bengio et al. 2013). The gradient is biased; the bias vanishes as ``τ → 0`` while the
 variance grows. Relaxations are registered per distribution type in
-:mod:`storch.distributions.relaxation`.
+`storch.distributions.relaxation`.
 
 Components: n i.i.d. relaxed ``rsample`` draws, weight ``1/n``, no gradient function, no control
 variate. The temperature follows ``τ_t = max(τ_min, τ_0 · exp(−r · t))`` after ``t`` backward passes.

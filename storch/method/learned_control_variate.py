@@ -7,32 +7,32 @@ An estimator with a learned control variate ``c_φ`` gives, for every ``φ``, an
     ∇_φ Var(ĝ_φ) = ∇_φ E‖ĝ_φ‖² = E[∇_φ ‖ĝ_φ‖²],
 
 so ``∇_φ ‖ĝ_φ‖²``, differentiated through the same sample, is an unbiased estimate of the gradient
-of the variance. :class:`LearnedControlVariate` takes one step on it per :func:`storch.backward`:
+of the variance. `LearnedControlVariate` takes one step on it per [`storch.backward`][storch.backward]:
 
 1. ``ĝ = ∂/∂θ Σ_x w(x) term(x)``, the derivative of the node's own surrogate terms (every plate
    reduced with its weight, so minibatch means and sample weights are included) with respect to
-   the distribution's parameter tensors ``θ`` (:meth:`LearnedControlVariate.variance_parameters`),
+   the distribution's parameter tensors ``θ`` (`LearnedControlVariate.variance_parameters`),
    recomputed with ``create_graph=True`` on the graph that the backward pass retained;
 2. ``φ.grad ← ∇_φ Σ_nodes ‖ĝ‖²``;
 3. the method's own optimizer steps, and ``φ.grad`` is set to ``None``, so that an optimizer over
    ``model.parameters()`` that also holds ``φ`` leaves ``φ`` alone.
 
 The surrogate uses ``φ`` through *snapshots*, fresh leaf copies made at each forward pass
-(:meth:`LearnedControlVariate.snapshot`), so the main backward pass never writes into ``φ.grad``
+(`LearnedControlVariate.snapshot`), so the main backward pass never writes into ``φ.grad``
 (whose surrogate gradient means nothing; also with ``storch.backward(update_parameters=False)``),
 and the in-place optimizer step leaves the graph valid for higher-order derivatives after
 ``storch.backward(create_graph=True)``.
 
 The draws that the estimator needs besides the samples (relaxed samples with their graph) are kept
-per node from the proposal to the estimator; see :meth:`LearnedControlVariate.keep_draw`.
+per node from the proposal to the estimator; see `LearnedControlVariate.keep_draw`.
 
-Data-parallel training (:mod:`storch.distributed`): with a process group of more than one rank,
+Data-parallel training ([`storch.distributed`][storch.distributed]): with a process group of more than one rank,
 step 3 first averages ``φ.grad`` across the ranks (one all-reduce per step; a rank where a
 parameter got no gradient contributes zeros), and the first training step broadcasts ``φ`` from
 rank 0, so that every replica holds the same ``φ`` and optimizer state. ``sync=False`` trains
 ``φ`` on each rank alone (the replicas then drift apart).
 
-Checkpoints: :meth:`LearnedControlVariate.state_dict` holds ``φ`` and, under the key
+Checkpoints: `LearnedControlVariate.state_dict` holds ``φ`` and, under the key
 ``_extra_state``, the state of the method's own optimizer (made lazily at the first step), so
 ``load_state_dict`` into a freshly built method resumes training exactly.
 """
@@ -88,8 +88,8 @@ class LearnedControlVariate(Method):
     """Base class of estimators whose control-variate parameters ``φ`` minimise ``‖ĝ‖²``.
 
     ``φ`` is every parameter of the method (its submodules included) that requires grad.
-    Subclasses draw in :meth:`proposal_dist`, call :meth:`keep_draw`, and read the draw back in
-    :meth:`estimator` with :meth:`draw_of`.
+    Subclasses draw in `proposal_dist`, call `keep_draw`, and read the draw back in
+    `estimator` with `draw_of`.
 
     Args:
         plate_name: node / plate name.
@@ -102,7 +102,7 @@ class LearnedControlVariate(Method):
             keeps ``φ`` fixed (``φ.grad`` is still cleared after each backward).
         sync: under ``torch.distributed`` with more than one rank, average ``φ.grad`` across the
             ranks before each optimizer step and broadcast ``φ`` from rank 0 at the first one, so
-            that the replicas stay identical (:mod:`storch.distributed`); ``False``: each rank
+            that the replicas stay identical ([`storch.distributed`][storch.distributed]); ``False``: each rank
             trains its own ``φ``. No effect in a single process.
     """
 
@@ -150,7 +150,7 @@ class LearnedControlVariate(Method):
         weakref.finalize(samples, self._draws.pop, key, None)
 
     def draw_of(self, tensor: StochasticTensor) -> Draw:
-        """The :class:`Draw` kept for the node of ``tensor``."""
+        """The `Draw` kept for the node of ``tensor``."""
         samples = node_of(tensor).samples
         entry = self._draws.get(id(samples))
         if entry is None or entry[0]() is not samples:
@@ -287,14 +287,14 @@ class LearnedControlVariate(Method):
     def get_extra_state(self) -> dict:
         """The state of the method's own optimizer (``None`` before its first step), for ``state_dict``.
 
-        Stored under the key ``_extra_state`` of :meth:`state_dict`; a deep copy, so that a
+        Stored under the key ``_extra_state`` of `state_dict`; a deep copy, so that a
         state dict kept in memory does not change with later steps.
         """
         opt = None if self._optimizer is None else copy.deepcopy(self._optimizer.state_dict())
         return {"optimizer": opt}
 
     def set_extra_state(self, state: Any) -> None:
-        """Restore the optimizer state saved by :meth:`get_extra_state` (``load_state_dict`` calls it).
+        """Restore the optimizer state saved by `get_extra_state` (``load_state_dict`` calls it).
 
         The optimizer is built with ``optimizer_factory`` if it does not exist yet; its state tensors
         follow the device and dtype of ``φ`` (``torch.optim.Optimizer.load_state_dict``).

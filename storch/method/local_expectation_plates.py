@@ -1,13 +1,18 @@
 """Evaluation plates of local-expectation nodes, shared along chains.
 
-A local-expectation node lays out ``n`` groups of points on its plate (:class:`LocalExpectationPlate`):
+A local-expectation node lays out ``n`` groups of points on its plate
+([`LocalExpectationPlate`][storch.method.local_expectation_plates.LocalExpectationPlate]):
 the sample and its one-coordinate changes. A node computed from another local-expectation node (or
 joined to it with ``joint_with``) extends that plate's groups with its own changes instead of adding a
-plate (:func:`extended_points`), so a chain costs the sum of its nodes' points, not their product; the
-math of the estimator on such a plate is in :mod:`storch.method.local_expectation`. This module decides
-whether a node joins (:func:`chain_to_extend`), draws the points, moves a joined node's distribution
-to its plate (:func:`move_to_plate`) and refuses, before allocating, points that would not fit
-(:func:`check_fits`).
+plate ([`extended_points`][storch.method.local_expectation_plates.extended_points]), so a chain costs the sum of its
+nodes' points, not their product; the
+math of the estimator on such a plate is in [`storch.method.local_expectation`][storch.method.local_expectation]. This
+module decides
+whether a node joins ([`chain_to_extend`][storch.method.local_expectation_plates.chain_to_extend]), draws the points,
+moves a joined node's distribution
+to its plate ([`move_to_plate`][storch.method.local_expectation_plates.move_to_plate]) and refuses, before allocating,
+points that would not fit
+([`check_fits`][storch.method.local_expectation_plates.check_fits]).
 """
 
 from __future__ import annotations
@@ -63,7 +68,8 @@ class PointGroup:
     sample alone for the first node of a chain). For a node whose distribution was computed from the
     chain: ``drawn_from``, that distribution as it was when the node was drawn (on the chain step it
     carried; the node's own distribution object is then moved to the node's plate, see
-    :func:`move_to_plate`), and ``source``, the position among that step's points of each upstream
+    [`move_to_plate`][storch.method.local_expectation_plates.move_to_plate]), and ``source``, the position among that
+    step's points of each upstream
     point (``None`` when it carried the upstream step itself).
     """
 
@@ -83,7 +89,7 @@ class LocalExpectationPlate(AncestralPlate):
     groups of its newest step (see the module docstring) with a new step named after itself; tensors
     of earlier steps are re-indexed to it where they meet (point ``m`` of a group takes the upstream
     point ``m`` for ``m < M_upstream``, the sample otherwise). In the surrogate every step of a chain
-    comes where its first step does (:attr:`surrogate_order`): after the nodes drawn from its points.
+    comes where its first step does (`surrogate_order`): after the nodes drawn from its points.
     """
 
     __slots__ = ("_extended_by",)
@@ -302,7 +308,7 @@ def probs_at_upstream(distr: Distribution, group: PointGroup, coordinates: Coord
 
 def own_points(distr: Distribution, plates: Sequence[Plate], n: int, who: str):
     """A plate of its own: ``n`` groups of the sample and its changes; ``(samples, group, other plates,
-    parent index)`` as :func:`extended_points`."""
+    parent index)`` as [`extended_points`][storch.method.local_expectation_plates.extended_points]."""
     n_vars, k = variable_counts(distr, len(plates), who)
     size = 1 + n_vars * (k - 1)
     shape = (n * size,) + tuple(distr.batch_shape) + tuple(distr.event_shape)
@@ -317,7 +323,8 @@ def extended_points(distr: Distribution, plates: Sequence[Plate], tip: "LocalExp
     """Extend the groups of ``tip``: a draw at each of its points (inverse CDF with one uniform per
     group and variable, shared by the points), then the changes of the draw at point 0.
 
-    Returns the samples ``(n·M, *other plates, *batch, *event)``, their :class:`PointGroup`, the plates
+    Returns the samples ``(n·M, *other plates, *batch, *event)``, their
+    [`PointGroup`][storch.method.local_expectation_plates.PointGroup], the plates
     of the samples besides the new one, and the new plate's ``parent_index``.
     """
     coordinates = require_coordinates(distr, who)

@@ -1,10 +1,13 @@
 """The coordinates of factorised discrete distributions, and the evaluation points of local expectations.
 
 A factorised Bernoulli or categorical distribution has ``D`` independent variables (its non-plate
-batch dimensions), each taking one of ``K`` values. :class:`Coordinates` says, per distribution type,
-what the values are and how probable each is; :func:`local_expectation_points` lays out, for each
+batch dimensions), each taking one of ``K`` values.
+[`Coordinates`][storch.method.local_expectation_points.Coordinates] says, per distribution type,
+what the values are and how probable each is;
+[`local_expectation_points`][storch.method.local_expectation_points.local_expectation_points] lays out, for each
 sample, the sample itself and its ``D·(K−1)`` one-coordinate changes (every value but the sample's
-own, variable by variable), the points at which :mod:`storch.method.local_expectation` evaluates the
+own, variable by variable), the points at which [`storch.method.local_expectation`][storch.method.local_expectation]
+evaluates the
 cost.
 """
 
@@ -55,15 +58,17 @@ def register_coordinates(dist_type: type, coordinates: Coordinates, *, replace: 
 
     Args:
         dist_type: the distribution type.
-        coordinates: its :class:`Coordinates`.
+        coordinates: its [`Coordinates`][storch.method.local_expectation_points.Coordinates].
         replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
-            it a second registration raises :class:`storch.registry.DuplicateRegistrationError`.
+            it a second registration raises
+            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
     """
     _COORDINATES.register(dist_type, replace=replace)(coordinates)
 
 
 def coordinates_for(distr: Distribution) -> Optional[Coordinates]:
-    """The :class:`Coordinates` registered for ``type(distr)`` or its most specific base class, else ``None``.
+    """The [`Coordinates`][storch.method.local_expectation_points.Coordinates] registered for ``type(distr)`` or its
+    most specific base class, else ``None``.
 
     Examples:
         >>> import torch

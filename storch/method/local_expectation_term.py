@@ -1,7 +1,9 @@
 """The surrogate term of local expectations, for one node or a chain of nodes on one plate.
 
-Each node of a chain is a *segment* of its plate's groups (:class:`Segment`); its term, per group, is
-``T_s`` of :mod:`storch.method.local_expectation`'s docstring, and the chain's term is their sum,
+Each node of a chain is a *segment* of its plate's groups ([`Segment`][storch.method.local_expectation_term.Segment]);
+its term, per group, is
+``T_s`` of [`storch.method.local_expectation`][storch.method.local_expectation]'s docstring, and the chain's term is
+their sum,
 spread over the group's points.
 """
 
@@ -45,7 +47,8 @@ class Segment:
 
 
 def _segment(node, group: PointGroup) -> Segment:
-    """The :class:`Segment` of ``node`` (a :class:`~storch.tensor.StochasticNode`)."""
+    """The [`Segment`][storch.method.local_expectation_term.Segment] of ``node`` (a
+    [`StochasticNode`][storch.tensor.StochasticNode])."""
     distr, samples = node.distribution, node.samples
     parents = tuple(node.layout.plates[1:])
     other = tuple(samples.shape[1: 1 + len(parents)])
@@ -109,7 +112,8 @@ def _segment_term(segment: Segment, per_group: Tensor, groups: Plate, later: Seq
 
 
 def local_expectation_term(tensor: StochasticTensor, cost: torch.Tensor) -> Tensor:
-    """The surrogate term, per point, of a node sampled with :func:`local_expectation_points`, or of
+    """The surrogate term, per point, of a node sampled with
+    [`local_expectation_points`][storch.method.local_expectation_points], or of
     the chain of local-expectation nodes that ends at ``tensor``'s node.
 
     ``Σ_s Σ_d Σ_j (q_dj − stopgrad q_dj) · □(½ Σ_{d'≠d} log p_{d'}(x_{d'})) · (C_s[m_dj] − C_s[0])``

@@ -230,14 +230,15 @@ class MAPO(Method):
     seen so far (with cost ``< threshold``, if given). A call returns the buffer's values followed by
     ``n_samples`` values drawn from the policy restricted to the complement of the buffer, on one
     plate (``|B| + n_samples`` cost evaluations; buffers of other data that are shorter are padded
-    with rows of weight 0). After each :func:`storch.backward`, the sampled values and their
+    with rows of weight 0). After each [`storch.backward`][storch.backward], the sampled values and their
     costs (the sum of the costs that carry this node, other plates averaged) update the buffer, and
     the buffer's costs are refreshed. Without clipping the estimator is unbiased for derivatives of
     every order, for any buffer; the buffer's part is exact and the sampled part is scaled by
     ``1 − π_B``, so the variance falls as the policy concentrates on the buffer.
 
     Supported: ``Categorical``, ``OneHotCategorical``, ``Bernoulli`` (any distribution registered
-    with :func:`storch.sampling.swor.register_wor_support`); non-plate batch dimensions and
+    with [`storch.sampling.swor.register_wor_support`][storch.sampling.swor.register_wor_support]); non-plate batch
+    dimensions and
     ``Independent`` dimensions are the variables of one joint value, so a factorised sequence
     ``Independent(Categorical(logits=(L, V)), 1)`` is one node whose values are sequences. An
     autoregressive sequence model decoded step by step is not supported: sampling the complement
@@ -255,7 +256,7 @@ class MAPO(Method):
         threshold: only values of cost ``< threshold`` enter the buffer; ``None``: the best
             ``buffer_size`` values found, whatever their cost.
         baseline_factory: ``None`` (default), ``"batch_average"`` (leave-one-out among the samples,
-            ``n_samples ≥ 2``), ``"moving_average"`` or a :class:`~storch.method.baseline.Baseline`;
+            ``n_samples ≥ 2``), ``"moving_average"`` or a [`Baseline`][storch.method.baseline.Baseline];
             it multiplies the score of the conditional distribution ``π(·|y ∉ B)`` of the samples,
             so it keeps the estimator unbiased.
         systematic_exploration: also exclude the values sampled in earlier steps (per datum, up to
@@ -267,8 +268,9 @@ class MAPO(Method):
     Call it as ``MAPO("y", n_samples=4)(distribution)``, or ``(distribution, key=ids)`` with an
     integer tensor ``ids`` that names the data of the independent plates (their sizes, in the order
     of the distribution's plates) when minibatches are shuffled: by default a datum's buffer is that
-    of its position in the plates. :meth:`add_to_memory` seeds buffers, :meth:`memory` reads one,
-    :meth:`reset` forgets them all; the buffers are part of ``state_dict()``.
+    of its position in the plates. [`add_to_memory`][storch.method.mapo.MAPO.add_to_memory] seeds buffers,
+    [`memory`][storch.method.mapo.MAPO.memory] reads one,
+    [`reset`][storch.method.mapo.MAPO.reset] forgets them all; the buffers are part of ``state_dict()``.
 
     Measured (``tests/test_mapo.py``; an 8-value categorical with a fixed cost per value, exact
     gradient norm 0.574): without clipping, every coordinate of the mean of 2000 estimates lies
@@ -470,7 +472,8 @@ class MAPO(Method):
 
     def memory(self, key: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The buffer of ``key``: values ``(m, *var_shape)`` (value indices) and their costs ``(m,)``,
-        best first (a cost of ``−inf``: added by :meth:`add_to_memory` and not evaluated yet)."""
+        best first (a cost of ``−inf``: added by [`add_to_memory`][storch.method.mapo.MAPO.add_to_memory] and not
+        evaluated yet)."""
         var_shape = self._var_shape if self._var_shape is not None else ()
         if key >= self._buf_tokens.shape[0]:
             return torch.zeros((0,) + var_shape, dtype=torch.long), torch.zeros((0,), dtype=torch.float64)
@@ -542,7 +545,8 @@ class MAPO(Method):
         }
 
     def set_extra_state(self, state: Any) -> None:
-        """Restore the memory saved by :meth:`get_extra_state` (``load_state_dict`` calls it)."""
+        """Restore the memory saved by [`get_extra_state`][storch.method.mapo.MAPO.get_extra_state]
+        (``load_state_dict`` calls it)."""
         keys = ("var_shape", "n_values", "buffer_tokens", "buffer_costs", "buffer_valid", "explored_tokens",
                 "explored_valid", "explored_next")
         if not isinstance(state, dict) or any(k not in state for k in keys):

@@ -5,36 +5,39 @@ first node, as
 
     S_i = Σ_{x ∈ X_i} w_i(x) · [ □(l_i(x)) · S_{i+1}(x) + (1 − □(l_i(x))) · a_i(x) ]
 
-with ``□(l) = exp(l − stopgrad(l))``. The components of a :class:`Method`:
+with ``□(l) = exp(l − stopgrad(l))``. The components of a [`Method`][storch.method.method.Method]:
 
-1. **proposal** — a :class:`storch.sampling.SamplingMethod` draws ``X_i``;
-   :meth:`Method.proposal_dist` overrides how Monte Carlo samples are drawn;
+1. **proposal** — a [`storch.sampling.SamplingMethod`][storch.sampling.SamplingMethod] draws ``X_i``;
+   [`Method.proposal_dist`][storch.method.method.Method.proposal_dist] overrides how Monte Carlo samples are drawn;
 2. **weighting function** ``w_i`` — the proposal's ``weighting_function``
-   (:meth:`Method.weighting_function` overrides it for Monte Carlo proposals);
-3. **gradient function** ``l_i`` — :meth:`Method.gradient_function` (``None``: no score term);
-4. **control variate** ``a_i`` — :meth:`Method.control_variate` (``None``: none).
+   ([`Method.weighting_function`][storch.method.method.Method.weighting_function] overrides it for Monte Carlo
+   proposals);
+3. **gradient function** ``l_i`` — [`Method.gradient_function`][storch.method.method.Method.gradient_function]
+(``None``: no score term);
+4. **control variate** ``a_i`` — [`Method.control_variate`][storch.method.method.Method.control_variate] (``None``:
+none).
 
 How to add an estimator
 -----------------------
-Subclass :class:`Method` and override what differs from plain Monte Carlo. The surrogate is
+Subclass [`Method`][storch.method.method.Method] and override what differs from plain Monte Carlo. The surrogate is
 unbiased for all orders of derivatives if, for every order ``n`` and every function ``g``,
 ``E_X[Σ_x w(x) ∇ⁿ(□(l(x)) g(x))] = ∇ⁿ E_p[g]`` and ``E_X[Σ_x w(x) ∇ⁿ((1 − □(l(x))) a(x))] = 0``.
 A score-function estimator with a leave-one-out baseline takes a few lines: it overrides
-:meth:`proposal_dist` (``distr.sample((n,))``), :meth:`weighting_function` (``1/n`` per sample)
-and :meth:`estimator`, which returns ``log p(x)`` and ``(1 − □(log p(x))) · b`` with ``b`` the mean
+`proposal_dist` (``distr.sample((n,))``), `weighting_function` (``1/n`` per sample)
+and `estimator`, which returns ``log p(x)`` and ``(1 − □(log p(x))) · b`` with ``b`` the mean
 cost of the other samples. The complete class is ``examples/score_function_loo.py`` (the manual's
 ``ScoreFunctionLOO``); the tests check it is unbiased.
 
-:meth:`estimator` returns the gradient function and the whole control-variate term; by default it
-combines :meth:`gradient_function` and :meth:`control_variate`. Gradient functions and control
+`estimator` returns the gradient function and the whole control-variate term; by default it
+combines `gradient_function` and `control_variate`. Gradient functions and control
 variates with extra (non-plate) dimensions, such as the per-variable log-probabilities above, are
 summed over those dimensions. Pathwise estimators set ``reparameterized = True`` so that samples keep
 their gradient.
 
 Estimators that need the cost at extra points (ARM, measure-valued derivatives, local expectations,
 REBAR) lay out groups of evaluation points along their own plate and weight them; see
-:mod:`storch.method.groups`. Methods that learn from the gradient estimate (RELAX's control
-variate) set ``needs_graph_after_backward`` so that :meth:`update_parameters` can differentiate
+`storch.method.groups`. Methods that learn from the gradient estimate (RELAX's control
+variate) set ``needs_graph_after_backward`` so that `update_parameters` can differentiate
 through the surrogate once more.
 """
 
@@ -105,8 +108,9 @@ def proposal_arguments(owner: str, sampling_method: Any, n_samples: Any) -> tupl
     ``sampling_method`` may also be the number of samples, the manual's (Storchastic's) spelling
     ``ScoreFunction("z", 8)``: an ``int`` in that slot means ``n_samples`` (an error if
     ``n_samples`` is also given with another value). Anything else there that is not a
-    :class:`storch.sampling.SamplingMethod` is a :class:`TypeError`; counts are checked by
-    :func:`storch.sampling.method.check_count`. Idempotent: its result passed again returns itself.
+    [`storch.sampling.SamplingMethod`][storch.sampling.SamplingMethod] is a `TypeError`; counts are checked by
+    [`storch.sampling.method.check_count`][storch.sampling.method.check_count]. Idempotent: its result passed again
+    returns itself.
     """
     explicit = n_samples is not DEFAULT_N_SAMPLES
     n = check_count(n_samples, "n_samples", owner)
@@ -166,17 +170,17 @@ class Method(nn.Module):
 
     Args:
         plate_name: the name of the node and of its plate.
-        sampling_method: the proposal; defaults to :class:`storch.sampling.MonteCarlo` with
+        sampling_method: the proposal; defaults to [`storch.sampling.MonteCarlo`][storch.sampling.MonteCarlo] with
             ``n_samples``. An ``int`` here is ``n_samples`` (the manual's ``ScoreFunction("z", 8)``).
         n_samples: the number of Monte Carlo samples when no ``sampling_method`` is given: a
             positive ``int`` (``2.5`` or ``2.0`` is an error, not truncated).
 
     Calling the method on a ``torch.distributions.Distribution`` returns a
-    :class:`storch.StochasticTensor`. A method is an ``nn.Module``, so it can live inside a model.
+    [`storch.StochasticTensor`][storch.StochasticTensor]. A method is an ``nn.Module``, so it can live inside a model.
 
     Examples:
         The plain score function in two lines: Monte Carlo samples (the default proposal, weights
-        ``1/n``) and the gradient function ``l(x) = log p(x)`` (:func:`log_prob`):
+        ``1/n``) and the gradient function ``l(x) = log p(x)`` ([`log_prob`][storch.method.method.log_prob]):
 
         >>> import torch, storch
         >>> from torch.distributions import Bernoulli
@@ -194,12 +198,15 @@ class Method(nn.Module):
 
     #: whether the samples carry pathwise gradients (``rsample``)
     reparameterized: bool = False
-    #: whether :meth:`update_parameters` differentiates through the surrogate again (e.g. to train
+    #: whether [`update_parameters`][storch.method.method.Method.update_parameters] differentiates through the
+    # surrogate again (e.g. to train
     #: a control variate on the gradient variance); ``storch.backward`` then retains the graph
     needs_graph_after_backward: bool = False
     #: whether the method estimates gradients of a multi-sample bound over its samples jointly
-    #: (VIMCO), so that :func:`storch.method.iwae_bound` may be taken over its plate although it is
-    #: not reparameterized; such a method gets the bound through :meth:`on_joint_bound`
+    #: (VIMCO), so that [`storch.method.iwae_bound`][storch.method.iwae_bound] may be taken over its plate although it
+    # is
+    #: not reparameterized; such a method gets the bound through
+    # [`on_joint_bound`][storch.method.method.Method.on_joint_bound]
     handles_joint_bound: bool = False
 
     def __init__(
@@ -272,7 +279,7 @@ class Method(nn.Module):
         """Sample ``distr`` with this method: the same as calling it, ``method(distr)``.
 
         The manual's (Storchastic's) name for drawing a node. It goes through ``nn.Module.__call__``,
-        so forward hooks run and subclasses that override :meth:`forward` (sequence decoding, for
+        so forward hooks run and subclasses that override `forward` (sequence decoding, for
         example) are honoured.
 
         Examples:
@@ -355,20 +362,21 @@ class Method(nn.Module):
         return l, (1.0 - magic_box(l)) * a
 
     def on_joint_bound(self, cost_name: str, plate: Plate, log_w: Tensor, later: Sequence[Plate] = ()) -> None:
-        """Called by :func:`storch.method.iwae_bound` when the bound over this node's ``plate`` is
+        """Called by [`storch.method.iwae_bound`][storch.method.iwae_bound] when the bound over this node's ``plate`` is
         registered as cost ``cost_name``, with the per-sample log-weights ``log_w``; ``later`` are
         the plates of reparameterized nodes sampled after this one. Does nothing by default."""
 
     def update_parameters(self, result_triples: Sequence[tuple]) -> None:
-        """Called once after each :func:`storch.backward` that used this method."""
+        """Called once after each [`storch.backward`][storch.backward] that used this method."""
         self.sampling_method.update_parameters(result_triples)
 
     @property
     def keeps_state_between_steps(self) -> bool:
-        """Whether :meth:`update_parameters` changes what later steps compute (a baseline's running
+        """Whether [`update_parameters`][storch.method.method.Method.update_parameters] changes what later steps
+        compute (a baseline's running
         average, a temperature schedule, learned control-variate parameters).
 
-        :func:`storch.compile_step` refuses such methods: a compiled step replays the traced
+        [`storch.compile_step`][storch.compile_step] refuses such methods: a compiled step replays the traced
         operations only, so the state would stay frozen. A subclass that overrides
         ``update_parameters`` counts as keeping state unless it overrides this property too.
         """

@@ -3,12 +3,12 @@
     ∂_{θ_d} E_p[f(x)] = c_θ (E_{x_d ~ p⁺} f(x) − E_{x_d ~ p⁻} f(x)),   x_{≠d} ~ p
 
 The derivative of the density with respect to each parameter coordinate is a scaled difference of
-two probability laws (:mod:`storch.distributions.measure_valued` holds them per distribution type). The
+two probability laws (`storch.distributions.measure_valued` holds them per distribution type). The
 estimator needs no derivative of ``f`` and no score: for each sample ``x ~ p`` it evaluates the cost
 at extra points where one coordinate ``d`` is redrawn from ``p⁺`` or ``p⁻`` and the others stay at
 ``x``.
 
-Components (an evaluation group per sample, :mod:`storch.method.groups`): the group holds the real
+Components (an evaluation group per sample, `storch.method.groups`): the group holds the real
 sample ``x`` (weight ``1/n``, so the forward value is the usual Monte Carlo estimate of ``E f``) and,
 for every parameter that requires grad and every coordinate ``d``, that parameter's points (weight
 ``0``). No gradient function; the control-variate term is ``Σ_θ (θ − stopgrad θ) · stopgrad(ĝ_θ)``,
@@ -93,7 +93,7 @@ def _aligned(t: torch.Tensor, layout: PlateLayout) -> torch.Tensor:
 class MVD(Method):
     """Measure-valued derivatives: cost differences at coupled points, no score, no ``∂f``.
 
-    Supported distributions (registry :mod:`storch.distributions.measure_valued`): ``Normal`` (``loc`` and
+    Supported distributions (registry `storch.distributions.measure_valued`): ``Normal`` (``loc`` and
     ``scale``), ``Bernoulli`` (probs; a Bernoulli built from logits gets its gradient through
     ``σ(logits)``), ``Categorical`` and ``OneHotCategorical`` (probs, through ``softmax(logits)``),
     ``Poisson`` and ``Exponential`` (``rate``). Only parameters that require grad get points.

@@ -4,7 +4,7 @@ Tucker et al. 2017, "REBAR: Low-variance, unbiased gradient estimates for discre
 models"; Grathwohl et al. 2018, "Backpropagation through the Void" (LAX, RELAX).
 
 For a discrete node ``b = H(z)`` with reparameterised noise ``z`` (Gumbel / logistic perturbed
-logits, :mod:`storch.distributions.relaxation`), ``z̃ ~ p(z | b)`` and any control variate ``c``:
+logits, `storch.distributions.relaxation`), ``z̃ ~ p(z | b)`` and any control variate ``c``:
 
     ĝ = [f(b) − c(z̃)] ∇log p(b) + ∇c(z) − ∇c(z̃)                                    (RELAX)
 
@@ -15,13 +15,13 @@ the REBAR term. For a continuous reparameterisable node ``z`` (LAX),
     ĝ = [f(z) − c(z)] ∇log p(z) + ∇c(z).
 
 ``η``, ``λ`` and ``φ`` minimise the variance ``‖ĝ‖²``, a step per ``storch.backward()``
-(:mod:`storch.method.learned_control_variate`).
+(`storch.method.learned_control_variate`).
 
 Surrogate components: ``l = log p(b)`` and the control-variate term
 ``(1 − □(l)) c(z̃) + c(z) − stopgrad c(z)`` (LAX: ``(1 − □(l)) c(stopgrad z) + c(z) − stopgrad c(z)``),
 whose forward value is 0, so that the surrogate's value stays the Monte Carlo estimate of ``E f``.
 REBAR lays out ``n`` groups of evaluation points ``[b, σ_λ(z), σ_λ(z̃)]`` along its plate with
-weights ``[1/n, 0, 0]`` (:mod:`storch.method.groups`).
+weights ``[1/n, 0, 0]`` (`storch.method.groups`).
 
 Derivatives of every order are unbiased. With ``□(l) = p_θ'(b)/p_θ(b)`` read as a function of the
 parameter ``θ'`` at which the surrogate is differentiated (samples drawn at ``θ``), the expected
@@ -176,7 +176,8 @@ class RELAX(LearnedControlVariate):
             tensor ``(n, *batch_shape, *event_shape)`` with the node's plates) that returns one value
             per sample (extra dimensions are summed); ``None`` for REBAR alone.
         c_phi: the manual's (Storchastic's) keyword for ``control_variate``.
-        in_dim: build the default control variate, a :class:`ControlVariateNetwork` over the last
+        in_dim: build the default control variate, a
+            [`ControlVariateNetwork`][storch.method.relax.ControlVariateNetwork] over the last
             dimensions of the relaxed sample: ``in_dim`` is their size(s), e.g. ``batch_shape`` for
             Bernoulli variables or ``(*batch_shape, n_values)`` for one-hot ones (the manual's
             ``RELAX("z", in_dim=…)``).
@@ -192,7 +193,7 @@ class RELAX(LearnedControlVariate):
         train_control_variate: ``False`` keeps the control variate fixed.
         sync: under ``torch.distributed``, average the control-variate gradients across ranks
             before each step so that every replica holds the same ``φ``, ``λ``, ``η``
-            (:mod:`storch.distributed`); ``False`` trains them on each rank alone.
+            ([`storch.distributed`][storch.distributed]); ``False`` trains them on each rank alone.
 
     Notes:
         * With ``rebar``, parameters that the cost reaches at the relaxed points other than through
@@ -249,7 +250,7 @@ class RELAX(LearnedControlVariate):
         if initial_temperature <= 0:
             raise ValueError(f"{type(self).__name__}({plate_name!r}): initial_temperature must be positive.")
         self.network = control_variate
-        #: how the cost at the relaxed points enters ``c``: :data:`REBAR_TERM` or :data:`NO_RELAXED_COST`
+        #: how the cost at the relaxed points enters ``c``: `REBAR_TERM` or `NO_RELAXED_COST`
         self.relaxed_cost: RelaxedCostTerm = REBAR_TERM if rebar else NO_RELAXED_COST
         self.log_temperature = nn.Parameter(torch.tensor(math.log(initial_temperature)))
         self.eta = nn.Parameter(torch.tensor(float(initial_eta))) if rebar else None
@@ -322,10 +323,11 @@ class RELAX(LearnedControlVariate):
 
 
 class RelaxedCostTerm:
-    """How :class:`RELAX` uses the cost at the relaxed points in its control variate ``c``.
+    """How [`RELAX`][storch.method.relax.RELAX] uses the cost at the relaxed points in its control variate ``c``.
 
     This one does not: one evaluation point per sample (the discrete ``b``), uniform weights, and
-    ``c`` left as the network made it. :class:`RebarTerm` adds REBAR's ``η f(σ_λ(z))``. Stateless:
+    ``c`` left as the network made it. [`RebarTerm`][storch.method.relax.RebarTerm] adds REBAR's ``η f(σ_λ(z))``.
+    Stateless:
     the method keeps the parameters (``η``); one instance of each is shared.
     """
 
@@ -374,7 +376,7 @@ REBAR_TERM = RebarTerm()
 
 
 def _point(per_group: Tensor, index: int) -> Tensor:
-    """Point ``index`` of every group of a :func:`split_groups` view (its first event dimension)."""
+    """Point ``index`` of every group of a `split_groups` view (its first event dimension)."""
     layout = layout_of(per_group)
     with no_dispatch():
         x = per_group.select(len(layout.sizes), index)
@@ -388,7 +390,7 @@ class REBAR(RELAX):
     plate, weighted ``[1/n, 0, 0]`` (so the model must accept relaxed values in place of discrete
     ones). ``η`` and the temperature ``λ`` are trained to minimise ``‖ĝ‖²`` (the gradient estimate
     with respect to the distribution's logits), one step per ``storch.backward()``; see
-    :class:`RELAX` for the optimizer and for what happens to their ``.grad``. Unbiased, for
+    [`RELAX`][storch.method.relax.RELAX] for the optimizer and for what happens to their ``.grad``. Unbiased, for
     derivatives of every order when the cost is smooth in the relaxed input.
 
     Args:
@@ -446,7 +448,7 @@ class LAX(LearnedControlVariate):
     fixed sample in the score term. Unbiased, for derivatives of every order when ``c_φ`` is smooth
     enough. ``φ`` is trained to minimise ``‖ĝ‖²``, with ``ĝ`` the gradient
     estimate with respect to the distribution's parameter tensors (e.g. ``loc`` and ``scale``), one
-    step per ``storch.backward()``; see :class:`RELAX` for the optimizer and ``.grad`` handling.
+    step per ``storch.backward()``; see [`RELAX`][storch.method.relax.RELAX] for the optimizer and ``.grad`` handling.
 
     Args:
         plate_name: node / plate name.
@@ -460,7 +462,8 @@ class LAX(LearnedControlVariate):
         sync: under ``torch.distributed``, average ``φ``'s gradients across ranks before each step
             (the replicas stay identical); ``False``: each rank alone.
         c_phi: the manual's (Storchastic's) keyword for ``control_variate``.
-        in_dim: build the default control variate, a :class:`ControlVariateNetwork` over the last
+        in_dim: build the default control variate, a
+            [`ControlVariateNetwork`][storch.method.relax.ControlVariateNetwork] over the last
             dimensions of the sample (``in_dim`` their size(s), e.g. ``event_shape`` or
             ``batch_shape``), as the manual's ``LAX("z", in_dim=…)``.
 

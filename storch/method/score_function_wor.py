@@ -1,7 +1,8 @@
 """REINFORCE without replacement (Kool, van Hoof & Welling 2019, ICML; Kool et al. 2019/2020).
 
 Sample a set ``S`` of ``k`` distinct values (or sequences) by Gumbel-top-k / stochastic beam search
-(:class:`storch.sampling.swor.SampleWithoutReplacement`), with ``κ`` the ``(k+1)``-th largest perturbed
+([`storch.sampling.swor.SampleWithoutReplacement`][storch.sampling.swor.SampleWithoutReplacement]), with ``κ`` the
+``(k+1)``-th largest perturbed
 log-probability and ``q_κ(s) = 1 − exp(−exp(log p(s) − κ))``:
 
     unbiased (``biased=False``):  ∇ E_p[f] ≈ Σ_{s∈S} p(s)/q_κ(s) · f(s) ∇log p(s)
@@ -17,13 +18,15 @@ bias vanishes as ``k`` grows, and it is exact once ``k`` covers the support) and
 Sequences. Call the same method object once per decoding step. At step ``t`` the distribution is
 built from tensors that carry the plate of step ``t − 1`` (same name); the method extends the ``k``
 prefixes by stochastic beam search (the ``k`` best of the ``k·V`` extensions) and returns the tokens
-of step ``t`` with a new plate of the same name (an :class:`storch.plate.AncestralPlate`). Tensors
+of step ``t`` with a new plate of the same name (an [`storch.plate.AncestralPlate`][storch.plate.AncestralPlate]).
+Tensors
 of earlier steps (tokens, recurrent states) are re-indexed along the beams' ancestry whenever they
 meet tensors of later steps. A finished prefix (last token ``eos``) continues with ``eos`` with
 probability 1. Step ``t``'s weights and gradient function use the log-probability of the whole
 prefix ``log p(x_{≤t}) = Σ_{s≤t} log p(x_s | x_{<s})`` and step ``t``'s ``κ``; a cost registered at
 step ``t`` (carrying step ``t``'s plate) is estimated with those prefixes, which are a sample
-without replacement of prefixes of length ``t``. With :class:`storch.sampling.decoding.MCDecoder`
+without replacement of prefixes of length ``t``. With
+[`storch.sampling.decoding.MCDecoder`][storch.sampling.decoding.MCDecoder]
 as the proposal the same method is the plain score function over i.i.d. sequences.
 """
 
@@ -76,9 +79,11 @@ class ScoreFunctionWOR(Method):
         biased: normalise the weights by their sum and subtract the built-in baseline (consistent,
             lower variance); ``False`` (default) keeps the unbiased, unnormalised weights.
         eos: the end-of-sequence value index, for sequences decoded step by step.
-        sampling_method: a :class:`storch.sampling.swor.SequenceSampler` to use instead of the
-            default :class:`SampleWithoutReplacement` (a subclass, or
-            :class:`storch.sampling.decoding.MCDecoder` for i.i.d. sequences).
+        sampling_method: a [`storch.sampling.swor.SequenceSampler`][storch.sampling.swor.SequenceSampler] to use
+            instead of the
+            default [`SampleWithoutReplacement`][storch.method.score_function_wor.SampleWithoutReplacement] (a
+            subclass, or
+            [`storch.sampling.decoding.MCDecoder`][storch.sampling.decoding.MCDecoder] for i.i.d. sequences).
 
     The ``distribution`` of a sequence step's node has the previous step's beams as batch
     dimension; the step's own log-probabilities are in ``sampling_method.state_of(tensor)``.

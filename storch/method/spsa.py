@@ -18,7 +18,8 @@ require grad, mapped to unconstrained space with ``torch.distributions.biject_to
 ``c`` is a relative step for positive parameters. Parameters with discrete constraints (e.g. a
 Binomial's ``total_count``) are never perturbed. The perturbed distribution is rebuilt with the same
 type; wrappers (``OneHotCategorical``, ``Independent``) are registered in this module
-(:func:`register_spsa_wrapper`), so any distribution whose parameters are stored under their
+([`register_spsa_wrapper`][storch.method.spsa.register_spsa_wrapper]), so any distribution whose parameters are stored
+under their
 constructor names works.
 
 *Common random numbers.* The real sample and the two perturbed samples are drawn from the same state
@@ -26,7 +27,7 @@ of the random generator. Samplers that transform a fixed set of uniforms or norm
 Exponential, Bernoulli, Categorical, …) then give exactly coupled samples (``x⁺ − x⁻ = O(c)``); for
 rejection samplers (Poisson, Gamma) the coupling is partial.
 
-Components: an evaluation group per draw of ``Δ`` (:mod:`storch.method.groups`): ``[x, x⁺, x⁻]`` with
+Components: an evaluation group per draw of ``Δ`` (`storch.method.groups`): ``[x, x⁺, x⁻]`` with
 weights ``[1/n, 0, 0]``: the forward value is the plain Monte Carlo estimate of ``E f`` (unbiased), and
 the gradient ``ĝ`` (averaged over the ``n`` groups) enters through ``(θ − stopgrad θ) · stopgrad(ĝ)``,
 reaching the given parameters by the chain rule through the unconstrained map. First order only.
@@ -76,7 +77,8 @@ def register_spsa_wrapper(
         inner: ``wrapper -> the distribution holding the parameters``.
         rebuild: ``(wrapper, perturbed inner) -> perturbed wrapper``.
         replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
-            it a second registration raises :class:`storch.registry.DuplicateRegistrationError`.
+            it a second registration raises
+            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
     """
     _WRAPPERS.register(dist_type, replace=replace)(_Wrapper(inner, rebuild))
 

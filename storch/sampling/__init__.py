@@ -1,8 +1,10 @@
 """Sampling methods (``storch.sampling``): the proposal component of an estimator.
 
-:mod:`storch.sampling.seq` gives the manual's module path to classes defined in
-:mod:`storch.sampling.swor`, :mod:`storch.sampling.decoding` and :mod:`storch.plate`;
-:mod:`storch.sampling.unordered_set` is both the manual's path and the home of unordered sets.
+`storch.sampling.seq` gives the manual's module path to classes defined in
+[`storch.sampling.swor`][storch.sampling.swor], [`storch.sampling.decoding`][storch.sampling.decoding] and
+[`storch.plate`][storch.plate];
+[`storch.sampling.unordered_set`][storch.sampling.unordered_set] is both the manual's path and the home of unordered
+sets.
 """
 
 from storch.sampling.decoding import MCDecoder

@@ -1,12 +1,14 @@
 """Sampling methods: the *proposal* component of a gradient estimator.
 
-A :class:`SamplingMethod` turns a distribution into a set of samples (the node's plate) and, through
-:meth:`SamplingMethod.weighting_function`, gives each sample its weight in the surrogate loss
+A [`SamplingMethod`][storch.sampling.method.SamplingMethod] turns a distribution into a set of samples (the node's
+plate) and, through
+[`SamplingMethod.weighting_function`][storch.sampling.method.SamplingMethod.weighting_function], gives each sample its
+weight in the surrogate loss
 (``1/n`` for Monte Carlo, ``p(x)`` for enumeration, importance weights for other proposals).
 
 Samples are plain tensors with the new sample dimension first, followed by the plates of the
 distribution's parameters, its remaining batch dimensions and its event dimensions. The calling
-:class:`storch.method.Method` wraps them into a :class:`storch.StochasticTensor`.
+[`storch.method.Method`][storch.method.Method] wraps them into a [`storch.StochasticTensor`][storch.StochasticTensor].
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def check_count(value: Any, name: str, owner: str, minimum: int = 1) -> int:
     Every method and sampler checks its counts (``n_samples``, ``k``, ``budget``, ...) here, so a
     count is never silently truncated (``int(2.5) == 2``). Integers and integer-like values
     (``operator.index``: NumPy integers, 0-dim integer tensors) are accepted; floats (also ``2.0``),
-    ``bool``, strings and ``None`` are a :class:`TypeError`, too small values a :class:`ValueError`.
+    ``bool``, strings and ``None`` are a `TypeError`, too small values a `ValueError`.
     Both name ``owner`` (e.g. ``"ScoreFunction('z')"``) and the argument.
 
     Examples:
@@ -74,19 +76,23 @@ def check_count(value: Any, name: str, owner: str, minimum: int = 1) -> int:
 
 
 class SamplingMethod(nn.Module, ABC):
-    """Base class of proposals. Subclasses implement :meth:`sample`.
+    """Base class of proposals. Subclasses implement [`sample`][storch.sampling.method.SamplingMethod.sample].
 
     Hooks:
-        * :meth:`sample` — draw the sample set;
-        * :meth:`weighting_function` — weight of each sample (``None``: uniform ``1/n``);
-        * :attr:`delegate` — the estimator that owns this proposal (set by
-          :class:`storch.method.Method`); plain Monte Carlo draws and weights come from its
+        * [`sample`][storch.sampling.method.SamplingMethod.sample] — draw the sample set;
+        * [`weighting_function`][storch.sampling.method.SamplingMethod.weighting_function] — weight of each sample
+        (``None``: uniform ``1/n``);
+        * [`delegate`][storch.sampling.method.SamplingMethod.delegate] — the estimator that owns this proposal (set by
+          [`storch.method.Method`][storch.method.Method]); plain Monte Carlo draws and weights come from its
           ``proposal_dist`` and ``weighting_function`` (e.g. ``rsample`` instead of ``sample``), so
           estimators and proposals combine freely;
-        * :meth:`set_mc_sample`, :meth:`set_mc_weighting_function` — replace those two functions
+        * [`set_mc_sample`][storch.sampling.method.SamplingMethod.set_mc_sample],
+        [`set_mc_weighting_function`][storch.sampling.method.SamplingMethod.set_mc_weighting_function] — replace those
+        two functions
           explicitly (the manual's hooks; they take precedence over the delegate);
-        * :meth:`update_parameters` — called once after every :func:`storch.backward`;
-        * :meth:`reset` — forget any state.
+        * [`update_parameters`][storch.sampling.method.SamplingMethod.update_parameters] — called once after every
+        [`storch.backward`][storch.backward];
+        * [`reset`][storch.sampling.method.SamplingMethod.reset] — forget any state.
 
     Examples:
         A proposal that always draws the most probable value of a Bernoulli (a deterministic,
@@ -122,7 +128,8 @@ class SamplingMethod(nn.Module, ABC):
         return self.__dict__.get("_delegate")
 
     def set_delegate(self, method: Optional["Method"]) -> "SamplingMethod":
-        """Make ``method`` the :attr:`delegate` of this proposal (done by ``Method.__init__``).
+        """Make ``method`` the [`delegate`][storch.sampling.method.SamplingMethod.delegate] of this proposal (done by
+        ``Method.__init__``).
 
         The estimator is held as a plain reference, not registered as a submodule: the estimator
         owns its proposal, so registering it back would make the module tree a cycle.
@@ -166,12 +173,13 @@ class SamplingMethod(nn.Module, ABC):
         return self
 
     def update_parameters(self, result_triples: Sequence[tuple]) -> None:
-        """Called after each :func:`storch.backward` with ``(node, cost, contribution)`` triples."""
+        """Called after each [`storch.backward`][storch.backward] with ``(node, cost, contribution)`` triples."""
 
     @property
     def keeps_state_between_steps(self) -> bool:
-        """Whether :meth:`update_parameters` changes what later steps compute (see
-        :attr:`storch.method.Method.keeps_state_between_steps`); an override of it counts as
+        """Whether [`update_parameters`][storch.sampling.method.SamplingMethod.update_parameters] changes what later
+        steps compute (see
+        `storch.method.Method.keeps_state_between_steps`); an override of it counts as
         keeping state unless the overriding class also overrides this property."""
         return not state_declared_for(self, "update_parameters")
 

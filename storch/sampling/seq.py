@@ -3,17 +3,21 @@
 Storchastic 0.3.7 kept its sequence decoders and their plate in ``storch/sampling/seq.py``. In
 storch they live elsewhere, and this module gives them the manual's names:
 
-* :class:`AncestralPlate` — :class:`storch.plate.AncestralPlate`, the plate of one decoding step
+* [`AncestralPlate`][storch.sampling.seq.AncestralPlate] —
+[`storch.plate.AncestralPlate`][storch.plate.AncestralPlate], the plate of one decoding step
   (the same class; its constructor is storch's, see docs/migrating.md);
-* :class:`SequenceDecoding` and :class:`IterDecoding` — both
-  :class:`storch.sampling.swor.SequenceSampler`, the base class of proposals that draw sets and
+* `SequenceDecoding` and `IterDecoding` — both
+  [`storch.sampling.swor.SequenceSampler`][storch.sampling.swor.SequenceSampler], the base class of proposals that
+  draw sets and
   extend them step by step (storch's hooks are ``draw``/``extend``/``weights`` instead of
   Storchastic's ``decode``/``decode_step``); subclasses include
-  :class:`storch.sampling.swor.SampleWithoutReplacement` and :class:`MCDecoder`;
-* :class:`MCDecoder` — :class:`storch.sampling.decoding.MCDecoder`, ancestral sampling of ``k``
+  [`storch.sampling.swor.SampleWithoutReplacement`][storch.sampling.swor.SampleWithoutReplacement] and
+  [`MCDecoder`][storch.sampling.seq.MCDecoder];
+* [`MCDecoder`][storch.sampling.seq.MCDecoder] —
+[`storch.sampling.decoding.MCDecoder`][storch.sampling.decoding.MCDecoder], ancestral sampling of ``k``
   independent sequences.
 
-The helpers :func:`right_expand_as`, :func:`left_expand_as` and :func:`expand_with_ignore_as`
+The helpers `right_expand_as`, `left_expand_as` and `expand_with_ignore_as`
 are defined here. With storch tensors they align the plates of both arguments first (as every
 storch operation does) and expand them to full size; "leading" and "trailing" then refer to the
 event dimensions, after the plates.
@@ -35,11 +39,12 @@ __all__ = [
     "right_expand_as", "left_expand_as", "expand_with_ignore_as",
 ]
 
-#: The manual's name for :class:`storch.sampling.swor.SequenceSampler` (the same class).
+#: The manual's name for [`storch.sampling.swor.SequenceSampler`][storch.sampling.swor.SequenceSampler] (the same
+# class).
 SequenceDecoding = SequenceSampler
 
 #: The manual's name for the base class of decoders that sample variable by variable; in storch
-#: that is :class:`storch.sampling.swor.SequenceSampler` too (the same class).
+#: that is [`storch.sampling.swor.SequenceSampler`][storch.sampling.swor.SequenceSampler] too (the same class).
 IterDecoding = SequenceSampler
 
 
@@ -131,7 +136,7 @@ def expand_with_ignore_as(tensor: torch.Tensor, expand_as: torch.Tensor, ignore_
     and ``ignore_dim=-1`` give ``d × a × b``. The dimensions line up on the right as in torch's
     ``expand_as`` (missing leading dimensions are added); every dimension but ``ignore_dim`` must
     be ``1`` in ``tensor`` or equal to ``expand_as``'s. (Storchastic 0.3.7's code added the missing
-    dimensions on the right instead, contrary to its docstring; use :func:`right_expand_as` for
+    dimensions on the right instead, contrary to its docstring; use `right_expand_as` for
     that.)
 
     With storch tensors the plates are aligned and expanded to full size first. ``ignore_dim`` is

@@ -21,25 +21,34 @@ the pruned prefix's value.
 
 Extension points (for estimators built on this proposal, e.g. the unordered set estimator):
 
-* :class:`SequenceSampler` — the base class: :meth:`~SequenceSampler.draw` (a set in one call),
-  :meth:`~SequenceSampler.extend` (extend the previous step of a sequence), and
-  :meth:`~SequenceSampler.weights`; :func:`gumbel_top_k_step` is one step of stochastic beam search
+* [`SequenceSampler`][storch.sampling.swor.SequenceSampler] — the base class:
+[`draw`][storch.sampling.swor.SequenceSampler.draw] (a set in one call),
+  [`extend`][storch.sampling.swor.SequenceSampler.extend] (extend the previous step of a sequence), and
+  [`weights`][storch.sampling.swor.SequenceSampler.weights];
+  [`gumbel_top_k_step`][storch.sampling.swor.gumbel_top_k_step] is one step of stochastic beam search
   on plain tensors (returns parent indices, tokens, log-probabilities, perturbed values and ``κ``).
 
-* :class:`WORState` — the sampled set of one step: ``log_prob`` (log-probability of each sampled
+* [`WORState`][storch.sampling.swor.WORState] — the sampled set of one step: ``log_prob`` (log-probability of each
+sampled
   element or prefix, summed over variables/steps, differentiable), ``perturbed`` (its perturbed
   log-probability), ``kappa`` (the ``(k+1)``-th largest perturbed value, ``−∞`` when the support is
   covered), ``tokens``, ``parent_index``, ``finished``. Beam dimension first, then the batch (plate)
   dimensions of the distribution.
-* :meth:`SampleWithoutReplacement.weights` — the plate weight of each element from a
-  :class:`WORState`; override it to weight the set differently.
-* :meth:`SampleWithoutReplacement.state_of` — the :class:`WORState` behind a sampled tensor's plate.
-* :func:`log_inclusion_probability` — ``log q_κ(s)``; :func:`wor_support` and
-  :func:`register_wor_support` — the registry of distributions with an enumerable support.
-* :func:`log1mexp` (the manual's ``loglmexp``) and :func:`cond_gumbel_sample` — the numerics.
-* :class:`SumAndSampleRest` (the manual's constructor: :class:`SumAndSample`) — sum the most
+* [`SampleWithoutReplacement.weights`][storch.sampling.swor.SampleWithoutReplacement.weights] — the plate weight of
+each element from a
+  [`WORState`][storch.sampling.swor.WORState]; override it to weight the set differently.
+* [`SampleWithoutReplacement.state_of`][storch.sampling.swor.SampleWithoutReplacement.state_of] — the
+[`WORState`][storch.sampling.swor.WORState] behind a sampled tensor's plate.
+* [`log_inclusion_probability`][storch.sampling.swor.log_inclusion_probability] — ``log q_κ(s)``;
+[`wor_support`][storch.sampling.swor.wor_support] and
+  [`register_wor_support`][storch.sampling.swor.register_wor_support] — the registry of distributions with an
+  enumerable support.
+* [`log1mexp`][storch.sampling.swor.log1mexp] (the manual's ``loglmexp``) and
+[`cond_gumbel_sample`][storch.sampling.swor.cond_gumbel_sample] — the numerics.
+* [`SumAndSampleRest`][storch.sampling.swor.SumAndSampleRest] (the manual's constructor:
+[`SumAndSample`][storch.sampling.swor.SumAndSample]) — sum the most
   probable values exactly and sample the rest, i.i.d. or without replacement (the proposal of
-  :class:`storch.method.RaoBlackwellSF`).
+  [`storch.method.RaoBlackwellSF`][storch.method.RaoBlackwellSF]).
 """
 
 from __future__ import annotations
@@ -100,18 +109,20 @@ _SUPPORTS: TypeRegistry[_SupportFn] = TypeRegistry(
 def register_wor_support(dist_type: type, *, replace: bool = False) -> Callable[[_SupportFn], _SupportFn]:
     """Register how to enumerate the support of ``dist_type`` (a decorator, like ``register_kl``).
 
-    The decorated function takes the distribution and returns a :class:`WORSupport`.
+    The decorated function takes the distribution and returns a [`WORSupport`][storch.sampling.swor.WORSupport].
 
     Args:
         dist_type: the distribution type.
         replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
-            it a second registration raises :class:`storch.registry.DuplicateRegistrationError`.
+            it a second registration raises
+            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
     """
     return _SUPPORTS.register(dist_type, replace=replace)
 
 
 def wor_support(distr: Distribution) -> WORSupport:
-    """The registered :class:`WORSupport` of ``distr`` (the most specific registered base class)."""
+    """The registered [`WORSupport`][storch.sampling.swor.WORSupport] of ``distr`` (the most specific registered base
+    class)."""
     fn = _SUPPORTS.lookup(distr)
     if fn is not None:
         return fn(distr)
@@ -160,7 +171,8 @@ def log1mexp(a: torch.Tensor) -> torch.Tensor:
     return torch.where(a > -0.6931471805599453, torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(a)))
 
 
-#: The manual's spelling of :func:`log1mexp` (``storch.sampling.swor.loglmexp``): the same function.
+#: The manual's spelling of [`log1mexp`][storch.sampling.swor.log1mexp] (``storch.sampling.swor.loglmexp``): the same
+# function.
 loglmexp = log1mexp
 
 
@@ -299,9 +311,11 @@ class WORState:
 class SequenceSampler(SamplingMethod):
     """Base class of proposals that draw sets of values and extend them step by step (sequences).
 
-    Subclasses implement :meth:`draw` (the set of one call), :meth:`extend` (extend the set of the
-    previous step of a sequence) and :meth:`weights`. :class:`storch.method.score_function_wor.ScoreFunctionWOR`
-    calls them; each step's :class:`WORState` lives on its plate (``plate.info``).
+    Subclasses implement [`draw`][storch.sampling.swor.SequenceSampler.draw] (the set of one call),
+    [`extend`][storch.sampling.swor.SequenceSampler.extend] (extend the set of the
+    previous step of a sequence) and [`weights`][storch.sampling.swor.SequenceSampler.weights].
+    [`storch.method.score_function_wor.ScoreFunctionWOR`][storch.method.score_function_wor.ScoreFunctionWOR]
+    calls them; each step's [`WORState`][storch.sampling.swor.WORState] lives on its plate (``plate.info``).
 
     Args:
         plate_name: the plate of the sampled set.
@@ -335,12 +349,13 @@ class SequenceSampler(SamplingMethod):
         Args:
             distr: the distribution of the next token given each prefix; its batch dimensions are
                 exactly the plates of its parameters, the previous step's plate at ``beam_dim``.
-            parent: the previous step's :class:`WORState`, laid out as ``distr``'s other plates
+            parent: the previous step's [`WORState`][storch.sampling.swor.WORState], laid out as ``distr``'s other
+                plates
                 (beam dimension first).
             beam_dim: the position of the previous step's plate among ``distr``'s batch dimensions.
 
         Returns:
-            the samples ``(n', *other plates, *event_shape)`` and the step's :class:`WORState`
+            the samples ``(n', *other plates, *event_shape)`` and the step's [`WORState`][storch.sampling.swor.WORState]
             (``log_prob`` is that of the whole prefix, differentiable).
         """
 
@@ -358,7 +373,7 @@ class SequenceSampler(SamplingMethod):
         return samples
 
     def state_of(self, tensor: "StochasticTensor") -> WORState:
-        """The :class:`WORState` behind ``tensor``'s plate."""
+        """The [`WORState`][storch.sampling.swor.WORState] behind ``tensor``'s plate."""
         info = tensor.plate.info
         if not isinstance(info, WORState):
             raise ValueError(
@@ -423,7 +438,8 @@ class SampleWithoutReplacement(SequenceSampler):
     the parameters' plates and weights each by ``p(s)/q_κ(s)`` (Kool, van Hoof & Welling 2019,
     ICML). Several independent variables (non-plate batch dimensions) are sampled jointly: the set
     holds distinct *joint* configurations, drawn by stochastic beam search over the variables.
-    Called step by step on a sequence (:class:`storch.method.score_function_wor.ScoreFunctionWOR`) it runs
+    Called step by step on a sequence
+    ([`storch.method.score_function_wor.ScoreFunctionWOR`][storch.method.score_function_wor.ScoreFunctionWOR]) it runs
     stochastic beam search over prefixes.
 
     Args:
@@ -465,7 +481,7 @@ class SampleWithoutReplacement(SequenceSampler):
             n_plates: the number of plate dimensions.
 
         Returns:
-            the samples ``(n, *batch_shape, *event_shape)`` and the :class:`WORState`.
+            the samples ``(n, *batch_shape, *event_shape)`` and the [`WORState`][storch.sampling.swor.WORState].
         """
         support = wor_support(distr)
         log_probs = support.log_probs
@@ -548,7 +564,8 @@ def check_single_variable(owner: str, distr: Distribution, n_plates: int) -> Non
 class SumAndSampleRest(SamplingMethod):
     """The ``k − 1`` most probable values, then ``n_sampled`` samples of the remaining values.
 
-    The proposal of :class:`storch.method.RaoBlackwellSF` (Liu et al. 2019). With ``C`` the summed
+    The proposal of [`storch.method.RaoBlackwellSF`][storch.method.RaoBlackwellSF] (Liu et al. 2019). With ``C`` the
+    summed
     values and ``q = p(C)``,
 
         E_p[f] = Σ_{x ∈ C} p(x) f(x) + (1 − q) · E_{x ~ p(· | x ∉ C)}[f(x)],
@@ -556,7 +573,8 @@ class SumAndSampleRest(SamplingMethod):
     so the samples are weighted (detached) ``p(x)`` on ``C`` and, for i.i.d. samples of the rest,
     ``(1 − q)/n_sampled``. With ``without_replacement`` the ``n_sampled`` values of the rest are
     distinct, drawn by Gumbel-top-k, and weighted ``p(x)/q_κ(x)`` (priority sampling, Kool, van
-    Hoof & Welling 2019; :func:`log_inclusion_probability`): also unbiased, and exact when they
+    Hoof & Welling 2019; [`log_inclusion_probability`][storch.sampling.swor.log_inclusion_probability]): also
+    unbiased, and exact when they
     are all the remaining values. One discrete variable with enumerable support per element of
     the distribution's plates.
 
@@ -668,11 +686,12 @@ class SumAndSample(SumAndSampleRest):
     """The manual's ``SumAndSample``: sum the ``sum_size`` most probable values exactly and sample
     ``sample_size`` of the others, weighted so that the estimate is unbiased.
 
-    Storchastic 0.3.7's constructor for :class:`SumAndSampleRest` (the same proposal, with
+    Storchastic 0.3.7's constructor for [`SumAndSampleRest`][storch.sampling.swor.SumAndSampleRest] (the same
+    proposal, with
     ``k = sum_size + 1`` and ``n_sampled = sample_size``): one discrete variable with enumerable
     support per element of the distribution's plates. Use it as the proposal of a score-function
     estimator, ``ScoreFunction("z", sampling_method=SumAndSample("z", 2, 3))``, or use
-    :class:`storch.method.RaoBlackwellSF`, which builds it.
+    [`storch.method.RaoBlackwellSF`][storch.method.RaoBlackwellSF], which builds it.
 
     Args:
         plate_name: the node's plate.
@@ -680,8 +699,9 @@ class SumAndSample(SumAndSampleRest):
         sample_size: how many values outside them are sampled (at least 1).
         without_replacement: draw the samples distinct (Gumbel-top-k, weights ``p(x)/q_κ(x)``)
             instead of i.i.d. (weights ``(1 − p(summed))/sample_size``).
-        eos: must be ``None``: sequences are decoded by :class:`storch.method.score_function_wor.ScoreFunctionWOR`
-            and :class:`storch.method.UnorderedSetEstimator`, not by this proposal.
+        eos: must be ``None``: sequences are decoded by
+            [`storch.method.score_function_wor.ScoreFunctionWOR`][storch.method.score_function_wor.ScoreFunctionWOR]
+            and [`storch.method.UnorderedSetEstimator`][storch.method.UnorderedSetEstimator], not by this proposal.
 
     Examples:
         >>> import torch
