@@ -1,8 +1,9 @@
-"""Screenshots of the built documentation, with a check that the pages are neither blank nor unstyled.
+"""Screenshots of the built documentation, with a check that the pages are neither blank nor unstyled
+and that no code block runs past the right edge of the page.
 
 Usage (``make docs`` runs it after ``mkdocs build --strict``)::
 
-    .venv/bin/python scripts/docs_screenshot.py [SITE_DIR] [OUT_DIR]
+    .venv/bin/python scripts/docs_screenshot.py [SITE_DIR] [OUT_DIR] [--require-browser]
 
 Takes, with headless Chromium, a 1280x900 screenshot of the home page (``index.html``) and of one
 estimator page (``estimators/score-function.html``) of ``SITE_DIR`` (default ``site``) into
@@ -12,15 +13,28 @@ estimator page (``estimators/score-function.html``) of ``SITE_DIR`` (default ``s
 * **styled**: the Material theme's header bar is there, i.e. most of the top 40 pixel rows have the
   theme's primary colour (indigo, ``#4051b5``); an unstyled page (missing CSS) has a white top.
 
+Then it loads every page of the site at a 1280-pixel width (one browser run, the pages in turn in
+a frame) and measures its code blocks (``pre > code``):
+
+* **not cut off**: no code block is wider than its box (``scrollWidth > clientWidth``), i.e. no line
+  runs past the right edge (the site's CSS wraps long lines; without it they would be cut off);
+* **the width of a line**: a code block holds at least ``docs_lint.CODE_WIDTH`` characters per line,
+  the limit ``scripts/docs_lint.py`` holds the Markdown sources to; and no line of a page written in
+  ``docs/`` is wider than its block (it would wrap). Lines of the API pages (from the docstrings)
+  that wrap are counted, not failed.
+
 Chromium is looked up as ``chromium-headless-shell``, ``chromium``, ``chromium-browser`` or
-``google-chrome`` (or ``$CHROMIUM``). When none is found and this runs as root on a Debian-like system
-(as CI does), Debian's ``chromium-headless-shell`` package is installed with ``apt-get``; otherwise the
-script stops with the command to run. Exit status 0 when every check passes, 1 otherwise.
+``google-chrome`` (or ``$CHROMIUM``). This script installs nothing: when none is found it prints
+how to get one and exits with 0, or with 1 under ``--require-browser`` (as CI runs it, after
+installing the browser itself: ``.ci/run``). Exit status 0 when every check passes, 1 otherwise.
 """
 
 from __future__ import annotations
 
+import html
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,14 +42,17 @@ from pathlib import Path
 
 from PIL import Image
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from docs_lint import CODE_WIDTH  # noqa: E402  (the limit the Markdown sources are held to)
+
 PAGES = {"home": "index.html", "estimator": "estimators/score-function.html"}
 BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
 PRIMARY = (0x40, 0x51, 0xB5)  # Material's indigo header
 WIDTH, HEIGHT = 1280, 900
 
 
-def find_browser() -> str:
-    """The path of a headless-capable Chromium, installing Debian's package when root can."""
+def find_browser() -> str | None:
+    """The path of a headless-capable Chromium, or ``None``."""
     explicit = os.environ.get("CHROMIUM")
     if explicit:
         return explicit
@@ -43,23 +60,14 @@ def find_browser() -> str:
         found = shutil.which(name)
         if found:
             return found
-    if os.geteuid() == 0 and shutil.which("apt-get"):
-        print("docs_screenshot: no Chromium found; installing Debian's chromium-headless-shell", flush=True)
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-        subprocess.run(
-            ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium-headless-shell"],
-            check=True,
-            env=env,
-        )
-        found = shutil.which("chromium-headless-shell")
-        if found:
-            return found
-    raise SystemExit(
-        "docs_screenshot: headless Chromium is needed for the screenshot check. Install it "
-        "(Debian/Ubuntu: `sudo apt-get install chromium-headless-shell` or `chromium`), or set "
-        "CHROMIUM=/path/to/chrome."
-    )
+    return None
+
+
+NO_BROWSER = (
+    "docs_screenshot: no headless Chromium found, screenshot and code-width checks skipped; to run "
+    "them install one (Debian/Ubuntu: `sudo apt-get install chromium-headless-shell`) or set "
+    "CHROMIUM=/path/to/chrome"
+)
 
 
 def screenshot(browser: str, page: Path, out: Path) -> None:
@@ -100,10 +108,109 @@ def check_image(path: Path) -> list[str]:
     return problems
 
 
+# Loads each page in turn into a 1280-pixel-wide frame and measures its code blocks; the results go,
+# as JSON, into a <pre id="result"> that --dump-dom prints.
+_MEASURE_JS = r"""
+const pages = %(pages)s;
+const results = {};
+const frame = document.getElementById("page");
+function measure(doc) {
+  const out = {blocks: 0, chars: null, cut: [], wide: []};
+  doc.querySelectorAll("pre > code").forEach((code) => {
+    const style = doc.defaultView.getComputedStyle(code);
+    const probe = doc.createElement("span");
+    probe.style.whiteSpace = "pre";
+    probe.textContent = "x".repeat(100);
+    code.appendChild(probe);
+    const charWidth = probe.getBoundingClientRect().width / 100;
+    probe.remove();
+    const inner = code.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+    if (!(inner > 0 && charWidth > 0)) return;  // not displayed (a closed tab, say)
+    out.blocks++;
+    const chars = Math.floor(inner / charWidth + 0.01);
+    if (out.chars === null || chars < out.chars) out.chars = chars;
+    const lines = code.textContent.replace(/\n$/, "").split("\n");
+    const longest = lines.reduce((a, l) => (l.length > a.length ? l : a), "");
+    if (code.scrollWidth > code.clientWidth + 1) out.cut.push(longest.slice(0, 70));
+    if (longest.length > chars) out.wide.push(longest.slice(0, 70));
+  });
+  return out;
+}
+let i = 0;
+function next() {
+  if (i < pages.length) { frame.src = pages[i]; return; }
+  const pre = document.createElement("pre");
+  pre.id = "result";
+  pre.textContent = JSON.stringify(results);
+  document.body.appendChild(pre);
+}
+frame.onload = () => {
+  try { results[pages[i]] = measure(frame.contentDocument); }
+  catch (error) { results[pages[i]] = {error: String(error)}; }
+  i++;
+  next();
+};
+next();
+"""
+
+
+def measure_code(browser: str, site: Path, pages: list[str]) -> dict[str, dict]:
+    """For each page (a path relative to ``site``), its code blocks at a ``WIDTH``-pixel window.
+
+    Each entry: ``blocks`` (how many), ``chars`` (the fewest characters per line a block holds),
+    ``cut`` and ``wide`` (the beginnings of the longest lines of the blocks wider than their box,
+    and of those whose longest line is wider than the block holds).
+    """
+    harness = site / "_code_widths.html"
+    frame = f'<iframe id="page" style="width:{WIDTH}px;height:{HEIGHT}px;border:0"></iframe>'
+    script = _MEASURE_JS % {"pages": json.dumps(pages)}
+    harness.write_text(f"<!doctype html><html><body>{frame}<script>{script}</script></body></html>")
+    cmd = [
+        browser, "--headless", "--no-sandbox", "--disable-gpu", "--allow-file-access-from-files",
+        f"--window-size={WIDTH + 100},{HEIGHT + 100}", "--virtual-time-budget=120000", "--dump-dom",
+        harness.resolve().as_uri(),
+    ]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    finally:
+        harness.unlink()
+    found = re.search(r'<pre id="result">(.*?)</pre>', result.stdout, re.DOTALL)
+    if not found:
+        raise RuntimeError(f"{browser} measured no page (exit {result.returncode}):\n{result.stderr[-2000:]}")
+    return json.loads(html.unescape(found.group(1)))
+
+
+def check_code(measured: dict[str, dict], width: int = CODE_WIDTH) -> tuple[list[str], list[str]]:
+    """``(problems, notes)`` of ``measure_code``'s measurements: ``problems == []`` when they pass."""
+    problems, notes = [], []
+    for page, m in sorted(measured.items()):
+        if "error" in m:
+            problems.append(f"{page}: not measured ({m['error']})")
+            continue
+        if m["cut"]:
+            problems.append(f"{page}: {len(m['cut'])} code block(s) cut off at the right edge, "
+                            f"the first at the line {m['cut'][0]!r}")
+        if m["chars"] is not None and m["chars"] < width:
+            problems.append(f"{page}: a code block holds {m['chars']} characters per line at {WIDTH} px, "
+                            f"fewer than the {width} that docs_lint.CODE_WIDTH allows")
+        if m["wide"]:
+            if page.startswith("api/"):
+                notes.append(f"{page}: {len(m['wide'])} code block(s) with a line that wraps (from the docstrings)")
+            else:
+                problems.append(f"{page}: {len(m['wide'])} code block(s) with a line wider than the block "
+                                f"(it wraps), the first {m['wide'][0]!r}")
+    return problems, notes
+
+
 def main(argv: list[str]) -> int:
-    site = Path(argv[1]) if len(argv) > 1 else Path("site")
-    out_dir = Path(argv[2]) if len(argv) > 2 else site / "_screenshots"
+    args = [a for a in argv[1:] if not a.startswith("--")]
+    require_browser = "--require-browser" in argv[1:]
+    site = Path(args[0]) if args else Path("site")
+    out_dir = Path(args[1]) if len(args) > 1 else site / "_screenshots"
     browser = find_browser()
+    if browser is None:
+        print(NO_BROWSER)
+        return 1 if require_browser else 0
     failed = False
     for name, rel in PAGES.items():
         page = site / rel
@@ -116,6 +223,22 @@ def main(argv: list[str]) -> int:
         status = "ok" if not problems else "FAILED: " + "; ".join(problems)
         print(f"docs_screenshot: {rel} -> {out}: {status}")
         failed |= bool(problems)
+    pages = sorted(
+        p.relative_to(site).as_posix() for p in site.rglob("*.html")
+        if not p.name.startswith("_") and p.name != "404.html"
+    )
+    measured = measure_code(browser, site, pages)
+    problems, notes = check_code(measured)
+    blocks = sum(m.get("blocks", 0) for m in measured.values())
+    for note in notes:
+        print(f"docs_screenshot: note: {note}")
+    for problem in problems:
+        print(f"docs_screenshot: FAILED: {problem}")
+    if not problems:
+        chars = min((m["chars"] for m in measured.values() if m.get("chars") is not None), default=None)
+        print(f"docs_screenshot: code blocks at {WIDTH} px: {blocks} blocks on {len(pages)} pages, "
+              f"none cut off, {chars} characters per line: ok")
+    failed |= bool(problems)
     return 1 if failed else 0
 
 

@@ -1,4 +1,4 @@
-"""A statistical harness for checking gradient estimators against exact gradients (SPEC §5).
+"""A statistical harness for checking gradient estimators against exact gradients.
 
 An estimator is *unbiased* if the mean of many independent estimates converges to the exact
 gradient. [`check_unbiased`][storch.testing.check_unbiased] draws the conclusion per coordinate: with ``R`` estimates,

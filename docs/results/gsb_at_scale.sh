@@ -5,6 +5,8 @@
 # run side by side (one per core): a run is claimed with a lock folder, finished runs are skipped and
 # interrupted ones resume from their last checkpoint.
 # Run from the repository root: bash docs/results/gsb_at_scale.sh [SEEDS...]   (default: 0 1 2)
+# The binarized MNIST files are read from storch-bench's default data folder; add --data-dir DIR to C
+# below if they are elsewhere.
 set -u
 P=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-runs/gsb-scale}

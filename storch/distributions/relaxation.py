@@ -13,7 +13,7 @@ with its relaxation: they need the noise ``z`` itself and a second draw ``z̃ ~ 
 on the outcome. A `GumbelCoupling` holds these pieces for one distribution type (in
 `Relaxation.coupling`); [`conditional_gumbel_rsample`][storch.distributions.relaxation.conditional_gumbel_rsample] is
 the relaxed conditional sample
-``σ_τ(z̃)``. The conditional formulas are in the SPEC appendix and in
+``σ_τ(z̃)``. The conditional formulas (Tucker et al. 2017, appendix) are stated in
 [`conditional_gumbel_rsample`][storch.distributions.relaxation.conditional_gumbel_rsample].
 """
 
