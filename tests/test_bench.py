@@ -17,8 +17,8 @@ from storch.bench.models import MODELS, Latent
 from storch.datasets import write_idx
 from storch.exceptions import CompileStepError
 
-QUICK = dict(steps=6, eval_every=3, eval_size=40, eval_k=8, eval_elbo_k=2, var_every=3, var_reps=3,
-             batch_size=20, latent_dim=12)
+QUICK = {"steps": 6, "eval_every": 3, "eval_size": 40, "eval_k": 8, "eval_elbo_k": 2, "var_every": 3,
+         "var_reps": 3, "batch_size": 20, "latent_dim": 12}
 
 
 @pytest.fixture(scope="module")
@@ -127,14 +127,14 @@ def _rows(run_dir):
 
 
 @pytest.mark.parametrize("cfg", [
-    dict(estimator="score-function", n_samples=2, baseline="batch_average"),
-    dict(estimator="disarm", budget=4),
-    dict(estimator="gumbel-softmax", temperature=0.5),
-    dict(model="categorical-vae", estimator="rloo", budget=2, latent_dim=3, categories=4),
-    dict(model="sbn-categorical", estimator="local-expectation", latent_dim=3, categories=4),
-    dict(model="sbn-two-layer", estimator="arm"),
-    dict(estimator="vimco", objective="iwae", n_samples=3),
-    dict(estimator="expect", latent_dim=4),
+    {"estimator": "score-function", "n_samples": 2, "baseline": "batch_average"},
+    {"estimator": "disarm", "budget": 4},
+    {"estimator": "gumbel-softmax", "temperature": 0.5},
+    {"model": "categorical-vae", "estimator": "rloo", "budget": 2, "latent_dim": 3, "categories": 4},
+    {"model": "sbn-categorical", "estimator": "local-expectation", "latent_dim": 3, "categories": 4},
+    {"model": "sbn-two-layer", "estimator": "arm"},
+    {"estimator": "vimco", "objective": "iwae", "n_samples": 3},
+    {"estimator": "expect", "latent_dim": 4},
 ])
 def test_end_to_end(tmp_path, digits, cfg):
     run_dir = tmp_path / "run"
@@ -151,10 +151,10 @@ def test_end_to_end(tmp_path, digits, cfg):
 
 
 @pytest.mark.parametrize("cfg", [
-    dict(estimator="disarm", budget=4),
-    dict(model="categorical-vae", estimator="rloo", budget=2, latent_dim=3, categories=4),
-    dict(model="sbn-two-layer", estimator="arm"),
-    dict(estimator="score-function", baseline="moving_average", n_samples=2),
+    {"estimator": "disarm", "budget": 4},
+    {"model": "categorical-vae", "estimator": "rloo", "budget": 2, "latent_dim": 3, "categories": 4},
+    {"model": "sbn-two-layer", "estimator": "arm"},
+    {"estimator": "score-function", "baseline": "moving_average", "n_samples": 2},
 ])
 def test_compile_step_trains_as_the_eager_run(tmp_path, digits, cfg):
     """--compile-step: the same metrics as the eager run, up to rounding (same draws, same steps)."""
@@ -207,9 +207,9 @@ def test_resume_repeats_an_uninterrupted_run(tmp_path, digits, device):
 
 @CUDA
 @pytest.mark.parametrize("cfg", [
-    dict(estimator="disarm", budget=4),
-    dict(estimator="relax", n_samples=1),
-    dict(model="categorical-vae", estimator="gumbel-softmax", latent_dim=3, categories=4),
+    {"estimator": "disarm", "budget": 4},
+    {"estimator": "relax", "n_samples": 1},
+    {"model": "categorical-vae", "estimator": "gumbel-softmax", "latent_dim": 3, "categories": 4},
 ])
 def test_end_to_end_on_cuda(tmp_path, digits, cfg):
     """The model and the methods' own parameters (RELAX's control variate) train on the GPU."""

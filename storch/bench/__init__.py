@@ -13,5 +13,5 @@ from storch.bench.data import DATASETS, load_dataset
 from storch.bench.estimators import ESTIMATORS, build_methods, samples_for_budget
 from storch.bench.models import MODELS, make_model
 
-__all__ = ["DATASETS", "ESTIMATORS", "MODELS", "load_dataset", "make_model", "build_methods",
+__all__ = ["DATASETS", "ESTIMATORS", "MODELS", "build_methods", "load_dataset", "make_model",
            "samples_for_budget"]

@@ -2,7 +2,8 @@
 
     storch-bench [options]              train (one run per --seed) and print a table
     storch-bench list                   models, data sets and estimators
-    storch-bench compare RUN_DIR ...    mean ± std over seeds, grouped by (model, data, estimator)
+    storch-bench compare RUN_DIR ...    mean ± std over seeds, grouped by (model, data, estimator),
+                                        and a plot of the runs' test -ELBO against steps and seconds
 
 Data parallel on N processes (gloo on the CPU, NCCL with ``--device cuda``; rank 0 prints and
 writes the run folder)::
@@ -14,20 +15,22 @@ writes the run folder)::
 from __future__ import annotations
 
 import argparse
+import csv
 import gc
 import json
 import math
+import os
 import re
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
 
 from storch.bench.data import DATASETS
 from storch.bench.estimators import ESTIMATORS, NOT_INCLUDED, BudgetError
 from storch.bench.models import MODELS
 
-__all__ = ["main", "build_parser", "catalog_text", "compare_table"]
+__all__ = ["build_compare_parser", "build_parser", "catalog_text", "compare_plot", "compare_table", "main"]
 
 
 def catalog_text() -> str:
@@ -82,11 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     a("--resume", default=None, metavar="RUN_DIR", help="continue a run from its checkpoint (--steps: new total)")
     a("--out", default="runs", help="output folder: one sub-folder per run")
     a("--overwrite", action="store_true", help="replace existing run folders")
-    a("--threads", type=int, default=None, help="torch.set_num_threads")
+    a("--threads", type=int, default=1,
+      help="torch.set_num_threads (default 1, as every timing in the docs; 0 keeps torch's default, one "
+           "thread per core, which is slower on a busy machine); the run header prints it")
     a("--device", default="cpu", help="where the model trains: cpu (default) or cuda / cuda:N (data are "
                                       "prepared on the CPU); with --distributed, cuda means each rank's "
                                       "LOCAL_RANK GPU and NCCL")
     a("--no-progress", action="store_true", help="no tqdm progress bar")
+    a("--no-memory-check", action="store_true",
+      help="train even when the estimated memory (printed before the first step: evaluation points per "
+           "datum times the batch size times the model's activations per point) exceeds the memory available")
     a("--compile-step", action="store_true",
       help="train with storch.compile_step: the step is traced once and replayed as a graph of torch "
            "operations (no storch Python per step; estimators that keep state between steps are refused)")
@@ -109,21 +117,28 @@ def _fmt(v, width=9, prec=2) -> str:
 
 
 SUMMARY_COLUMNS = [("test_nelbo", "test -ELBO"), ("test_nll", "test -log p(x)"), ("valid_nelbo", "valid -ELBO"),
-                   ("train_nelbo", "train -ELBO"), ("grad_logvar", "grad log-var"), ("ms_per_step", "ms/step"),
-                   ("peak_memory_mb", "peak MiB")]
+                   ("train_nelbo", "train -ELBO"), ("train_relaxed_nelbo", "relaxed -ELBO"),
+                   ("grad_logvar", "grad log-var"), ("ms_per_step", "ms/step"), ("peak_memory_mb", "peak MiB")]
+
+#: printed under the tables: which -ELBO is which
+TABLE_LEGEND = ("-ELBO columns: with hard (discrete) samples, comparable across estimators. relaxed -ELBO: the "
+                "relaxed objective that a\nrelaxation (gumbel-softmax) trains, on the same training data; "
+                "'-' for estimators whose objective uses hard samples.")
 
 
-def run_table(summaries: Sequence[Dict]) -> str:
+def run_table(summaries: Sequence[dict]) -> str:
     head = f"{'model':<15} {'data':<15} {'estimator':<44} {'seed':>4} {'evals':>5} " + " ".join(
         f"{t:>14}" for _, t in SUMMARY_COLUMNS)
     lines = [head, "-" * len(head)]
     for s in summaries:
         lines.append(f"{s['model']:<15} {s['data']:<15} {s['label']:<44} {s['seed']:>4} {s['evals_per_datum']:>5} "
                      + " ".join(_fmt(s.get(k), 14, 0 if k == "peak_memory_mb" else 2) for k, _ in SUMMARY_COLUMNS))
+    lines.append(TABLE_LEGEND)
     return "\n".join(lines)
 
 
-def _find_summaries(paths: Sequence[str]) -> List[Dict]:
+def _find_summaries(paths: Sequence[str]) -> list[dict]:
+    """The ``summary.json`` of every run under ``paths``, each with its folder as ``run_dir``."""
     out = []
     for p in paths:
         p = Path(p)
@@ -132,66 +147,173 @@ def _find_summaries(paths: Sequence[str]) -> List[Dict]:
             print(f"(no summary.json under {p})", file=sys.stderr)
         for f in files:
             with open(f) as fh:
-                out.append(json.load(fh))
+                out.append({**json.load(fh), "run_dir": str(f.parent)})
     return out
 
 
-def compare_table(summaries: Sequence[Dict]) -> str:
-    groups: Dict[tuple, List[Dict]] = {}
+def _groups(summaries: Sequence[dict]) -> dict[tuple[str, str, str], list[dict]]:
+    """Runs grouped by (model, data, estimator label): the seeds of one configuration."""
+    groups: dict[tuple[str, str, str], list[dict]] = {}
     for s in summaries:
         groups.setdefault((s["model"], s["data"], s["label"]), []).append(s)
+    return dict(sorted(groups.items()))
+
+
+def _spread_cell(vals: Sequence[float], width: int = 17) -> str:
+    """``mean ± std`` over seeds; the value alone for one seed (a spread of one value means nothing)."""
+    if not vals:
+        return f"{'-':>9}".ljust(width)
+    if len(vals) == 1:
+        return f"{vals[0]:9.2f}".ljust(width)
+    return f"{statistics.fmean(vals):9.2f} ± {statistics.stdev(vals):5.2f}"
+
+
+def compare_table(summaries: Sequence[dict]) -> str:
+    """Mean ± standard deviation over seeds of each summary column, one row per (model, data, estimator);
+    ``seeds`` is the number of runs, and a row of one run shows its values without a spread."""
     head = f"{'model':<15} {'data':<15} {'estimator':<44} {'seeds':>5} " + " ".join(
         f"{t:>17}" for _, t in SUMMARY_COLUMNS)
     lines = [head, "-" * len(head)]
-    for (model, data, label), ss in sorted(groups.items()):
-        cells = []
-        for k, _ in SUMMARY_COLUMNS:
-            vals = [s[k] for s in ss if s.get(k) is not None and math.isfinite(s[k])]
-            if not vals:
-                cells.append(f"{'-':>17}")
-                continue
-            m = statistics.fmean(vals)
-            sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
-            cells.append(f"{m:9.2f} ± {sd:5.2f}")
+    for (model, data, label), ss in _groups(summaries).items():
+        cells = [_spread_cell([s[k] for s in ss if s.get(k) is not None and math.isfinite(s[k])])
+                 for k, _ in SUMMARY_COLUMNS]
         lines.append(f"{model:<15} {data:<15} {label:<44} {len(ss):>5} " + " ".join(cells))
+    lines.append("mean ± standard deviation over seeds (one seed: its value alone).\n" + TABLE_LEGEND)
     return "\n".join(lines)
 
 
-def _config(args) -> Dict:
+def _read_curve(run_dir: Path) -> list[tuple[int, float, float]]:
+    """``(step, training seconds, test -ELBO)`` of each row of a run's ``metrics.csv``."""
+    path = Path(run_dir) / "metrics.csv"
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        return [(int(r["step"]), float(r["seconds"]), float(r["test_nelbo"])) for r in csv.DictReader(f)
+                if r.get("test_nelbo") not in (None, "")]
+
+
+def _mean_curve(curves: Sequence[list[tuple[int, float, float]]]) -> list[tuple[int, float, float]]:
+    """The seeds' mean seconds and -ELBO at the steps every seed has."""
+    steps = sorted(set.intersection(*({r[0] for r in c} for c in curves))) if curves else []
+    by_step = [{r[0]: r for r in c} for c in curves]
+    return [(t, statistics.fmean(c[t][1] for c in by_step), statistics.fmean(c[t][2] for c in by_step))
+            for t in steps]
+
+
+def compare_plot(summaries: Sequence[dict], path: Path, log=print) -> bool:
+    """Plot the test -ELBO (hard samples) of the compared runs against steps and against training
+    seconds into ``path``, one line per (model, data, estimator), the mean over its seeds.
+
+    Returns `False` (and says why through ``log``) without matplotlib or without curves to plot.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("(no plot: matplotlib is not installed; pip install 'storch[bench]')")
+        return False
+    groups = _groups(summaries)
+    one_setting = len({(m, d) for m, d, _ in groups}) == 1
+    lines = []
+    for (model, data, label), ss in groups.items():
+        curves = [c for c in (_read_curve(Path(s["run_dir"])) for s in ss if s.get("run_dir")) if c]
+        mean = _mean_curve(curves)
+        if mean:
+            name = label if one_setting else f"{model} {data} {label}"
+            lines.append((f"{name} ({len(curves)} seed{'s' if len(curves) > 1 else ''})", mean))
+    if not lines:
+        log("(no plot: the runs have no metrics.csv)")
+        return False
+    fig, ax = plt.subplots(1, 2, figsize=(13, 4.5))
+    for name, mean in lines:
+        steps, secs, ys = zip(*mean)
+        ax[0].plot(steps, ys, marker=".", label=name)
+        ax[1].plot(secs, ys, marker=".", label=name)
+    ax[0].set(xlabel="step", ylabel="test -ELBO (nats, hard samples)")
+    ax[1].set(xlabel="training seconds", ylabel="test -ELBO (nats, hard samples)")
+    ax[0].legend(fontsize="small")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return True
+
+
+def build_compare_parser() -> argparse.ArgumentParser:
+    """The parser of ``storch-bench compare``."""
+    p = argparse.ArgumentParser(
+        prog="storch-bench compare",
+        description="Print mean ± standard deviation over seeds of the runs under RUN_DIR... (every "
+                    "summary.json found below them), one row per (model, data, estimator), and plot their "
+                    "test -ELBO against steps and against training seconds, one line per row (the mean over "
+                    "its seeds). A row of one seed shows its values without a spread.",
+    )
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run folder, or a folder of run folders")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="where to write the plot (default: compare.png in the folder that holds every RUN_DIR; "
+                        "needs matplotlib: pip install 'storch[bench]')")
+    p.add_argument("--no-plot", action="store_true", help="print the table only")
+    return p
+
+
+def _default_plot_path(run_dirs: Sequence[str]) -> Path:
+    """``compare.png`` in the deepest folder that holds every run folder named."""
+    dirs = [os.path.abspath(d if Path(d).is_dir() else Path(d).parent) for d in run_dirs]
+    return Path(os.path.commonpath(dirs)) / "compare.png"
+
+
+def compare_main(argv: Sequence[str]) -> int:
+    """``storch-bench compare RUN_DIR... [--plot PATH | --no-plot]``."""
+    args = build_compare_parser().parse_args(argv)
+    summaries = _find_summaries(args.run_dirs)
+    if not summaries:
+        return 1
+    print(compare_table(summaries))
+    if not args.no_plot:
+        path = Path(args.plot) if args.plot else _default_plot_path(args.run_dirs)
+        if compare_plot(summaries, path):
+            print(f"\nplot: {path}")
+    return 0
+
+
+def _config(args) -> dict:
     n = args.n_samples
     if args.k is not None:
         if n is not None and n != args.k:
             raise SystemExit("storch-bench: --k and --n-samples disagree")
         n = args.k
-    return dict(
-        model=args.model, data=args.data, data_dir=args.data_dir, estimator=args.estimator, objective=args.objective,
-        n_samples=n, budget=args.budget, baseline=args.baseline, temperature=args.temperature, spsa_c=args.spsa_c,
-        latent_dim=args.latent_dim, categories=args.categories, batch_size=args.batch_size, lr=args.lr,
-        steps=args.steps if args.steps is not None else 1000, eval_every=args.eval_every, eval_size=args.eval_size,
-        eval_k=args.eval_k, var_reps=args.var_reps, checkpoint_every=args.checkpoint_every, threads=args.threads,
-        device=args.device, compile_step=args.compile_step,
-    )
+    return {
+        "model": args.model, "data": args.data, "data_dir": args.data_dir, "estimator": args.estimator,
+        "objective": args.objective, "n_samples": n, "budget": args.budget, "baseline": args.baseline,
+        "temperature": args.temperature, "spsa_c": args.spsa_c, "latent_dim": args.latent_dim,
+        "categories": args.categories, "batch_size": args.batch_size, "lr": args.lr,
+        "steps": args.steps if args.steps is not None else 1000, "eval_every": args.eval_every,
+        "eval_size": args.eval_size, "eval_k": args.eval_k, "var_reps": args.var_reps,
+        "checkpoint_every": args.checkpoint_every, "threads": args.threads, "device": args.device,
+        "compile_step": args.compile_step, "memory_check": not args.no_memory_check,
+    }
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "list":
+        argparse.ArgumentParser(prog="storch-bench list",
+                                description="List the models, data sets and estimators.").parse_args(argv[1:])
         print(catalog_text())
         return 0
     if argv and argv[0] == "compare":
-        if len(argv) < 2:
-            print("usage: storch-bench compare RUN_DIR [RUN_DIR ...]", file=sys.stderr)
-            return 2
-        summaries = _find_summaries(argv[1:])
-        if not summaries:
-            return 1
-        print(compare_table(summaries))
-        return 0
+        return compare_main(argv[1:])
     args = build_parser().parse_args(argv)
     import torch
 
     from storch import distributed
 
+    if args.threads < 0:
+        print(f"storch-bench: --threads {args.threads}: give a positive number, or 0 for torch's default",
+              file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     if not args.distributed:
@@ -212,7 +334,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         torch.distributed.destroy_process_group()
 
 
+def _out_of_memory(run_dir, error: BaseException) -> str:
+    """The message for a run that ran out of memory although its estimate fitted."""
+    return (f"storch-bench: out of memory in {run_dir}: {error or type(error).__name__}. The estimate printed "
+            "before the first step was too low for this machine: use a smaller --batch-size, fewer samples, or "
+            "another estimator.")
+
+
 def _main(args) -> int:
+    import torch
+
     from storch import distributed
     from storch.bench import train
     from storch.exceptions import CompileStepError
@@ -222,9 +353,13 @@ def _main(args) -> int:
     progress = not args.no_progress
     if args.resume:
         try:
-            summary = train.resume(args.resume, steps=args.steps, progress=progress)
+            summary = train.resume(args.resume, steps=args.steps, progress=progress,
+                                   memory_check=not args.no_memory_check)
         except (ValueError, FileNotFoundError, CompileStepError) as e:
             out(f"storch-bench: {e}", file=sys.stderr)
+            return 2
+        except (MemoryError, torch.OutOfMemoryError) as e:
+            out(_out_of_memory(args.resume, e), file=sys.stderr)
             return 2
         if main_rank:
             out(run_table([summary]))
@@ -257,6 +392,9 @@ def _main(args) -> int:
             summaries.append(train.run(c, run_dir, progress=progress, overwrite=args.overwrite))
         except (BudgetError, ValueError, FileNotFoundError, FileExistsError, CompileStepError) as e:
             out(f"storch-bench: {e}", file=sys.stderr)
+            return 2
+        except (MemoryError, torch.OutOfMemoryError) as e:
+            out(_out_of_memory(run_dir, e), file=sys.stderr)
             return 2
         dirs.append(run_dir)
     if not main_rank:

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
 from storch import datasets as sd
 
-__all__ = ["DATASETS", "Dataset", "load_dataset", "default_data_dir", "eval_subset"]
+__all__ = ["DATASETS", "Dataset", "default_data_dir", "eval_subset", "load_dataset"]
 
 DATASETS = {
     "digits": "scikit-learn's 8x8 digits, binarized (64 pixels); no files needed",
@@ -51,11 +50,11 @@ class Dataset:
     def train_mean(self) -> torch.Tensor:
         return self.train.mean(0)
 
-    def binarize(self, batch: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    def binarize(self, batch: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         return sd.dynamic_binarize(batch, generator) if self.dynamic else batch
 
 
-def default_data_dir(dataset: str = "binarized-mnist") -> Optional[Path]:
+def default_data_dir(dataset: str = "binarized-mnist") -> Path | None:
     """``../shared/data`` next to the repository (or the working directory), if it exists."""
     if dataset == "fashion-mnist":
         for d in _FASHION_DIRS:

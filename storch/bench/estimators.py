@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,8 +21,15 @@ from torch import nn
 from storch import method as sm
 from storch.bench.models import Latent
 
-__all__ = ["Estimator", "ESTIMATORS", "estimator_evals", "samples_for_budget", "build_methods",
-           "BudgetError", "applicable"]
+__all__ = [
+    "ESTIMATORS",
+    "BudgetError",
+    "Estimator",
+    "applicable",
+    "build_methods",
+    "estimator_evals",
+    "samples_for_budget",
+]
 
 BOTH = ("bernoulli", "categorical")
 
@@ -53,11 +60,16 @@ class Estimator:
     objectives: Sequence[str] = ("elbo",)
     min_samples: int = 1
     exact: bool = False
-    max_samples: Optional[Callable[[Latent], int]] = None
+    max_samples: Callable[[Latent], int] | None = None
     options: Sequence[str] = ()  # the CLI options it reads (shown by `list`, part of the run's label)
     #: lower layers add their points to the top layer's group (chained local expectations: each layer's
     #: ``evals - 1`` changes), instead of multiplying them
     additive_layers: bool = False
+    #: its objective's value comes from relaxed samples (not in the discrete support): the objective it
+    #: trains, and reports, is a relaxed −ELBO, not the −ELBO at hard samples. The straight-through
+    #: variants (hard forward values) and REBAR/RELAX (relaxed samples in the control variate only)
+    #: are not relaxed in this sense
+    relaxed: bool = False
 
 
 def _local_expectation_evals(lat: Latent) -> int:
@@ -75,7 +87,7 @@ def _opt(args, name, default):
     return default if v is None else v
 
 
-ESTIMATORS: Dict[str, Estimator] = {e.name: e for e in [
+ESTIMATORS: dict[str, Estimator] = {e.name: e for e in [
     Estimator("score-function", "REINFORCE, optional baseline (--baseline none|moving_average|batch_average)",
               lambda p, n, a, lat: sm.ScoreFunction(p, n_samples=n, baseline_factory=_opt(a, "baseline", "none")),
               options=("baseline",)),
@@ -92,7 +104,7 @@ ESTIMATORS: Dict[str, Estimator] = {e.name: e for e in [
               lambda p, n, a, lat: sm.VIMCO(p, n_samples=n, baseline=False), objectives=("iwae",)),
     Estimator("gumbel-softmax", "Gumbel-softmax / Concrete relaxation (--temperature), biased",
               lambda p, n, a, lat: sm.GumbelSoftmax(p, n_samples=n, initial_temperature=_opt(a, "temperature", 1.0)),
-              objectives=("elbo", "iwae"), options=("temperature",)),
+              objectives=("elbo", "iwae"), options=("temperature",), relaxed=True),
     Estimator("st-gumbel-softmax", "straight-through Gumbel-softmax (--temperature), biased",
               lambda p, n, a, lat: sm.GumbelSoftmax(p, n_samples=n, straight_through=True,
                                                     initial_temperature=_opt(a, "temperature", 1.0)),
@@ -137,7 +149,7 @@ NOT_INCLUDED = {
 }
 
 
-def applicable(est: Estimator, latents: Sequence[Latent], objective: str) -> Optional[str]:
+def applicable(est: Estimator, latents: Sequence[Latent], objective: str) -> str | None:
     """None if ``est`` applies, else the reason."""
     for lat in latents:
         if lat.kind not in est.kinds:
@@ -160,8 +172,8 @@ def estimator_evals(est: Estimator, latents: Sequence[Latent]) -> int:
     return e
 
 
-def samples_for_budget(est: Estimator, latents: Sequence[Latent], budget: Optional[int],
-                       n_samples: Optional[int] = None) -> tuple[int, int]:
+def samples_for_budget(est: Estimator, latents: Sequence[Latent], budget: int | None,
+                       n_samples: int | None = None) -> tuple[int, int]:
     """``(n, evaluations per datum)``: ``n`` from ``budget`` if given, else ``n_samples`` (default the
     estimator's minimum). Raises `BudgetError` when the budget is too small or ``n`` invalid."""
     per_sample = estimator_evals(est, latents)
@@ -192,7 +204,7 @@ def samples_for_budget(est: Estimator, latents: Sequence[Latent], budget: Option
     return n, n * per_sample
 
 
-def build_methods(est: Estimator, latents: Sequence[Latent], n: int, args) -> Dict[str, sm.Method]:
+def build_methods(est: Estimator, latents: Sequence[Latent], n: int, args) -> dict[str, sm.Method]:
     """One method per latent layer: ``n`` samples at the top, ``min_samples`` below."""
     return {lat.name: est.build(lat.name, n if i == 0 else est.min_samples, args, lat)
             for i, lat in enumerate(latents)}

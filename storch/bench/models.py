@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +39,7 @@ from torch.distributions import Bernoulli, Distribution, OneHotCategorical
 
 import storch
 
-__all__ = ["MODELS", "Latent", "BenchModel", "make_model", "bernoulli_log_prob", "categorical_log_prob"]
+__all__ = ["MODELS", "BenchModel", "Latent", "bernoulli_log_prob", "categorical_log_prob", "make_model"]
 
 MODELS = {
     "sbn-linear": "D-[200] linear sigmoid belief network (ARM/DisARM), learned prior",
@@ -87,7 +87,7 @@ class Latent:
 Sampler = Callable[[int, str, Distribution], torch.Tensor]
 
 
-def _init_output_bias(layer: nn.Linear, train_mean: Optional[torch.Tensor]) -> None:
+def _init_output_bias(layer: nn.Linear, train_mean: torch.Tensor | None) -> None:
     if train_mean is not None:
         with torch.no_grad():
             m = train_mean.clamp(1e-3, 1 - 1e-3)
@@ -97,14 +97,14 @@ def _init_output_bias(layer: nn.Linear, train_mean: Optional[torch.Tensor]) -> N
 class BenchModel(nn.Module, ABC):
     """Base class: ``latents`` (top first, in sampling order), `story` and its helpers."""
 
-    latents: List[Latent]
+    latents: list[Latent]
     iwae_ok = True  # one stochastic layer: the importance-weighted bound applies
 
     @abstractmethod
-    def story(self, x: torch.Tensor, sample: Sampler) -> Dict[str, torch.Tensor]:
+    def story(self, x: torch.Tensor, sample: Sampler) -> dict[str, torch.Tensor]:
         """The negative ELBO as named terms (one value per sample and datum); ``−Σ terms = log w``."""
 
-    def forward(self, x: torch.Tensor, sample: Sampler) -> Dict[str, torch.Tensor]:
+    def forward(self, x: torch.Tensor, sample: Sampler) -> dict[str, torch.Tensor]:
         """`story`, so that a ``DistributedDataParallel`` wrapper sees the forward pass."""
         return self.story(x, sample)
 
@@ -112,8 +112,17 @@ class BenchModel(nn.Module, ABC):
     def encoder_weight(self) -> torch.Tensor:
         """The encoder's first layer weight (its gradient's variance is reported)."""
 
+    def point_width(self) -> int:
+        """Floats the story computes for one datum at one evaluation point of the estimator.
+
+        The latent sample and every layer computed from it (for one stochastic layer, the decoder);
+        the encoder runs once per datum, not per point. `storch.bench.memory` scales it to the
+        memory of a training step.
+        """
+        return math.prod(self.latents[0].shape) + _linear_widths(self.decoder)
+
     # -------------------------------------------------------------- shared pieces
-    def _one_layer(self, x, sample, q_logits, prior_logits, decode) -> Dict[str, torch.Tensor]:
+    def _one_layer(self, x, sample, q_logits, prior_logits, decode) -> dict[str, torch.Tensor]:
         lat = self.latents[0]
         if lat.kind == "bernoulli":
             q = Bernoulli(logits=q_logits)
@@ -132,12 +141,17 @@ class BenchModel(nn.Module, ABC):
         return {"reconstruction": -log_px, "kl": log_q - log_pz}
 
 
+def _linear_widths(module: nn.Module) -> int:
+    """The output features of every `nn.Linear` in ``module`` (itself included)."""
+    return sum(m.out_features for m in module.modules() if isinstance(m, nn.Linear))
+
+
 class SBNLinear(BenchModel):
     """One stochastic layer with linear maps and learned prior logits: Bernoulli latents
     (``sbn-linear``, D-[200]) or, with ``categories``, one-hot categorical ones (``sbn-categorical``,
     D-[20 x 10], the GSB paper's one-layer categorical model)."""
 
-    def __init__(self, input_dim: int, latent_dim: int = 200, categories: Optional[int] = None, train_mean=None, **_):
+    def __init__(self, input_dim: int, latent_dim: int = 200, categories: int | None = None, train_mean=None, **_):
         super().__init__()
         lat = Latent("z", "bernoulli", latent_dim, 2) if categories is None else Latent("z", "categorical", latent_dim, categories)
         self.latents = [lat]
@@ -202,6 +216,11 @@ class SBNTwoLayer(BenchModel):
     def encoder_weight(self):
         return self.q1.weight
 
+    def point_width(self) -> int:
+        """Both latents and the layers after ``z1`` (``q(z2|z1)``, ``p(z1|z2)``, ``p(x|z1)``), counted at
+        every point (an upper bound: ``q(z2|z1)`` only runs at the points of ``z1``)."""
+        return 2 * self.q2.out_features + _linear_widths(nn.ModuleList([self.q2, self.p1, self.px]))
+
 
 class _MLPVAE(BenchModel):
     def __init__(self, input_dim: int, latent: Latent, hidden=(512, 256), train_mean=None):
@@ -238,8 +257,8 @@ _CLASSES = {"sbn-linear": SBNLinear, "sbn-nonlinear": SBNNonlinear, "sbn-two-lay
             "sbn-categorical": _sbn_categorical, "bernoulli-vae": BernoulliVAE, "categorical-vae": CategoricalVAE}
 
 
-def make_model(name: str, input_dim: int, train_mean=None, latent_dim: Optional[int] = None,
-               categories: Optional[int] = None) -> BenchModel:
+def make_model(name: str, input_dim: int, train_mean=None, latent_dim: int | None = None,
+               categories: int | None = None) -> BenchModel:
     """Build model ``name`` for inputs of dimension ``input_dim`` (``latent_dim``/``categories``
     override the papers' sizes, e.g. to make enumeration feasible)."""
     if name not in _CLASSES:
@@ -290,6 +309,27 @@ def log_weights(model: BenchModel, x: torch.Tensor, k: int) -> torch.Tensor:
 
     terms = model.story(x, sample)
     return -sum(terms.values())
+
+
+@torch.no_grad()
+def estimator_nelbo(model: BenchModel, x: torch.Tensor, methods, chunk: int) -> float:
+    """The −ELBO as the estimator's own samples give it, in nats per datum: its training objective.
+
+    ``methods`` (one per latent layer, as in `storch_story`) draw the samples; for a relaxation
+    (Gumbel-softmax) they are relaxed, so this is the *relaxed* −ELBO, which `evaluate_bounds` (hard
+    samples) does not give. It is the forward value of the surrogate loss (no backward pass, no
+    method state updated), on chunks of ``chunk`` data (the training step's memory).
+    """
+    total, n = 0.0, x.shape[0]
+    for start in range(0, n, chunk):
+        xb = x[start:start + chunk]
+        storch.reset()
+        try:
+            storch_story(model, xb, methods, "elbo")
+            total += float(storch.surrogate_loss()) * xb.shape[0]
+        finally:
+            storch.reset()
+    return total / n
 
 
 @torch.no_grad()

@@ -37,29 +37,46 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 
 import storch
 from storch import distributed
-from storch.compiled_step import CompiledStep
 from storch.bench.data import Dataset, eval_subset, load_dataset
-from storch.bench.estimators import ESTIMATORS, applicable, build_methods, samples_for_budget
-from storch.bench.models import BenchModel, evaluate_bounds, make_model, storch_story
+from storch.bench.estimators import (
+    ESTIMATORS,
+    applicable,
+    build_methods,
+    samples_for_budget,
+)
+from storch.bench.memory import MemoryEstimate, check_memory, estimate_memory
+from storch.bench.models import (
+    BenchModel,
+    estimator_nelbo,
+    evaluate_bounds,
+    make_model,
+    storch_story,
+)
+from storch.compiled_step import CompiledStep
 
-__all__ = ["run", "resume", "METRIC_FIELDS", "run_label"]
+__all__ = ["METRIC_FIELDS", "resume", "run", "run_label"]
 
-METRIC_FIELDS = ["step", "seconds", "train_objective", "train_nelbo", "valid_nelbo", "test_nelbo", "grad_logvar",
-                 "ms_per_step"]
+#: ``train_objective``: the training loss as the estimator computes it, averaged over the steps since the
+#: previous row (a relaxed −ELBO for a relaxation); ``*_nelbo``: −ELBO with hard samples on the fixed
+#: evaluation subsets; ``train_relaxed_nelbo``: a relaxation's objective (relaxed samples) on the
+#: training subset, empty for the other estimators
+METRIC_FIELDS = ["step", "seconds", "train_objective", "train_nelbo", "train_relaxed_nelbo", "valid_nelbo",
+                 "test_nelbo", "grad_logvar", "ms_per_step"]
 
 # the fields of config.json; defaults for the CLI
-DEFAULTS: Dict[str, Any] = dict(
-    model="sbn-linear", data="digits", data_dir=None, estimator="score-function", objective="elbo",
-    n_samples=None, budget=None, baseline=None, temperature=None, spsa_c=None, latent_dim=None, categories=None,
-    batch_size=50, lr=1e-3, steps=1000, seed=0, eval_every=None, eval_size=1000, eval_k=200, eval_elbo_k=10,
-    var_every=None, var_reps=20, checkpoint_every=None, threads=None, device="cpu",
-)
+DEFAULTS: dict[str, Any] = {
+    "model": "sbn-linear", "data": "digits", "data_dir": None, "estimator": "score-function", "objective": "elbo",
+    "n_samples": None, "budget": None, "baseline": None, "temperature": None, "spsa_c": None, "latent_dim": None,
+    "categories": None, "batch_size": 50, "lr": 1e-3, "steps": 1000, "seed": 0, "eval_every": None,
+    "eval_size": 1000, "eval_k": 200, "eval_elbo_k": 10, "var_every": None, "var_reps": 20,
+    "checkpoint_every": None, "threads": None, "device": "cpu", "memory_check": True,
+}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -82,7 +99,7 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def run_label(cfg: Dict[str, Any]) -> str:
+def run_label(cfg: dict[str, Any]) -> str:
     """``estimator(options)``: the name under which ``compare`` groups runs."""
     est = ESTIMATORS[cfg["estimator"]]
     opts = [f"{o}={cfg[o]}" for o in est.options if cfg.get(o) is not None]
@@ -118,7 +135,7 @@ def _from_main(fn):
     """``fn()`` run on rank 0 alone; every rank gets its result, or raises its exception."""
     if not distributed.syncing():
         return fn()
-    box: List[Any] = [None]
+    box: list[Any] = [None]
     if distributed.is_main_process():
         try:
             box[0] = ("ok", fn())
@@ -134,7 +151,7 @@ def _from_main(fn):
 class Run:
     """A run being built, trained or resumed (see `run` and `resume`)."""
 
-    def __init__(self, cfg: Dict[str, Any], run_dir: Path, data: Optional[Dataset] = None, progress: bool = True,
+    def __init__(self, cfg: dict[str, Any], run_dir: Path, data: Dataset | None = None, progress: bool = True,
                  log=print):
         self.cfg, self.dir, self.log = cfg, Path(run_dir), log
         self.world, self.rank = distributed.world_size(), distributed.rank()
@@ -148,7 +165,7 @@ class Run:
         torch.manual_seed(cfg["seed"])
         self.model: BenchModel = make_model(cfg["model"], self.data.input_dim, self.data.train_mean,
                                             cfg.get("latent_dim"), cfg.get("categories")).to(self.device)
-        est = ESTIMATORS[cfg["estimator"]]
+        est = self.estimator = ESTIMATORS[cfg["estimator"]]
         if cfg["objective"] == "iwae" and not self.model.iwae_ok:
             raise ValueError(f"--objective iwae: {cfg['model']} has several stochastic layers; the bound needs "
                              "every later node reparameterized (use --objective elbo)")
@@ -180,6 +197,29 @@ class Run:
                      "valid": eval_subset(self.data.valid, k), "test": eval_subset(self.data.test, k)}
         self.eval_sets = {split: x.to(self.device) for split, x in eval_sets.items()}
         self.var_batch = self.eval_sets["train"][: cfg["batch_size"]]
+        self.memory = self._estimate_memory()
+        if cfg.get("memory_check", True):
+            check_memory(self.memory, cfg["model"], cfg["label"])
+
+    def _estimate_memory(self) -> MemoryEstimate:
+        """The memory of a training step and of an evaluation (see `storch.bench.memory`).
+
+        On the CPU the ranks of a data-parallel run share the host, so the whole minibatch counts; on
+        CUDA each rank holds its own slice on its own GPU.
+        """
+        cfg = self.cfg
+        batch = cfg["batch_size"] // self.world if self.device.type == "cuda" else cfg["batch_size"]
+        return estimate_memory(cfg["evals_per_datum"], batch, self.model.point_width(), cfg["eval_k"],
+                               cfg["eval_size"], self.device)
+
+    def header(self) -> str:
+        """What the run is and what it costs, printed before its first step."""
+        cfg = self.cfg
+        ranks = f", {self.world} ranks" if self.world > 1 else ""
+        threads = torch.get_num_threads()
+        return (f"storch-bench: {cfg['model']} on {cfg['data']}, {cfg['label']}\n  seed {cfg['seed']}, batch size "
+                f"{cfg['batch_size']}, {cfg['steps']} steps; {self.device}{ranks}, {threads} "
+                f"thread{'s' if threads > 1 else ''}\n  {self.memory.summary()}")
 
     # ---------------------------------------------------------------- training
     def train_step(self) -> float:
@@ -237,24 +277,39 @@ class Run:
         total = float(torch.stack(grads).var(0).sum())
         return math.log(total) if total > 0 else float("-inf")
 
-    def evaluate(self, final: bool = False) -> Dict[str, float]:
+    def relaxed_nelbo(self) -> float:
+        """A relaxation's training objective (relaxed samples) on the training subset, in nats per datum.
+
+        Drawn by a copy of the run's methods (their temperature; no state changes), on the same data
+        as ``train_nelbo`` (hard samples), so the two compare like with like.
+        """
+        methods = copy.deepcopy(self.methods)
+        with distributed.local_only():  # rank 0 alone evaluates: no collectives
+            return estimator_nelbo(self.model, self.eval_sets["train"], methods, self.cfg["batch_size"])
+
+    def evaluate(self, final: bool = False) -> dict[str, float]:
+        """−ELBO (hard samples) on each evaluation subset, a relaxation's relaxed −ELBO on the training
+        subset, and at the end the test set's importance-weighted bound."""
         out = {}
         with self._forked_rng():
             torch.manual_seed(self.cfg["seed"] * 104729 + self.step)
             for split, x in self.eval_sets.items():
                 out[f"{split}_nelbo"], _ = evaluate_bounds(self.model, x, self.cfg["eval_elbo_k"])
+            if self.estimator.relaxed:
+                out["train_relaxed_nelbo"] = self.relaxed_nelbo()
             if final:
                 out["test_nelbo_k"], out["test_nll"] = evaluate_bounds(self.model, self.eval_sets["test"],
                                                                       self.cfg["eval_k"])
         return out
 
-    def record(self, final: bool = False) -> Dict[str, float]:
+    def record(self, final: bool = False) -> dict[str, float]:
         cfg = self.cfg
         row = {"step": self.step, "seconds": round(self.train_time, 4),
                "train_objective": self._acc / self._acc_n if self._acc_n else "",
                "ms_per_step": 1000.0 * self._acc_time / self._acc_n if self._acc_n else ""}
         ev = self.evaluate(final)
         row.update({k: ev[k] for k in ("train_nelbo", "valid_nelbo", "test_nelbo")})
+        row["train_relaxed_nelbo"] = ev.get("train_relaxed_nelbo", "")
         var_every = cfg.get("var_every")
         row["grad_logvar"] = (self.grad_log_variance()
                               if var_every and (self.step % var_every == 0 or final) else "")
@@ -270,7 +325,7 @@ class Run:
             w.writerows(self.rows)
 
     # ---------------------------------------------------------------- checkpoints
-    def _rank_state(self) -> Dict[str, Any]:
+    def _rank_state(self) -> dict[str, Any]:
         """What differs between ranks: the random stream and the methods' state (e.g. per-rank baselines)."""
         state = {"rng": torch.get_rng_state(), "methods": {k: m.state_dict() for k, m in self.methods.items()}}
         if self.device.type == "cuda":
@@ -281,7 +336,7 @@ class Run:
         """Write ``checkpoint.pt`` (state dicts only; every rank takes part, rank 0 writes)."""
         ranks = [self._rank_state()]
         if self.world > 1:
-            gathered: Optional[List[Any]] = [None] * self.world if self.main else None
+            gathered: list[Any] | None = [None] * self.world if self.main else None
             torch.distributed.gather_object(ranks[0], gathered, dst=0)
             ranks = gathered  # type: ignore[assignment]
         if not self.main:
@@ -321,20 +376,16 @@ class Run:
         self.bin_gen.set_state(state["bin_gen"])
 
     # ---------------------------------------------------------------- the loop
-    def train(self) -> Optional[Dict[str, Any]]:
+    def train(self) -> dict[str, Any] | None:
         """Train to ``cfg["steps"]``; the summary (``None`` on ranks other than 0)."""
         cfg = self.cfg
         steps = cfg["steps"]
         eval_every = cfg.get("eval_every") or max(1, steps // 10)
         ckpt_every = cfg.get("checkpoint_every")
+        if self.main:
+            self.log(self.header())
         bar = None
-        if self.progress:
-            try:
-                from tqdm import tqdm
-
-                bar = tqdm(total=steps, initial=self.step, desc=cfg["label"], leave=False, dynamic_ncols=True)
-            except ImportError:
-                bar = None
+        first_step = True
         if self.main and self.step == 0 and not self.rows:
             self.record()
         while self.step < steps:
@@ -348,10 +399,14 @@ class Run:
             self._acc_time += dt
             if not math.isfinite(loss):
                 raise FloatingPointError(f"step {self.step}: training objective {loss}")
-            if bar is not None:
+            if first_step:
+                # the bar starts after the first step, which carries the setup (lazy initialisation, the
+                # first allocations): its rate and time left count the steady steps only
+                bar, first_step = self._progress_bar(), False
+            elif bar is not None:
                 bar.update(1)
-                if self.step % 10 == 0:
-                    bar.set_postfix(loss=f"{loss:.2f}")
+            if bar is not None and self.step % 10 == 0:
+                bar.set_postfix({"relaxed loss" if self.estimator.relaxed else "loss": f"{loss:.2f}"})
             if self.main and self.step % eval_every == 0 and self.step < steps:
                 self.record()
             if ckpt_every and self.step % ckpt_every == 0:
@@ -367,26 +422,44 @@ class Run:
         final = self.record(final=True)
         if ckpt_every:
             self.save_checkpoint()
-        last_var = [r["grad_logvar"] for r in self.rows if r["grad_logvar"] != ""]
-        summary = {
-            "model": cfg["model"], "data": cfg["data"], "estimator": cfg["estimator"], "label": cfg["label"],
-            "objective": cfg["objective"], "seed": cfg["seed"], "steps": self.step,
-            "n_samples": cfg["n_samples_resolved"], "evals_per_datum": cfg["evals_per_datum"],
-            "train_nelbo": final["train_nelbo"], "valid_nelbo": final["valid_nelbo"],
-            "test_nelbo": final["test_nelbo_k"], "test_nll": final["test_nll"], "eval_k": cfg["eval_k"],
-            "eval_size": len(self.eval_sets["test"]),
-            "grad_logvar": last_var[-1] if last_var else None,
-            "ms_per_step": 1000.0 * self.train_time / self.step if self.step else None,
-            "train_seconds": self.train_time, "device": str(self.device),
-            "peak_memory_mb": peak_memory_mb(self.device),
-        }
+        summary = self._summary(final)
         with open(self.dir / "summary.json", "w") as f:
             json.dump(summary, f, indent=2)
         plot_run(self.dir, self.rows, cfg["label"], self.log)
         return summary
 
+    def _summary(self, final: dict[str, float]) -> dict[str, Any]:
+        """The run's ``summary.json``: its configuration, the final evaluation ``final`` and its costs."""
+        cfg = self.cfg
+        last_var = [r["grad_logvar"] for r in self.rows if r["grad_logvar"] != ""]
+        return {
+            "model": cfg["model"], "data": cfg["data"], "estimator": cfg["estimator"], "label": cfg["label"],
+            "objective": cfg["objective"], "seed": cfg["seed"], "steps": self.step,
+            "n_samples": cfg["n_samples_resolved"], "evals_per_datum": cfg["evals_per_datum"],
+            "train_nelbo": final["train_nelbo"], "train_relaxed_nelbo": final.get("train_relaxed_nelbo"),
+            "relaxed": self.estimator.relaxed, "valid_nelbo": final["valid_nelbo"],
+            "test_nelbo": final["test_nelbo_k"], "test_nll": final["test_nll"], "eval_k": cfg["eval_k"],
+            "eval_size": len(self.eval_sets["test"]),
+            "grad_logvar": last_var[-1] if last_var else None,
+            "ms_per_step": 1000.0 * self.train_time / self.step if self.step else None,
+            "train_seconds": self.train_time, "device": str(self.device), "threads": torch.get_num_threads(),
+            "peak_memory_mb": peak_memory_mb(self.device),
+            "estimated_memory_mb": self.memory.needed_bytes / 2**20,
+        }
 
-def peak_memory_mb(device: torch.device) -> Optional[float]:
+    def _progress_bar(self):
+        """A tqdm bar from the current step on (``None`` without progress or without tqdm)."""
+        if not self.progress:
+            return None
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return None
+        return tqdm(total=self.cfg["steps"], initial=self.step, desc=self.cfg["label"], leave=False,
+                    dynamic_ncols=True)
+
+
+def peak_memory_mb(device: torch.device) -> float | None:
     """The peak memory of this process so far, in MiB: the most the CUDA allocator held on a GPU,
     the peak resident set size on the CPU (the data set included); ``None`` where unknown."""
     if device.type == "cuda":
@@ -413,12 +486,12 @@ def _prepare_dir(run_dir: Path, overwrite: bool) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
-def _write_config(run_dir: Path, cfg: Dict[str, Any]) -> None:
+def _write_config(run_dir: Path, cfg: dict[str, Any]) -> None:
     with open(run_dir / "config.json", "w") as f:
         json.dump(cfg, f, indent=2)
 
 
-def run(cfg: Dict[str, Any], run_dir, progress: bool = True, overwrite: bool = False, data=None, log=print):
+def run(cfg: dict[str, Any], run_dir, progress: bool = True, overwrite: bool = False, data=None, log=print):
     """Train one configuration into ``run_dir``; returns the summary (``None`` on ranks other than 0).
 
     Under ``torch.distributed`` every rank calls it with the same arguments (see the module docstring).
@@ -432,7 +505,7 @@ def run(cfg: Dict[str, Any], run_dir, progress: bool = True, overwrite: bool = F
     return r.train()
 
 
-def _read_config(run_dir: Path, steps: Optional[int]) -> Dict[str, Any]:
+def _read_config(run_dir: Path, steps: int | None) -> dict[str, Any]:
     with open(run_dir / "config.json") as f:
         cfg = json.load(f)
     if steps is not None:
@@ -442,13 +515,15 @@ def _read_config(run_dir: Path, steps: Optional[int]) -> Dict[str, Any]:
     return cfg
 
 
-def resume(run_dir, steps: Optional[int] = None, progress: bool = True, log=print):
+def resume(run_dir, steps: int | None = None, progress: bool = True, log=print, memory_check: bool = True):
     """Continue the run in ``run_dir`` from its checkpoint (to ``steps``, default the configured number).
 
     A run trained on ``N`` ranks resumes on ``N`` ranks (each takes back its own random state).
+    ``memory_check=False`` resumes even when the memory estimate exceeds the memory available.
     """
     run_dir = Path(run_dir)
     cfg = _from_main(lambda: _read_config(run_dir, steps))
+    cfg["memory_check"] = memory_check
     r = Run(cfg, run_dir, progress=progress, log=log)
     r.load_checkpoint()
 
@@ -460,7 +535,7 @@ def resume(run_dir, steps: Optional[int] = None, progress: bool = True, log=prin
     return r.train()
 
 
-def plot_run(run_dir: Path, rows: List[Dict[str, Any]], label: str, log=print) -> bool:
+def plot_run(run_dir: Path, rows: list[dict[str, Any]], label: str, log=print) -> bool:
     try:
         import matplotlib
 
@@ -476,8 +551,14 @@ def plot_run(run_dir: Path, rows: List[Dict[str, Any]], label: str, log=print) -
         ys = [r[f"{split}_nelbo"] for r in rows]
         ax[0].plot(steps, ys, label=split)
         ax[1].plot(secs, ys, label=split)
-    ax[0].set(xlabel="step", ylabel="-ELBO (nats)", title=label)
-    ax[1].set(xlabel="training seconds", ylabel="-ELBO (nats)")
+    relaxed = [(r["step"], r["seconds"], r["train_relaxed_nelbo"]) for r in rows
+               if r.get("train_relaxed_nelbo") not in ("", None)]
+    if relaxed:
+        r_steps, r_secs, r_vals = zip(*relaxed)
+        ax[0].plot(r_steps, r_vals, "--", label="train, relaxed samples")
+        ax[1].plot(r_secs, r_vals, "--", label="train, relaxed samples")
+    ax[0].set(xlabel="step", ylabel="-ELBO (nats, hard samples)", title=label)
+    ax[1].set(xlabel="training seconds", ylabel="-ELBO (nats, hard samples)")
     ax[0].legend()
     var = [(r["step"], r["grad_logvar"]) for r in rows if r["grad_logvar"] not in ("", None)]
     if var:
