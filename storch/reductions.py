@@ -10,6 +10,12 @@ reduce named dimensions *without* weights.
 
 Reducing a plate with a plain torch reduction (``t.mean(0)``) is an error, because it silently
 discards the per-sample values the gradient estimators need.
+
+Plates are given *by name* (or as [`Plate`][storch.plate.Plate] objects); ``int`` dimensions follow
+the rule of [`storch.ops`][storch.ops] for every dimension argument: they count the tensor's
+``shape``, plates first, must fall on one of a sample's dimensions (an ``int`` on a plate is an
+error that names it: give the plate's name instead), and count from the right when negative.
+``denote_independent``'s ``dim`` counts the same way.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 
 from storch import _tracing
 from storch._dispatch import align_tensor, expand_plain
+from storch.ops import event_dim
 from storch.plate import Plate, layout_of_plates, merge_layouts, uniform_weight
 from storch.tensor import IndependentTensor, Tensor, _Disable, layout_of, wrap, wrap_new
 
@@ -111,12 +118,12 @@ def _sample_weights(weight: object, n: int, plate_name: str) -> torch.Tensor | N
     return w
 
 
-def _resolve(tensor: torch.Tensor, ref: PlateRef) -> tuple[int, Plate | None]:
-    """The dimension index (and plate, if any) a plate name, Plate or int refers to."""
+def _resolve(tensor: torch.Tensor, ref: PlateRef, who: str) -> tuple[int, Plate | None]:
+    """The dimension index (and plate, if any) a plate name or Plate refers to, or the position of
+    an ``int`` dimension, which must be one of a sample's dimensions."""
     layout = layout_of(tensor)
-    if isinstance(ref, int):
-        dim = ref % tensor.dim()
-        return dim, layout.plates[dim] if dim < len(layout.plates) else None
+    if isinstance(ref, int) and not isinstance(ref, bool):
+        return event_dim(ref, tensor.dim(), layout, who, tuple(tensor.shape)), None
     idx = layout.index(ref)
     return idx, layout.plates[idx]
 
@@ -124,7 +131,7 @@ def _resolve(tensor: torch.Tensor, ref: PlateRef) -> tuple[int, Plate | None]:
 def _reduce_dims(tensor: torch.Tensor, dims: PlateRef | Sequence[PlateRef], op: str) -> torch.Tensor:
     refs = [dims] if isinstance(dims, (str, Plate, int)) else list(dims)
     layout = layout_of(tensor)
-    resolved = [_resolve(tensor, r) for r in refs]
+    resolved = [_resolve(tensor, r, f"storch.{op}") for r in refs]
     idx = sorted({d for d, _ in resolved})
     removed = [p for _, p in resolved if p is not None]
     new_layout = layout.without(removed) if removed else layout

@@ -19,13 +19,34 @@ Two things that would otherwise go unnoticed are errors:
   others (multiple inheritance; [`AmbiguousLookupError`][storch.registry.AmbiguousLookupError]), whose fix is to
   register the type
   itself.
+
+``Independent`` distributions find their base distribution's entry. ``Independent(base, 0)`` *is*
+``base``, and ``Independent(base, n)`` only regroups ``n`` batch dimensions of ``base`` as event
+dimensions: its samples have the same shape and the same law, and storch sums a node's
+log-probability over all its non-plate dimensions either way. So a lookup with an ``Independent``
+instance (wrapped any number of times) that has no entry of its own (no entry registered for
+``Independent`` or a subclass) returns the entry of the innermost base distribution, and the
+functions in it are called with that base distribution (see
+[`TypeRegistry.lookup`][storch.registry.TypeRegistry.lookup]). A registry whose users read the batch
+dimensions of the distribution as its coordinates (local expectations, measure-valued derivatives)
+says so when it is made (``reinterpreted_refused``): there, ``Independent(base, n)`` with ``n > 0``
+is refused with [`ReinterpretedDimsError`][storch.registry.ReinterpretedDimsError], which gives the
+reason and the fix (pass ``base`` itself).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterator, Optional, Sequence, TypeVar
+import dataclasses
+import functools
+import types
+from typing import Any, Callable, Generic, Iterator, NamedTuple, Optional, Sequence, TypeVar
 
-__all__ = ["TypeRegistry", "AmbiguousLookupError", "DuplicateRegistrationError", "ambiguity_message"]
+from torch.distributions import Distribution, Independent
+
+__all__ = [
+    "TypeRegistry", "AmbiguousLookupError", "DuplicateRegistrationError", "ReinterpretedDimsError", "Resolution",
+    "ambiguity_message", "independent_base",
+]
 
 V = TypeVar("V")
 
@@ -42,6 +63,76 @@ class AmbiguousLookupError(LookupError):
 class DuplicateRegistrationError(ValueError):
     """A type registered a second time in one [`TypeRegistry`][storch.registry.TypeRegistry] without
     ``replace=True``."""
+
+
+class ReinterpretedDimsError(ValueError):
+    """``Independent(base, n)`` with ``n > 0`` looked up in a registry whose users cannot take it for ``base``.
+
+    Raised by [`TypeRegistry.lookup`][storch.registry.TypeRegistry.lookup] of a registry made with
+    ``reinterpreted_refused``; the message names the registry, the distribution, the reason and the
+    fix (pass the base distribution itself, or register an entry for ``Independent``).
+    """
+
+
+def independent_base(distr: Any) -> tuple[Any, int]:
+    """The distribution under all ``Independent`` wrappers of ``distr`` and the number of batch
+    dimensions they reinterpret as event dimensions (``(distr, 0)`` for anything else).
+
+    Examples:
+        >>> import torch
+        >>> from torch.distributions import Bernoulli, Independent
+        >>> base = Bernoulli(torch.full((2, 3), 0.5))
+        >>> independent_base(Independent(Independent(base, 1), 1)) == (base, 2)
+        True
+    """
+    n = 0
+    while isinstance(distr, Independent):
+        n += distr.reinterpreted_batch_ndims
+        distr = distr.base_dist
+    return distr, n
+
+
+class Resolution(NamedTuple):
+    """What [`TypeRegistry.resolve`][storch.registry.TypeRegistry.resolve] found for a distribution.
+
+    Attributes:
+        value: the entry (for an unwrapped ``Independent``, the base's entry, as registered).
+        registered: the registered type it was found under.
+        distribution: the distribution the entry applies to: the base distribution for an unwrapped
+            ``Independent``, else the queried one.
+        reinterpreted: the batch dimensions of ``distribution`` that the query reinterprets as event
+            dimensions (0 unless an ``Independent`` was unwrapped).
+    """
+
+    value: Any
+    registered: type
+    distribution: Any
+    reinterpreted: int
+
+
+def _to_base(arg: Any) -> Any:
+    return independent_base(arg)[0] if isinstance(arg, Independent) else arg
+
+
+def _on_base(value: Any) -> Any:
+    """``value`` with its functions taking the base distribution in place of an ``Independent``.
+
+    Plain functions (also partials and bound methods) are wrapped; a dataclass gets a copy whose
+    function (and dataclass) fields are wrapped; anything else is returned as it is, and then sees the
+    ``Independent`` itself.
+    """
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {f.name: _on_base(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        return dataclasses.replace(value, **changes)
+    if isinstance(value, (types.FunctionType, types.MethodType, functools.partial)):
+        fn = value
+
+        @functools.wraps(fn)
+        def on_base(*args: Any, **kwargs: Any) -> Any:
+            return fn(*map(_to_base, args), **{k: _to_base(v) for k, v in kwargs.items()})
+
+        return on_base
+    return value
 
 
 def _name(cls: type) -> str:
@@ -86,10 +177,17 @@ class TypeRegistry(Generic[V]):
     [`register`][storch.registry.TypeRegistry.register] and
     removed by [`unregister`][storch.registry.TypeRegistry.unregister].
 
+    ``Independent`` distributions without an entry of their own find their base distribution's
+    entry (see the module docstring and [`resolve`][storch.registry.TypeRegistry.resolve]).
+
     Args:
         name: what the registry holds, for messages (``"relaxation"``: "the relaxation registry").
         register_with: the function users call to add entries, named in messages (default: this
             registry's [`register`][storch.registry.TypeRegistry.register]).
+        reinterpreted_refused: why the users of this registry cannot take ``Independent(base, n)``
+            with ``n > 0`` for ``base`` (e.g. they read the batch dimensions as coordinates); such a
+            lookup then raises [`ReinterpretedDimsError`][storch.registry.ReinterpretedDimsError] with
+            this reason. ``None`` (the default): it is served by ``base``'s entry.
 
     Examples:
         >>> import torch
@@ -106,14 +204,19 @@ class TypeRegistry(Generic[V]):
         (True, False, 1, ['Gamma'])
     """
 
-    def __init__(self, name: str, *, register_with: Optional[str] = None) -> None:
+    def __init__(
+        self, name: str, *, register_with: Optional[str] = None, reinterpreted_refused: Optional[str] = None
+    ) -> None:
         if not isinstance(name, str) or not name:
             raise TypeError(f"TypeRegistry: the name must be a non-empty string, got {name!r}.")
         self.name = name
         self.register_with = register_with if register_with is not None else f"the register method of the {name} registry"
+        self.reinterpreted_refused = reinterpreted_refused
         self._entries: dict[type, V] = {}
         # type -> (registered type, value) or None; cleared whenever an entry changes
         self._cache: dict[type, Optional[tuple[type, V]]] = {}
+        # registered type -> its value adapted to take base distributions (for unwrapped Independents)
+        self._adapted: dict[type, V] = {}
 
     # ------------------------------------------------------------------ registration
     def register(self, *types: type, replace: bool = False) -> Callable[[V], V]:
@@ -170,6 +273,7 @@ class TypeRegistry(Generic[V]):
             for t in types:
                 self._entries[t] = value
             self._cache.clear()
+            self._adapted.clear()
             return value
 
         return record
@@ -191,13 +295,15 @@ class TypeRegistry(Generic[V]):
         if cls not in self._entries:
             raise KeyError(f"{_name(cls)} has no entry of its own in the {self.name} registry.")
         self._cache.clear()
+        self._adapted.clear()
         return self._entries.pop(cls)
 
     # ------------------------------------------------------------------ lookup
     def match(self, obj: object) -> Optional[tuple[type, V]]:
         """``(registered type, value)`` of the most specific registered base class of ``obj``, else ``None``.
 
-        ``obj`` is a type or an instance (then its type is used). Like
+        ``obj`` is a type or an instance (then its type is used; an ``Independent`` instance is
+        resolved by [`resolve`][storch.registry.TypeRegistry.resolve], which may unwrap it). Like
         [`lookup`][storch.registry.TypeRegistry.lookup], which
         returns the value only.
 
@@ -212,7 +318,12 @@ class TypeRegistry(Generic[V]):
             >>> sizes.match(Chi2)
             (<class 'torch.distributions.gamma.Gamma'>, 'unbounded')
         """
-        cls = obj if isinstance(obj, type) else type(obj)
+        if isinstance(obj, Independent):
+            found = self.resolve(obj)
+            return None if found is None else (found.registered, found.value)
+        return self._match_type(obj if isinstance(obj, type) else type(obj))
+
+    def _match_type(self, cls: type) -> Optional[tuple[type, V]]:
         try:
             return self._cache[cls]
         except KeyError:
@@ -242,6 +353,7 @@ class TypeRegistry(Generic[V]):
         Raises:
             AmbiguousLookupError: if two or more registered bases are equally specific (neither is
                 a subclass of the other); register ``obj``'s type itself to settle it.
+            ReinterpretedDimsError: see [`resolve`][storch.registry.TypeRegistry.resolve].
 
         Examples:
             >>> sizes = TypeRegistry("support size", register_with="register_size")
@@ -261,6 +373,65 @@ class TypeRegistry(Generic[V]):
         """
         found = self.match(obj)
         return None if found is None else found[1]
+
+    def resolve(self, distr: Any) -> Optional[Resolution]:
+        """The entry for the distribution ``distr`` and the distribution it applies to, else ``None``.
+
+        For anything but an ``Independent`` this is [`match`][storch.registry.TypeRegistry.match] with
+        ``distr`` itself. An ``Independent`` (wrapped any number of times) with an entry of its own
+        (registered for ``Independent`` or a subclass) gets that entry. Otherwise it gets the entry of
+        its innermost base distribution, adapted so that the functions in it (the entry itself if it
+        is a function; the function fields of a dataclass entry) are called with the base
+        distribution wherever they are given the ``Independent``; ``distribution`` is the base then.
+
+        Raises:
+            ReinterpretedDimsError: for an ``Independent`` that reinterprets ``n > 0`` batch
+                dimensions, in a registry made with ``reinterpreted_refused``.
+            AmbiguousLookupError: as [`match`][storch.registry.TypeRegistry.match].
+
+        Examples:
+            >>> import torch
+            >>> from torch.distributions import Bernoulli, Independent
+            >>> means = TypeRegistry("mean")
+            >>> _ = means.register(Bernoulli)(lambda d: d.probs)
+            >>> d = Independent(Bernoulli(torch.tensor([0.25, 0.75])), 1)
+            >>> found = means.resolve(d)
+            >>> found.registered.__name__, found.reinterpreted, found.value(d).tolist()
+            ('Bernoulli', 1, [0.25, 0.75])
+            >>> strict = TypeRegistry("coordinate", reinterpreted_refused="it reads the batch dimensions.")
+            >>> _ = strict.register(Bernoulli)(lambda d: d.probs)
+            >>> strict.lookup(Independent(Bernoulli(torch.tensor([0.2])), 0)) is not None   # n = 0: Bernoulli
+            True
+            >>> strict.lookup(d)
+            Traceback (most recent call last):
+            ...
+            storch.registry.ReinterpretedDimsError: The coordinate registry serves Independent(Bernoulli, ...) ...
+        """
+        own = self._match_type(type(distr))
+        if not isinstance(distr, Independent) or (own is not None and issubclass(own[0], Independent)):
+            return None if own is None else Resolution(own[1], own[0], distr, 0)
+        base, n = independent_base(distr)
+        found = self._match_type(type(base))
+        if found is None:
+            # a catch-all entry (e.g. for Distribution) still serves the Independent itself
+            return None if own is None else Resolution(own[1], own[0], distr, 0)
+        if n > 0 and self.reinterpreted_refused is not None:
+            raise ReinterpretedDimsError(self._refusal(distr, base, n))
+        registered, value = found
+        if registered not in self._adapted:
+            self._adapted[registered] = _on_base(value)
+        return Resolution(self._adapted[registered], registered, base, n)
+
+    def _refusal(self, distr: Distribution, base: Distribution, n: int) -> str:
+        name = type(base).__name__
+        return (
+            f"The {self.name} registry serves Independent({name}, reinterpreted_batch_ndims={n}) only with "
+            f"reinterpreted_batch_ndims=0 (batch shape {tuple(distr.batch_shape)}, event shape "
+            f"{tuple(distr.event_shape)}): {self.reinterpreted_refused} Pass the base distribution {name} "
+            "itself, whose batch dimensions are independent too and whose samples have the same shape "
+            f"(storch sums a node's log-probability over them either way), or register an entry for "
+            f"Independent with {self.register_with}."
+        )
 
     # ------------------------------------------------------------------ container protocol
     def __contains__(self, cls: object) -> bool:

@@ -331,7 +331,25 @@ def tensor_stats(tensor: torch.Tensor) -> str:
 
 
 def reduce_mean(tensor: torch.Tensor, keep_dims: Sequence[int]) -> torch.Tensor:
-    """Mean over every dimension except ``keep_dims``."""
-    dims = [d for d in range(tensor.dim()) if d not in {k % tensor.dim() for k in keep_dims}]
+    """Mean over every dimension of one sample except ``keep_dims``; plate dimensions are always kept.
+
+    ``keep_dims`` count the tensor's ``shape``, plates first, and from the right when negative (the
+    rule of [`storch.ops`][storch.ops]); naming a plate dimension among them changes nothing, since
+    plates are only reduced by name ([`storch.reduce_plates`][storch.reduce_plates]).
+
+    Examples:
+        >>> import torch, storch
+        >>> x = storch.denote_independent(torch.arange(24.0).reshape(2, 3, 4), 0, "data")
+        >>> reduce_mean(x, [-2]).shape, reduce_mean(torch.ones(3, 4), [0]).shape
+        (torch.Size([2, 3]), torch.Size([3]))
+    """
+    ndim = tensor.dim()
+    for k in keep_dims:
+        if not -ndim <= k < ndim:
+            raise IndexError(
+                f"reduce_mean: keep_dims entry {k} is out of range for a tensor of shape {tuple(tensor.shape)}."
+            )
+    keep = {k % ndim for k in keep_dims} | set(range(len(layout_of(tensor).sizes)))
+    dims = [d for d in range(ndim) if d not in keep]
     return tensor.mean(dim=dims) if dims else tensor
 

@@ -192,10 +192,11 @@ def test_sum_ignores_weights_unlike_reduce_plates():
 # ------------------------------------------------------------- cat / gather / expand_as / grad
 
 
-def test_storch_cat_counts_event_dims():
+def test_storch_cat_counts_plates_first():
     z = _z()
     x = storch.denote_independent(torch.zeros(4, 2), 0, "cdata")
-    c = storch.cat([z, x], 0)  # dim 0 = the first event dimension
+    c = storch.cat([z, x], 2)  # dims count the union's two plates first, as torch.cat does
+    assert torch.equal(c._tensor, storch.cat([z, x], -1)._tensor)
     assert c.event_shape == (4,)
     vals = raw(c, "cdata", "z")
     torch.testing.assert_close(vals[..., :2], z._tensor[None].expand(4, 3, 2))

@@ -7,7 +7,7 @@ the difference of two probability laws, ``∂_{θ_d} p = c_θ (p⁺ − p⁻)``,
     ∂_{θ_d} E_p[f(x)] = c_θ (E_{x_d ~ p⁺} f(x) − E_{x_d ~ p⁻} f(x))
 
 with the other coordinates ``x_{≠d} ~ p`` (factorised distributions). The decompositions registered
-here (each checked numerically in the SPEC appendix):
+here (each checked numerically in ``tests/test_mvd.py``):
 
 =============================  ==========  ====================================================  ======
 distribution                   parameter   ĝ for coordinate d (other coordinates held at x ~ p)   points
@@ -26,7 +26,7 @@ coordinate) the real sample ``x`` is reused for it, so it costs no evaluation an
 taken between coupled points: Gamma(2, λ) is drawn as ``x_d + E′``, and the Maxwell variable shares
 the sign and the χ²₁ component of ``x``'s own normal noise ``ε = (x_d − μ)/σ``
 (``M = sign(ε) √(ε² + χ²₂)``, so ``|M| ≥ |ε|`` on the same side). The two Rayleigh points of the mean
-share ``W`` (the SPEC's form): this cancels the part of ``f`` that is even around ``μ`` (for a quadratic
+share ``W``: this cancels the part of ``f`` that is even around ``μ`` (for a quadratic
 cost only ``4W(μ − t)/√(2π)`` remains), and for the odd part it at most doubles the variance against
 independent ``W``s (exactly twice for a linear cost); both are measured in ``tests/test_mvd.py``.
 
@@ -102,7 +102,11 @@ class MeasureValuedDecomposition:
 
 
 _DECOMPOSITIONS: TypeRegistry[MeasureValuedDecomposition] = TypeRegistry(
-    "measure-valued decomposition", register_with="storch.distributions.measure_valued.register_measure_valued"
+    "measure-valued decomposition", register_with="storch.distributions.measure_valued.register_measure_valued",
+    reinterpreted_refused=(
+        "MVD differentiates each parameter coordinate of the batch dimensions of the node's "
+        "distribution, which an Independent moves into its event."
+    ),
 )
 
 

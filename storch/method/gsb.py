@@ -218,7 +218,14 @@ class GSBRule(ABC):
         """The control-variate term (forward value 0) whose gradient is the estimate."""
 
 
-_RULES: TypeRegistry[GSBRule] = TypeRegistry("GSB rule", register_with="storch.method.gsb.register_gsb_rule")
+_RULES: TypeRegistry[GSBRule] = TypeRegistry(
+    "GSB rule", register_with="storch.method.gsb.register_gsb_rule",
+    reinterpreted_refused=(
+        "GSB's discrete rules (local expectations, finite differences) change one coordinate at a time, "
+        "and take the coordinates from the batch dimensions of the node's distribution, which an "
+        "Independent moves into its event."
+    ),
+)
 
 
 def register_gsb_rule(dist_type: type, rule: GSBRule, *, replace: bool = False) -> None:

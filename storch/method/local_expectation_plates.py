@@ -306,6 +306,12 @@ def probs_at_upstream(distr: Distribution, group: PointGroup, coordinates: Coord
     return probs.reshape((group.n_groups, group.start) + tuple(probs.shape[1: 1 + n_parents]) + (group.n_vars, group.k))
 
 
+def _probs_of(distr: Distribution, who: str) -> torch.Tensor:
+    """The coordinates' probabilities, read through the registry (so also for an ``Independent``,
+    which has no ``probs`` of its own)."""
+    return require_coordinates(distr, who).probs(distr)
+
+
 def own_points(distr: Distribution, plates: Sequence[Plate], n: int, who: str):
     """A plate of its own: ``n`` groups of the sample and its changes; ``(samples, group, other plates,
     parent index)`` as [`extended_points`][storch.method.local_expectation_plates.extended_points]."""
@@ -313,7 +319,8 @@ def own_points(distr: Distribution, plates: Sequence[Plate], n: int, who: str):
     size = 1 + n_vars * (k - 1)
     shape = (n * size,) + tuple(distr.batch_shape) + tuple(distr.event_shape)
     nested = [p for p in plates if isinstance(p, LocalExpectationPlate)]
-    check_fits(who, size, shape, distr.probs.dtype, distr.probs.device, nested)  # type: ignore[attr-defined]
+    probs = _probs_of(distr, who)
+    check_fits(who, size, shape, probs.dtype, probs.device, nested)
     samples = flatten_groups(local_expectation_points(distr, n, len(plates)))
     return samples, PointGroup(n, size, 1, n_vars, k), tuple(plates), None
 
@@ -335,8 +342,8 @@ def extended_points(distr: Distribution, plates: Sequence[Plate], tip: "LocalExp
     first = 0 if carried is None else 1
     other = tuple(distr.batch_shape)[first: len(plates)]
     event = tuple(distr.event_shape)
-    check_fits(who, size, (n * size,) + other + (n_vars,) + event, distr.probs.dtype,  # type: ignore[attr-defined]
-                distr.probs.device, [])  # type: ignore[attr-defined]
+    probs = _probs_of(distr, who)
+    check_fits(who, size, (n * size,) + other + (n_vars,) + event, probs.dtype, probs.device, [])
     source = None if carried is None else _index_between(tip, carried)
     drawn_from = None if carried is None else _copy_distribution(distr)  # before it moves to the new plate
     group = PointGroup(n, size, upstream, n_vars, k, drawn_from=drawn_from, source=source)

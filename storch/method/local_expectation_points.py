@@ -49,7 +49,11 @@ class Coordinates:
 
 
 _COORDINATES: TypeRegistry[Coordinates] = TypeRegistry(
-    "local-expectation coordinates", register_with="storch.method.local_expectation_points.register_coordinates"
+    "local-expectation coordinates", register_with="storch.method.local_expectation_points.register_coordinates",
+    reinterpreted_refused=(
+        "local expectations change one coordinate at a time, and take the coordinates from the batch "
+        "dimensions of the node's distribution, which an Independent moves into its event."
+    ),
 )
 
 
@@ -104,16 +108,10 @@ _COORDINATES.register(OneHotCategorical)(
 def require_coordinates(distr: Distribution, who: str) -> Coordinates:
     coordinates = coordinates_for(distr)
     if coordinates is None:
-        hint = ""
-        if type(distr).__name__ == "Independent":
-            hint = (
-                " Pass the base distribution instead (its batch dimensions are the independent "
-                "coordinates), e.g. Bernoulli(logits) rather than Independent(Bernoulli(logits), 1)."
-            )
         raise ValueError(
             f"{who}: no coordinates are registered for {type(distr).__name__}; local expectations "
             f"support factorised Bernoulli, Categorical and OneHotCategorical variables "
-            f"(register others with storch.method.local_expectation.register_coordinates).{hint}"
+            f"(register others with storch.method.local_expectation.register_coordinates)."
         )
     return coordinates
 

@@ -101,9 +101,16 @@ class ControlVariateNetwork(nn.Module):
     instead of ``ReLU``: the estimators differentiate ``c_φ`` at reparameterised points, and a
     smooth ``c_φ`` keeps their higher-order derivatives unbiased too.
 
+    On a storch tensor, ``in_dim`` is matched against one sample's dimensions (those right of the
+    plates), never against a plate. A sample with fewer dimensions than ``in_dim`` gets size-1
+    dimensions when the missing leading entries of ``in_dim`` are 1: a scalar node (a
+    ``Bernoulli(p)`` with ``batch_shape ()``) takes ``in_dim=1`` and the network sees each sample as
+    a vector of length 1, for any number of samples.
+
     Args:
         in_dim: the size of the last dimension of the input (an ``int``), or the sizes of its last
-            dimensions (a sequence), e.g. ``(2, 10)`` for two one-hot variables of 10 values.
+            dimensions (a sequence), e.g. ``(2, 10)`` for two one-hot variables of 10 values, or
+            ``1`` for a scalar node.
         hidden: the number of hidden units.
 
     Examples:
@@ -123,16 +130,47 @@ class ControlVariateNetwork(nn.Module):
         self.net = nn.Sequential(nn.Linear(math.prod(dims), hidden), nn.Tanh(), nn.Linear(hidden, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fit_input(x)
         k = len(self.in_dim)
-        if tuple(x.shape[x.dim() - k:]) != self.in_dim:
-            raise ValueError(
-                f"ControlVariateNetwork(in_dim={self.in_dim}): expected an input ending in dimensions "
-                f"{self.in_dim}, got shape {tuple(x.shape)}. Give in_dim as the node's trailing sample "
-                "dimensions (batch and event)."
-            )
         if k > 1:
             x = x.reshape(tuple(x.shape[: x.dim() - k]) + (-1,))
         return self.net(x).squeeze(-1)
+
+    def fit_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` with one sample's dimensions ending in ``in_dim`` (size-1 dimensions added if needed).
+
+        Args:
+            x: the input, a storch tensor (its plates are left alone) or a plain tensor (all its
+                dimensions are one sample's).
+
+        Returns:
+            ``x``, or a view of it with the missing size-1 dimensions of ``in_dim`` after its plates.
+
+        Raises:
+            ValueError: if one sample of ``x`` (its dimensions right of the plates) neither ends in
+                ``in_dim`` nor equals ``in_dim`` without some of its leading 1s; the message names
+                the plates, the shapes and the ``in_dim`` to give.
+        """
+        n_plates = len(layout_of(x).sizes)
+        sample = tuple(x.shape[n_plates:])
+        k = len(self.in_dim)
+        if len(sample) >= k and sample[len(sample) - k:] == self.in_dim:
+            return x
+        missing = k - len(sample)
+        if missing > 0 and all(d == 1 for d in self.in_dim[:missing]) and self.in_dim[missing:] == sample:
+            return x.reshape(tuple(x.shape[:n_plates]) + self.in_dim)
+        raise ValueError(self._shape_error(x, sample))
+
+    def _shape_error(self, x: torch.Tensor, sample: tuple[int, ...]) -> str:
+        plates = list(layout_of(x).names)
+        where = f"after its plates {plates}" if plates else "(a plain tensor: all its dimensions)"
+        suggestion = sample if sample else 1
+        return (
+            f"ControlVariateNetwork(in_dim={self.in_dim}): expected an input ending in dimensions "
+            f"{self.in_dim} (one sample's), but the input of shape {tuple(x.shape)} has sample shape {sample} {where}. "
+            f"Give in_dim as the node's sample shape (batch_shape + event_shape), here in_dim={suggestion!r}; "
+            "a scalar node takes in_dim=1."
+        )
 
 
 def _resolve_control_variate(
@@ -179,8 +217,8 @@ class RELAX(LearnedControlVariate):
         in_dim: build the default control variate, a
             [`ControlVariateNetwork`][storch.method.relax.ControlVariateNetwork] over the last
             dimensions of the relaxed sample: ``in_dim`` is their size(s), e.g. ``batch_shape`` for
-            Bernoulli variables or ``(*batch_shape, n_values)`` for one-hot ones (the manual's
-            ``RELAX("z", in_dim=…)``).
+            Bernoulli variables (``1`` for a scalar node) or ``(*batch_shape, n_values)`` for
+            one-hot ones (the manual's ``RELAX("z", in_dim=…)``). Plates never count.
         n_samples: number of samples ``n``.
         rebar: add the REBAR term ``η f(σ_λ(z))``: the cost is also evaluated at ``σ_λ(z)`` and
             ``σ_λ(z̃)`` (the plate holds ``3n`` points, in groups ``[b, σ_λ(z), σ_λ(z̃)]`` with weights
@@ -465,7 +503,7 @@ class LAX(LearnedControlVariate):
         in_dim: build the default control variate, a
             [`ControlVariateNetwork`][storch.method.relax.ControlVariateNetwork] over the last
             dimensions of the sample (``in_dim`` their size(s), e.g. ``event_shape`` or
-            ``batch_shape``), as the manual's ``LAX("z", in_dim=…)``.
+            ``batch_shape``; ``1`` for a scalar node), as the manual's ``LAX("z", in_dim=…)``.
 
     Examples:
         >>> import torch, storch
