@@ -185,6 +185,8 @@ METHOD_CLASSES = {
     "Expect": (lambda: Expect("z"), "bernoulli"),
     "Infer": (lambda: M.Infer("z", n_samples=2), "bernoulli"),
     "GumbelSoftmax": (lambda: M.GumbelSoftmax("z", n_samples=2), "one_hot"),
+    "GumbelSparseMax": (lambda: M.GumbelSparseMax("z", n_samples=2), "one_hot"),
+    "GumbelEntmax": (lambda: M.GumbelEntmax("z", n_samples=2), "bernoulli"),
     "ARM": (lambda: ARM("z", n_samples=2), "bernoulli"),
     "DisARM": (lambda: DisARM("z", n_samples=2), "bernoulli"),
     "MVD": (lambda: MVD("z", n_samples=2), "normal"),

@@ -230,6 +230,8 @@ METHODS = {
     "Expect": (lambda: Expect("z"), _bernoulli),
     "Infer": (lambda: Infer("z", n_samples=2), _bernoulli),
     "GumbelSoftmax": (lambda: GumbelSoftmax("z", n_samples=2, annealing_rate=1e-2), _one_hot),
+    "GumbelSparseMax": (lambda: M.GumbelSparseMax("z", n_samples=2, annealing_rate=1e-2), _one_hot),
+    "GumbelEntmax": (lambda: M.GumbelEntmax("z", n_samples=2), _bernoulli),
     "ARM": (lambda: ARM("z", n_samples=2), _bernoulli),
     "DisARM": (lambda: DisARM("z", n_samples=2), _bernoulli),
     "MVD": (lambda: MVD("z", n_samples=2), _normal),

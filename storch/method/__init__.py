@@ -2,7 +2,7 @@
 
 One family per module: pathwise ([`reparameterization`][storch.method.reparameterization]), score function and
 baselines ([`score_function`][storch.method.score_function], [`baseline`][storch.method.baseline]), enumeration
-([`expect`][storch.method.expect]), relaxations ([`gumbel`][storch.method.gumbel],
+([`expect`][storch.method.expect]), relaxations ([`gumbel`][storch.method.gumbel], [`gumbel_sparse`][storch.method.gumbel_sparse],
 [`straight_through`][storch.method.straight_through]), antithetic pairs ([`arm`][storch.method.arm]),
 measure-valued derivatives ([`mvd`][storch.method.mvd]), finite differences
 ([`spsa`][storch.method.spsa]), learned control variates ([`relax`][storch.method.relax]), local expectations
@@ -21,6 +21,7 @@ from storch.method.critic import Critic, QCritic
 from storch.method.expect import Expect
 from storch.method.gsb import GSB, GeneralizedStochasticBackprop
 from storch.method.gumbel import GumbelSoftmax
+from storch.method.gumbel_sparse import GumbelEntmax, GumbelSparseMax
 from storch.method.infer import Infer
 from storch.method.local_expectation import IndeCateR, LocalExpectation
 from storch.method.mapo import MAPO
@@ -44,4 +45,5 @@ __all__ = [
     "GSB", "GeneralizedStochasticBackprop", "cumulants",
     "critic", "Critic", "QCritic",
     "MAPO",
+    "GumbelSparseMax", "GumbelEntmax",
 ]
