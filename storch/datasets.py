@@ -14,6 +14,8 @@ Murray (2011),
 ("dynamic"
   binarization); a loader cannot do this once and for all, so it is a separate step.
 * [`minibatches`][storch.datasets.minibatches] -- iterate over (shuffled) minibatches of one or several tensors.
+* `random_subset` -- a random subset of rows, to evaluate on part of a split (never a prefix: the
+  binarized MNIST test split is sorted by digit).
 * [`read_idx`][storch.datasets.read_idx] / [`write_idx`][storch.datasets.write_idx] -- the IDX file format.
 
 Every loader reads from a directory the caller names and never downloads anything; a missing file
@@ -40,6 +42,7 @@ __all__ = [
     "load_omniglot",
     "dynamic_binarize",
     "minibatches",
+    "random_subset",
     "read_idx",
     "write_idx",
 ]
@@ -320,6 +323,11 @@ def load_binarized_mnist(
     ``binarized_mnist_{split}.amat``. Labels are not part of the original data; when
     ``binarized_mnist_labels.npz`` (arrays ``{split}_labels``) is present they are returned too.
 
+    **The test split is sorted by digit**: its first 980 images are zeros, the next 1135 ones, and
+    so on (the train and valid splits are shuffled). Its first 1000 images are therefore nearly all
+    one digit, and a bound measured on a prefix is no estimate for the test set. Evaluate on the
+    whole split, or on a random subset: `random_subset(x, 1000, torch.Generator().manual_seed(0))`.
+
     Args:
         directory: the folder holding the files.
         split: ``"train"`` (50000 images), ``"valid"`` (10000) or ``"test"`` (10000).
@@ -445,6 +453,61 @@ def dynamic_binarize(
     return torch.bernoulli(images, generator=generator)
 
 
+def random_subset(
+    data: torch.Tensor | Sequence[torch.Tensor],
+    size: int,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """``size`` rows of ``data`` drawn at random without replacement (all rows when ``size`` >= N).
+
+    Use it to evaluate on part of a split: a prefix can be far from representative (the binarized
+    MNIST test split is sorted by digit, see `load_binarized_mnist`). Pass a seeded ``generator``
+    for the same subset in every run. The rows are ``torch.randperm(N, generator=generator)[:size]``,
+    in that order.
+
+    Args:
+        data: a tensor, or a tuple/list of tensors with one first dimension N (images and labels),
+            subset alike.
+        size: the number of rows, a positive integer.
+        generator: the random stream of the permutation; the global one if ``None``.
+
+    Returns:
+        A tensor or a tuple of tensors, like ``data``, with ``min(size, N)`` rows.
+
+    Examples:
+        >>> import torch
+        >>> from storch.datasets import random_subset
+        >>> x, y = torch.arange(10.0), torch.arange(10)
+        >>> xs, ys = random_subset((x, y), 4, torch.Generator().manual_seed(0))
+        >>> xs.shape, torch.equal(xs.long(), ys), len(set(ys.tolist()))
+        (torch.Size([4]), True, 4)
+        >>> torch.equal(random_subset(x, 4, torch.Generator().manual_seed(0)), xs)  # seeded: same rows
+        True
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"random_subset: size must be a positive integer, got {size!r}")
+    tensors = _same_length(data, "random_subset")
+    n = tensors[0].shape[0]
+    if size < n:
+        device = generator.device if generator is not None else "cpu"
+        order = torch.randperm(n, generator=generator, device=device)[:size]
+        tensors = tuple(t[order.to(t.device)] for t in tensors)
+    return tensors[0] if isinstance(data, torch.Tensor) else tensors
+
+
+def _same_length(data: torch.Tensor | Sequence[torch.Tensor], what: str) -> tuple[torch.Tensor, ...]:
+    """``data`` as a tuple of tensors, checked to share their first dimension."""
+    tensors = (data,) if isinstance(data, torch.Tensor) else tuple(data)
+    if not tensors:
+        raise ValueError(f"{what}: no tensors given")
+    n = tensors[0].shape[0]
+    for t in tensors[1:]:
+        if t.shape[0] != n:
+            raise ValueError(f"{what}: tensors differ in their first dimension "
+                             f"({[t.shape[0] for t in tensors]})")
+    return tensors
+
+
 def minibatches(
     data: Union[torch.Tensor, Sequence[torch.Tensor]],
     batch_size: int,
@@ -472,14 +535,8 @@ def minibatches(
     if batch_size < 1:
         raise ValueError(f"minibatches: batch_size must be a positive integer, got {batch_size}")
     single = isinstance(data, torch.Tensor)
-    tensors = (data,) if single else tuple(data)
-    if not tensors:
-        raise ValueError("minibatches: no tensors given")
+    tensors = _same_length(data, "minibatches")
     n = tensors[0].shape[0]
-    for t in tensors[1:]:
-        if t.shape[0] != n:
-            raise ValueError(f"minibatches: tensors differ in their first dimension "
-                             f"({[t.shape[0] for t in tensors]})")
     if shuffle:
         device = generator.device if generator is not None else "cpu"
         order = torch.randperm(n, generator=generator, device=device)

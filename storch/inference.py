@@ -42,6 +42,9 @@ __all__ = ["add_cost", "backward", "surrogate_loss", "reset", "registered_costs"
 
 
 _COSTS: ContextVar[tuple[CostTensor, ...]] = ContextVar("storch_costs", default=())
+# whether a storch.backward() cleared the registry and no cost was registered (nor reset) since: the
+# reason a later backward finds no costs, named in its error
+_CONSUMED: ContextVar[bool] = ContextVar("storch_costs_consumed", default=False)
 
 
 def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
@@ -74,6 +77,7 @@ def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
     layout = layout_of(cost)
     registered = CostTensor._retype_as(alias(cost), layout, name)
     _COSTS.set(costs + (registered,))  # type: ignore[operator]
+    _CONSUMED.set(False)
 
 
 def _as_cost_tensor(cost: Any, name: str) -> torch.Tensor:
@@ -125,6 +129,12 @@ def reset() -> None:
     [`backward`][storch.inference.backward], so that costs
     of a failed step do not join the next one.
     """
+    _clear_registry()
+    _CONSUMED.set(False)
+
+
+def _clear_registry() -> None:
+    """Forget the registered costs and the sampled nodes (what `backward` does when it ends)."""
     _COSTS.set(())
     forget_sampled()
 
@@ -190,12 +200,26 @@ def _cost_surrogate(cost: CostTensor, record: _Record) -> torch.Tensor:
     return S
 
 
+def _no_costs_error() -> ValueError:
+    """The error for a surrogate without costs: never registered, or consumed by a `backward`."""
+    if _CONSUMED.get():
+        return ValueError(
+            "No costs are registered in this context: the previous storch.backward() consumed them "
+            "(it clears the registry when it ends, also when it raises), and no storch.add_cost was "
+            "called since. Re-run the model and call storch.add_cost(cost, name) again before each "
+            "storch.backward(). (retain_graph=True keeps torch's autograd graph, not storch's costs; "
+            "to differentiate the same costs more than once, take loss = storch.surrogate_loss(), "
+            "which keeps the registry, and call loss.backward(retain_graph=True).)"
+        )
+    return ValueError(
+        "No costs are registered in this context: call storch.add_cost(cost, name) before "
+        "storch.backward() or storch.surrogate_loss()."
+    )
+
+
 def _surrogate(costs: tuple[CostTensor, ...], record: _Record) -> torch.Tensor:
     if not costs:
-        raise ValueError(
-            "No costs are registered in this context: call storch.add_cost(cost, name) before "
-            "storch.backward() or storch.surrogate_loss()."
-        )
+        raise _no_costs_error()
     _check_one_step(costs)
     total = None
     for cost in costs:
@@ -332,20 +356,28 @@ def _refuse_state_between_steps(record: _Record) -> None:
             )
 
 
-def _warn_unused_nodes(costs: tuple[CostTensor, ...]) -> None:
-    """Warn about nodes sampled in this step whose gradient is zero because no cost carries them."""
+def _unused_nodes(costs: tuple[CostTensor, ...]) -> list[Plate]:
+    """The plates of nodes sampled in this step with parameters that require grad, but carried by no
+    registered cost: their gradient is zero (a plate reduced before `add_cost`, or an unused node)."""
     in_costs = set()
     for cost in costs:
         for plate in layout_of(cost).plates:
             while plate is not None:  # a later step of a chain carries the earlier steps' nodes
                 in_costs.add(id(plate))
                 plate = getattr(plate, "ancestor", None)
-    for plate in sampled_plates():
-        if id(plate) in in_costs or plate.node is None:
-            continue
-        method = type(plate.node.method).__name__
+    return [plate for plate in sampled_plates() if id(plate) not in in_costs and plate.node is not None]
+
+
+def _describe_nodes(plates: list[Plate]) -> str:
+    """``'z' (ScoreFunction), 'b' (Expect)``: the nodes that own ``plates``."""
+    return ", ".join(f"{plate.name!r} ({type(plate.node.method).__name__})" for plate in plates)  # type: ignore[union-attr]
+
+
+def _warn_unused_nodes(unused: list[Plate]) -> None:
+    """Warn about nodes sampled in this step whose gradient is zero because no cost carries them."""
+    for plate in unused:
         warnings.warn(
-            f"Node {plate.name!r} ({method}) was sampled in this step, but no registered cost carries "
+            f"Node {_describe_nodes([plate])} was sampled in this step, but no registered cost carries "
             f"its plate {plate.name!r}, so its distribution's parameters get no gradient from it. If a "
             "cost depends on it, the plate was reduced before storch.add_cost (storch.reduce_plates, "
             "storch.sum/mean, logsumexp): register the cost with the plate and let storch reduce it. If "
@@ -353,6 +385,31 @@ def _warn_unused_nodes(costs: tuple[CostTensor, ...]) -> None:
             UnusedNodeWarning,
             stacklevel=3,
         )
+
+
+def _nothing_to_differentiate(unused: list[Plate]) -> ValueError:
+    """The error for a surrogate loss that requires no grad, naming the real cause.
+
+    With nodes whose parameters require grad but whose plates no cost carries, the cause is a plate
+    reduced before `add_cost`, not ``requires_grad`` or ``torch.no_grad``.
+    """
+    if unused:
+        plates = ", ".join(repr(plate.name) for plate in unused)
+        return ValueError(
+            "storch.backward: no registered cost depends on a tensor that requires grad, so there is "
+            f"nothing to differentiate. Node(s) {_describe_nodes(unused)} have parameters that require "
+            f"grad, but no registered cost carries their plate(s) {plates}: the costs no longer depend "
+            "on these plates because they were reduced before storch.add_cost (storch.reduce_plates, "
+            "storch.sum/mean, logsumexp). Keep the plate on the cost, e.g. storch.add_cost(f(z), 'c') "
+            "instead of storch.add_cost(storch.reduce_plates(f(z), 'z'), 'c'): storch reduces it for "
+            "you, weighted by the node's method, when it builds the surrogate loss."
+        )
+    return ValueError(
+        "storch.backward: no registered cost depends on a tensor that requires grad, so there "
+        "is nothing to differentiate. Check that your parameters have requires_grad=True and "
+        "that the costs were not computed under torch.no_grad(), or use "
+        "storch.surrogate_loss() to only estimate the cost."
+    )
 
 
 def backward(
@@ -374,7 +431,13 @@ def backward(
         print_costs: print the estimate of each cost.
 
     Returns:
-        The estimate of the expected total cost (a plain, detached 0-dim tensor).
+        The estimate of the expected total cost (a plain, detached 0-dim tensor): the forward value
+        of the surrogate loss. With a relaxation that feeds relaxed (continuous) samples to the
+        costs (`GumbelSoftmax` and `UnorderedSetGumbelSoftmax` without ``straight_through``) it
+        is the relaxed objective at the current temperature, not the expected cost of the discrete
+        model; to report the latter, evaluate the model with discrete samples (e.g. under
+        `Expect`, or with ``straight_through=True``). Straight-through estimators, `RELAX` and
+        `REBAR` evaluate the costs at the discrete samples, so they return the plain estimate.
 
     Examples:
         >>> import torch, storch
@@ -401,18 +464,14 @@ def backward(
         else:  # storch.compile_step checks the loss after each replay: no host read in the graph
             _refuse_state_between_steps(record)
             trace.note_loss(loss.detach(), _named_costs(costs))
-        _warn_unused_nodes(costs)
+        unused = _unused_nodes(costs)
+        _warn_unused_nodes(unused)
         if print_costs:
             for cost in costs:
                 estimate = _cost_surrogate(cost, _Record())
                 print(f"{cost.name}: {'(meta)' if estimate.is_meta else format(estimate.item(), '.6g')}")
         if not loss.requires_grad:
-            raise ValueError(
-                "storch.backward: no registered cost depends on a tensor that requires grad, so there "
-                "is nothing to differentiate. Check that your parameters have requires_grad=True and "
-                "that the costs were not computed under torch.no_grad(), or use "
-                "storch.surrogate_loss() to only estimate the cost."
-            )
+            raise _nothing_to_differentiate(unused)
         handles = _retain_param_grads(record)
         # methods that learn from the gradient estimate (RELAX's control variate) differentiate
         # through the surrogate again in update_parameters, so its graph must outlive backward
@@ -430,5 +489,7 @@ def backward(
         with _Disable():
             return loss.detach()
     finally:
-        reset()
+        _clear_registry()
+        if costs:
+            _CONSUMED.set(True)
 

@@ -10,6 +10,10 @@ a Normal. On a GPU (skipped without one) the compiled steps match the eager ones
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -137,3 +141,17 @@ def test_storch_frames_are_registered_as_skipped():
     assert storch.compiler.skip_storch_frames() == 0  # everything imported is already marked
     step_code = storch.method.method.Method.forward.__code__
     assert step_code in storch.compiler._DONE
+
+
+def test_compiling_docstring_examples_end_without_dynamo_cleanup_errors():
+    """storch.compile's docstring example compiles a function in doctest's namespace, which doctest
+    clears afterwards; dynamo deletes its globals there at interpreter exit. The root conftest.py
+    keeps them, so the run ends without "Exception ignored ... KeyError: '__builtins_dict___1'"."""
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "storch/compiler.py", "-q", "-p", "no:cacheprovider"],
+        capture_output=True, text=True, timeout=300, cwd=root, check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "Exception ignored" not in output and "KeyError" not in output, output[-3000:]

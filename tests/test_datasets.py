@@ -270,6 +270,24 @@ def test_minibatches():
         next(D.minibatches(x, 0))
 
 
+def test_random_subset():
+    x = torch.arange(23.0).unsqueeze(1)
+    y = torch.arange(23)
+    xs, ys = D.random_subset((x, y), 7, torch.Generator().manual_seed(0))
+    assert xs.shape == (7, 1) and ys.shape == (7,) and torch.equal(xs.squeeze(1).long(), ys)
+    assert len(set(ys.tolist())) == 7 and ys.tolist() != list(range(7))  # no repeats, not a prefix
+    again = D.random_subset(y, 7, torch.Generator().manual_seed(0))
+    assert torch.equal(again, ys)  # seeded: the same rows, also for a single tensor
+    # the rows of randperm(N)[:size]: storch-bench's eval_subset(x, size, seed) draws the same subset
+    assert torch.equal(ys, torch.randperm(23, generator=torch.Generator().manual_seed(0))[:7])
+    assert D.random_subset(y, 23) is y and D.random_subset(y, 100) is y
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="random_subset: size must be a positive integer"):
+            D.random_subset(y, bad)
+    with pytest.raises(ValueError, match="random_subset: tensors differ in their first dimension"):
+        D.random_subset((x, y[:5]), 2)
+
+
 def test_datasets_module_is_standalone():
     """storch.datasets imports only the standard library, numpy and torch at module level."""
     tree = ast.parse(Path(D.__file__).read_text())
@@ -311,3 +329,16 @@ def test_real_data():
     assert torch.equal(yt, my[src])
     agreement = ((mx[src] > 0.5).float() == xt).float().mean().item()
     assert agreement > 0.9
+
+
+def test_binarized_test_split_is_sorted_by_digit_and_the_loader_says_so():
+    """Its first 1000 images are nearly all zeros: evaluate on a random subset, never a prefix."""
+    if not SHARED_DATA.is_dir():
+        pytest.fail(f"the benchmark data directory {SHARED_DATA} is missing")
+    _, y = D.load_binarized_mnist(SHARED_DATA, "test")
+    assert torch.bincount(y[:1000], minlength=10)[0] >= 950
+    assert bool((y[1:] >= y[:-1]).all())
+    _, ys = D.random_subset((y, y), 1000, torch.Generator().manual_seed(0))
+    assert torch.bincount(ys, minlength=10).min() >= 60  # every digit, about 100 each
+    doc = " ".join(D.load_binarized_mnist.__doc__.split())
+    assert "test split is sorted by digit" in doc and "random_subset" in doc

@@ -174,6 +174,19 @@ def test_unbiased_catalog_estimators_show_no_bias_in_the_demo_evaluation():
     assert abs(bias_raw - var / 20) < 5 * var / 20 + 1e-9
 
 
+def test_the_exact_nelbo_is_measured_on_a_fixed_random_subset_not_a_prefix():
+    """A prefix of a sorted split (binarized MNIST's test split is sorted by digit) is one class."""
+    data = torch.arange(100.0).unsqueeze(1)  # sorted, like that split
+    config = vae.quick_config()
+    config.nelbo_subset = 20
+    subset = vae.nelbo_subset(data, config)
+    assert subset.shape == (20, 1) and len(set(subset.squeeze(1).tolist())) == 20
+    assert subset.max().item() >= 40  # a prefix would stop at 19
+    assert torch.equal(vae.nelbo_subset(data, config), subset)  # the same subset in every run
+    config.nelbo_subset = 500
+    assert torch.equal(vae.nelbo_subset(data, config), data)  # all of a smaller set
+
+
 def test_cli_rejects_missing_mnist_directory(tmp_path, capsys):
     assert main(["--part", "vae", "--mnist", str(tmp_path / "nothing"), "--no-progress"]) == 2
     assert "never downloads" in capsys.readouterr().err

@@ -156,7 +156,8 @@ def test_bench_cli_under_torchrun(tmp_path):
            "--batch-size", "10", "--out", str(tmp_path), "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("rloo(n=2)") == 1  # one table: rank 0's
+    assert proc.stdout.count("storch-bench: ") == 1  # one header: rank 0's
+    assert proc.stdout.count("rloo(n=2)") == 2  # in the header and in one table: rank 0's
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     assert (run_dir / "summary.json").is_file() and (run_dir / "metrics.csv").is_file()
     assert '"world_size": 2' in (run_dir / "config.json").read_text()

@@ -11,7 +11,8 @@ import torch
 from torch.distributions import Bernoulli, Normal
 
 import storch
-from storch.method import Expect, Reparameterization, ScoreFunction
+from storch.method import Expect, GumbelSoftmax, Reparameterization, ScoreFunction
+from storch.tensor import plain
 
 
 def _names():
@@ -63,11 +64,67 @@ def test_integer_cost_raises():
 # ---------------------------------------------------------------------------- backward
 
 
+NEVER_ADDED = (
+    "No costs are registered in this context: call storch.add_cost(cost, name) before "
+    "storch.backward() or storch.surrogate_loss()."
+)
+
+
 def test_backward_with_no_costs_raises():
-    with pytest.raises(ValueError, match="No costs are registered"):
+    with pytest.raises(ValueError) as info:
         storch.backward()
+    assert str(info.value) == NEVER_ADDED  # never added: the message is unchanged, no "consumed"
     with pytest.raises(ValueError, match="No costs"):
         storch.surrogate_loss()
+
+
+def _one_step(w: torch.Tensor) -> torch.Tensor:
+    storch.add_cost(w * 2.0, "f")
+    return storch.backward()
+
+
+def test_a_second_backward_says_the_first_consumed_the_costs():
+    w = torch.tensor(1.0, requires_grad=True)
+    _one_step(w)
+    for call in (storch.backward, storch.backward, storch.surrogate_loss):  # also a third time
+        with pytest.raises(ValueError, match=r"the previous storch.backward\(\) consumed them.*"
+                                             r"add_cost.*again before each storch.backward\(\)"):
+            call()
+
+
+def test_a_backward_that_raised_also_consumed_the_costs():
+    z = ScoreFunction("z", n_samples=2)(Normal(0.0, 1.0))
+    storch.add_cost(z * z, "c")
+    with pytest.raises(ValueError, match="requires_grad"):  # nothing requires grad: backward raises
+        storch.backward()
+    with pytest.raises(ValueError, match="consumed"):
+        storch.backward()
+
+
+def test_reset_or_add_cost_after_backward_forget_that_it_consumed_the_costs():
+    w = torch.tensor(1.0, requires_grad=True)
+    _one_step(w)
+    storch.reset()
+    with pytest.raises(ValueError) as info:
+        storch.backward()
+    assert str(info.value) == NEVER_ADDED
+    _one_step(w)
+    assert _one_step(w) == 2.0  # a new add_cost after a backward: the next backward works
+    assert w.grad == 6.0
+
+
+def test_consumed_costs_are_per_context():
+    w = torch.tensor(1.0, requires_grad=True)
+    _one_step(w)  # this context's backward consumed its costs; a fresh context has seen no backward
+
+    def fresh() -> str:
+        try:
+            storch.backward()
+        except ValueError as error:
+            return str(error)
+        return ""
+
+    assert contextvars.Context().run(fresh) == NEVER_ADDED
 
 
 def test_backward_without_anything_requiring_grad_raises_and_clears():
@@ -99,6 +156,21 @@ def test_backward_returns_exact_expectation_for_expect():
     torch.testing.assert_close(estimate, torch.tensor(2 * 0.3 + 3 * 0.6 + 5 * 0.3 * 0.6))
     # dE/dp0 = 2 + 5 p1, dE/dp1 = 3 + 5 p0
     torch.testing.assert_close(p.grad, torch.tensor([2 + 5 * 0.6, 3 + 5 * 0.3]))
+
+
+@pytest.mark.parametrize("straight_through", [False, True])
+def test_backward_returns_the_relaxed_objective_with_a_relaxation(straight_through):
+    """As its docstring says: with relaxed samples the value is the cost at those samples (far from
+    E f here), with straight-through samples the plain estimate of E f."""
+    p = torch.tensor(0.3, requires_grad=True)
+    x = GumbelSoftmax("x", n_samples=4000, straight_through=straight_through)(Bernoulli(p))
+    cost = (x - 0.45) ** 2
+    storch.add_cost(cost, "f")
+    relaxed_mean = plain(cost).detach().mean()
+    exact = 0.7 * 0.45**2 + 0.3 * 0.55**2  # E f = 0.2325 for discrete x
+    estimate = storch.backward()
+    torch.testing.assert_close(estimate, relaxed_mean)
+    assert (abs(estimate.item() - exact) < 0.02) == straight_through  # relaxed: about 0.09
 
 
 def test_backward_returns_sum_of_cost_estimates_and_averages_minibatch():

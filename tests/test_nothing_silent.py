@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import sys
 import weakref
 
@@ -243,6 +244,32 @@ def test_a_cost_whose_node_plate_was_reduced_gives_a_warning():
         storch.backward()
 
 
+@pytest.mark.parametrize("reduce", [
+    lambda t: storch.reduce_plates(t, "z"), lambda t: storch.mean(t, "z"), lambda t: storch.sum(t, "z"),
+], ids=["reduce_plates", "mean", "sum"])
+def test_backward_names_a_reduced_plate_not_requires_grad_when_nothing_else_needs_grad(reduce):
+    """The only gradient path ran through the reduced plate: the error says so, with the fix, and
+    does not send the user to requires_grad / no_grad (issue 12)."""
+    mu = torch.tensor(0.5, requires_grad=True)
+    z = storch.method.ScoreFunction("z", n_samples=4)(torch.distributions.Normal(mu, 1.0))
+    storch.add_cost(reduce(z * z), "c")
+    with pytest.warns(storch.exceptions.UnusedNodeWarning), pytest.raises(ValueError) as info:
+        storch.backward()
+    message = str(info.value)
+    assert re.search(r"Node\(s\) 'z' \(ScoreFunction\) have parameters that require grad.*plate\(s\) 'z'.*"
+                     r"reduced before storch.add_cost.*Keep the plate on the cost", message), message
+    assert "requires_grad=True" not in message and "no_grad" not in message
+    assert storch.registered_costs() == ()
+
+
+def test_backward_still_suggests_requires_grad_when_that_is_the_cause():
+    z = storch.method.ScoreFunction("z", n_samples=4)(torch.distributions.Normal(0.5, 1.0))  # no parameters
+    storch.add_cost(storch.reduce_plates(z * z, "z"), "c")
+    with pytest.raises(ValueError, match=r"requires_grad=True.*torch.no_grad\(\)") as info:
+        storch.backward()
+    assert "reduced before" not in str(info.value)
+
+
 def test_reduced_reparameterized_nodes_and_nodes_without_grad_do_not_warn(recwarn):
     mu = torch.tensor(0.5, requires_grad=True)
     x = storch.method.Reparameterization("x", n_samples=4)(torch.distributions.Normal(mu, 1.0))
@@ -410,3 +437,48 @@ def test_expect_weights_read_probs_exactly_at_the_edges(p0):
     storch.add_cost((y * torch.tensor([1.0, 2.0, 3.0])).sum(-1), "g")
     assert storch.backward() == 1.5  # weights exactly (0.5, 0.5, 0), not (0.5, 0.5, 1.2e-7)
     torch.testing.assert_close(q.grad, torch.tensor([-0.5, 0.5, 1.5]))  # d/dq of Σ q_k f_k / Σ q
+
+
+# ------------------------------------------------------------------ 13. integer parameters
+@pytest.mark.parametrize("name", sorted(set(test_construction.METHODS) - {"MAPO"}))
+def test_integer_parameters_are_refused_before_sampling_naming_node_method_and_distribution(name):
+    """``Normal(torch.tensor(0), torch.tensor(1))``: not torch's bare "normal_kernel_cpu not implemented
+    for 'Long'" from deep inside the sampler, but the node, the method, the distribution and the fix."""
+    method = test_construction.METHODS[name][0]()
+    with pytest.raises(TypeError, match=rf"^{name} cannot sample node 'z': the parameters of Normal must be "
+                                        r"floating point tensors, got loc \(torch.int64\), scale \(torch.int64\)\..*"
+                                        r"torch.tensor\(0.\) instead of torch.tensor\(0\)"):
+        method(torch.distributions.Normal(loc=torch.tensor(0), scale=torch.tensor(1)))
+
+
+def test_mapo_refuses_a_normal_for_its_support_first():
+    with pytest.raises(TypeError, match=r"MAPO\('z'\): Normal has no finite support"):
+        test_construction.METHODS["MAPO"][0]()(torch.distributions.Normal(torch.tensor(0), torch.tensor(1)))
+
+
+@pytest.mark.parametrize("method", [
+    lambda: storch.method.ScoreFunction("b", n_samples=2), lambda: storch.method.Expect("b"),
+    lambda: storch.method.ARM("b", n_samples=2), lambda: storch.method.ScoreFunctionWOR("b", k=2),
+    lambda: storch.method.UnorderedSetEstimator("b", k=2),
+], ids=["ScoreFunction", "Expect", "ARM", "ScoreFunctionWOR", "UnorderedSetEstimator"])
+@pytest.mark.parametrize("param", ["probs", "logits"])
+def test_integer_bernoulli_parameters_are_refused(method, param):
+    with pytest.raises(TypeError, match=rf"cannot sample node 'b': the parameters of Bernoulli .* got {param} "):
+        method()(Bernoulli(**{param: torch.tensor([0, 1])}))
+
+
+def test_integer_parameters_inside_a_wrapper_are_named_with_their_distribution():
+    normal = torch.distributions.Independent(torch.distributions.Normal(torch.tensor([0]), 1.0), 1)
+    with pytest.raises(TypeError, match=r"parameters of Independent .* got Normal.loc \(torch.int64\), "
+                                        r"Normal.scale \(torch.int64\)"):
+        storch.method.Reparameterization("z")(normal)
+
+
+def test_parameters_that_torch_accepts_as_integers_still_work():
+    """Discrete parameters (Binomial's total_count) and Categorical's probs, which torch normalises to
+    floating point, are fine."""
+    b = storch.method.ScoreFunction("b", n_samples=2)(
+        torch.distributions.Binomial(torch.tensor(3), probs=torch.tensor(0.5, requires_grad=True))
+    )
+    c = storch.method.Expect("c")(Categorical(probs=torch.tensor([1, 3])))
+    assert b.shape == (2,) and c.shape == (2,)

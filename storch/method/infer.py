@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch.distributions import Distribution
 
 from storch.method.baseline import BaselineFactory
-from storch.method.method import DEFAULT_N_SAMPLES, Method, proposal_arguments
+from storch.method.method import DEFAULT_N_SAMPLES, Method, check_floating_parameters, proposal_arguments
 from storch.method.reparameterization import Reparameterization
 from storch.method.score_function import ScoreFunction
 from storch.sampling.method import SamplingMethod
@@ -52,6 +52,8 @@ class Infer(Method):
         self.score_function = ScoreFunction(plate_name, sampling_method, n_samples, baseline_factory)
 
     def forward(self, distr: Distribution) -> StochasticTensor:
+        if isinstance(distr, Distribution):  # named Infer here, not the method it delegates to
+            check_floating_parameters(distr, type(self).__name__, self.plate_name)
         if isinstance(distr, Distribution) and distr.has_rsample:
             return self.reparameterization(distr)
         return self.score_function(distr)

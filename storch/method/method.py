@@ -75,7 +75,7 @@ from storch.extend import (
 )
 from storch.sampling.method import MonteCarlo, SamplingMethod, check_count, describe_argument
 
-__all__ = ["Method", "log_prob", "DEFAULT_N_SAMPLES", "proposal_arguments"]
+__all__ = ["Method", "log_prob", "DEFAULT_N_SAMPLES", "proposal_arguments", "check_floating_parameters"]
 
 
 class _DefaultCount(int):
@@ -129,6 +129,76 @@ def proposal_arguments(owner: str, sampling_method: Any, n_samples: Any) -> tupl
             f"n_samples={n}; give it once."
         )
     return None, count
+
+
+def _is_discrete(constraint: Any) -> bool:
+    """Whether a parameter constraint holds integers (``Binomial.total_count``); unknown: ``False``."""
+    try:
+        return bool(constraint.is_discrete)
+    except NotImplementedError:  # constraints.dependent without is_discrete
+        return False
+
+
+def _integer_parameters(distr: Distribution) -> list[tuple[str, str, torch.dtype]]:
+    """``(distribution, parameter, dtype)`` of each parameter of ``distr`` (and of the distributions
+    it wraps, as ``Independent`` does) that is not floating point although its constraint is real.
+
+    Only the parameters stored on the distribution are read: lazily derived ones (``Bernoulli.logits``
+    of ``Bernoulli(probs=...)``) are not computed, and normalised ones (``Categorical`` divides its
+    ``probs`` by their sum) are floating point already.
+    """
+    found = []
+    stack = [distr]
+    with no_dispatch():  # dtype reads of storch tensors: no trip through storch's dispatch
+        while stack:
+            d = stack.pop()
+            for name, constraint in d.arg_constraints.items():
+                value = d.__dict__.get(name)
+                if isinstance(value, torch.Tensor) and not (value.dtype.is_floating_point or value.dtype.is_complex) \
+                        and not _is_discrete(constraint):
+                    found.append((type(d).__name__, name, value.dtype))
+            stack.extend(v for v in d.__dict__.values() if isinstance(v, Distribution))
+    return found
+
+
+def check_floating_parameters(distr: Distribution, method: str, node: str) -> None:
+    """Refuse a distribution with integer (or bool) parameters before sampling it.
+
+    Torch samples such a distribution with a bare ``"normal_kernel_cpu" not implemented for 'Long'``
+    (``Normal(torch.tensor(0), torch.tensor(1))``; a Python ``1.0`` next to an integer tensor is
+    turned into an integer too). Parameters whose constraint is discrete (``Binomial.total_count``)
+    may be integers.
+
+    Args:
+        distr: the distribution a method is about to sample.
+        method: the method's name for the message, e.g. ``"ScoreFunction"``.
+        node: the node's (plate's) name.
+
+    Raises:
+        TypeError: naming the node, the method, the distribution and each integer parameter.
+
+    Examples:
+        >>> import torch
+        >>> from torch.distributions import Normal
+        >>> check_floating_parameters(Normal(torch.tensor(0.0), 1.0), "ScoreFunction", "z")  # fine
+        >>> check_floating_parameters(Normal(torch.tensor(0), 1.0), "ScoreFunction", "z")
+        Traceback (most recent call last):
+        ...
+        TypeError: ScoreFunction cannot sample node 'z': the parameters of Normal must be floating point ...
+    """
+    found = _integer_parameters(distr)
+    if not found:
+        return
+    top = type(distr).__name__
+    params = ", ".join(
+        f"{name if owner == top else f'{owner}.{name}'} ({dtype})" for owner, name, dtype in found
+    )
+    raise TypeError(
+        f"{method} cannot sample node {node!r}: the parameters of {top} must be floating point tensors, "
+        f"got {params}. Torch cannot sample a distribution with integer parameters (and a Python float "
+        "next to an integer tensor becomes an integer too). Build them as floating point, e.g. "
+        "torch.tensor(0.) instead of torch.tensor(0), or convert them with .float()."
+    )
 
 
 def log_prob(tensor: StochasticTensor) -> Tensor:
@@ -249,6 +319,7 @@ class Method(nn.Module):
                 "distribution, e.g. ScoreFunction('z', n_samples=8)(q) (the manual's older form was "
                 "method('z', q, n=8))."
             )
+        check_floating_parameters(distr, type(self).__name__, self.plate_name)
         self.check_distribution(distr)
         parents = distribution_layout(distr)
         if self.plate_name in parents.names:
