@@ -28,6 +28,18 @@ step ``t`` (carrying step ``t``'s plate) is estimated with those prefixes, which
 without replacement of prefixes of length ``t``. With
 [`storch.sampling.decoding.MCDecoder`][storch.sampling.decoding.MCDecoder]
 as the proposal the same method is the plain score function over i.i.d. sequences.
+
+Several variables per step. When step ``t``'s distribution has batch dimensions beyond its plates
+(e.g. batch shape ``(k, 2)``: two categorical variables per beam), they are one token whose value
+is the tuple of the variables' values, with ``log p(x_t | x_{<t})`` the sum over the variables.
+The ``k`` beams are ``k`` distinct (prefix, tuple) sequences, drawn by stochastic beam search that
+adds the variables one at a time (an exact Gumbel-top-k sample over the product space, without
+enumerating it), and the weights use the whole step's ``κ``: the estimator is unbiased as for one
+variable per step. ``eos`` is refused for such steps (they have no single token to compare with
+it). Storchastic 0.3.7 (``IterDecoding.decode``) also decodes the variables of such a step
+jointly, by stochastic beam search over them one after the other (row-major, as here), not as
+independent beams per variable; it compared each variable with ``eos`` separately, which storch
+refuses.
 """
 
 from __future__ import annotations
@@ -37,7 +49,7 @@ from typing import Optional
 import torch
 from torch.distributions import Distribution
 
-from storch.method.method import Method
+from storch.method.method import Method, check_floating_parameters
 from storch.extend import (
     AncestralPlate,
     CostTensor,
@@ -79,6 +91,13 @@ class ScoreFunctionWOR(Method):
         biased: normalise the weights by their sum and subtract the built-in baseline (consistent,
             lower variance); ``False`` (default) keeps the unbiased, unnormalised weights.
         eos: the end-of-sequence value index, for sequences decoded step by step.
+        use_baseline: subtract the built-in baseline ``B`` (Storchastic's keyword). Only the
+            normalised estimator has one: ``None`` (default) means ``biased``; ``False`` with
+            ``biased=True`` keeps the normalised weights without ``B``; ``True`` with
+            ``biased=False`` is refused, since ``B`` is computed from the same samples and would bias
+            the unbiased estimator (for an unbiased estimator with a built-in baseline use
+            [`UnorderedSetEstimator`][storch.method.UnorderedSetEstimator]). Note that Storchastic's
+            default was ``biased=True``; storch's is ``False``.
         sampling_method: a [`storch.sampling.swor.SequenceSampler`][storch.sampling.swor.SequenceSampler] to use
             instead of the
             default [`SampleWithoutReplacement`][storch.method.score_function_wor.SampleWithoutReplacement] (a
@@ -86,7 +105,9 @@ class ScoreFunctionWOR(Method):
             [`storch.sampling.decoding.MCDecoder`][storch.sampling.decoding.MCDecoder] for i.i.d. sequences).
 
     The ``distribution`` of a sequence step's node has the previous step's beams as batch
-    dimension; the step's own log-probabilities are in ``sampling_method.state_of(tensor)``.
+    dimension; the step's own log-probabilities are in ``sampling_method.state_of(tensor)``. A step
+    may hold several variables per beam (batch dimensions that are not plates): they are sampled
+    jointly, as one token (see the module docstring); ``eos`` then is refused.
 
     Examples:
         >>> import torch, storch
@@ -123,8 +144,17 @@ class ScoreFunctionWOR(Method):
         biased: bool = False,
         eos: Optional[int] = None,
         sampling_method: Optional[SequenceSampler] = None,
+        use_baseline: Optional[bool] = None,
     ) -> None:
         k = check_count(k, "k", f"{type(self).__name__}({plate_name!r})")
+        if use_baseline and not biased:
+            raise ValueError(
+                f"{type(self).__name__}({plate_name!r}): use_baseline=True needs biased=True. The built-in "
+                "baseline is computed from the same k samples, so subtracting it from the unbiased "
+                "(unnormalised) estimator would bias it. Pass biased=True (Storchastic's default) for the "
+                "normalised estimator with its baseline, or use UnorderedSetEstimator for an unbiased "
+                "estimator with a built-in baseline."
+            )
         if sampling_method is None:
             sampling_method = SampleWithoutReplacement(plate_name, k, normalize=biased, eos=eos)
         elif not isinstance(sampling_method, SequenceSampler):
@@ -136,6 +166,7 @@ class ScoreFunctionWOR(Method):
         super().__init__(plate_name, sampling_method)
         self.k = k
         self.biased = bool(biased)
+        self.use_baseline = self.biased if use_baseline is None else bool(use_baseline)
 
     def check_distribution(self, distr: Distribution) -> None:
         wor_support(distr)  # raises a clear error for distributions without a finite support
@@ -144,6 +175,7 @@ class ScoreFunctionWOR(Method):
     def forward(self, distr: Distribution) -> StochasticTensor:
         if not isinstance(distr, Distribution):
             return super().forward(distr)  # raises the common error
+        check_floating_parameters(distr, type(self).__name__, self.plate_name)
         self.check_distribution(distr)
         parents = distribution_layout(distr)
         sampler: SequenceSampler = self.sampling_method  # type: ignore[assignment]
@@ -167,12 +199,12 @@ class ScoreFunctionWOR(Method):
             )
         others = tuple(p for p in parents.plates if p is not ancestor)
         support = wor_support(distr)
-        if tuple(support.log_probs.shape[:-1]) != parents.sizes:
+        if tuple(support.log_probs.shape[: len(parents.sizes)]) != parents.sizes:
             raise ValueError(
-                f"{type(self).__name__}({self.plate_name!r}): a sequence step needs one categorical "
-                f"variable per beam and plate combination, but the distribution has batch shape "
-                f"{tuple(distr.batch_shape)} with plates {list(parents.names)}. Declare extra batch "
-                "dimensions independent (storch.denote_independent) or decode one variable per step."
+                f"{type(self).__name__}({self.plate_name!r}): the distribution of a sequence step has batch "
+                f"shape {tuple(distr.batch_shape)}, which does not start with the sizes {parents.sizes} of "
+                f"its plates {list(parents.names)}. Build its parameters from tensors that carry the "
+                "previous step's plate (and let storch broadcast them) instead of reshaping them by hand."
             )
         parent = ancestor.info
         parent_layout = ancestor.node.layout if ancestor.node is not None else layout_of_plates((ancestor,))
@@ -190,7 +222,10 @@ class ScoreFunctionWOR(Method):
                 perturbed=_to_beams(parent.perturbed, parent_layout, parents, beam_dim),
                 kappa=_to_layout(parent.kappa, parent_layout.plates[1:], others_layout),
                 tokens=parent.tokens,
-                finished=None if parent.finished is None else _to_beams(parent.finished, parent_layout, parents, beam_dim),
+                finished=(
+                    None if parent.finished is None
+                    else _to_beams(parent.finished, parent_layout, parents, beam_dim)
+                ),
                 alive=None if parent.alive is None else _to_beams(parent.alive, parent_layout, parents, beam_dim),
             )
             samples, state = self.sampling_method.extend(distr, aligned, beam_dim)  # type: ignore[attr-defined]
@@ -200,7 +235,9 @@ class ScoreFunctionWOR(Method):
         )
         return self._make_node(distr, samples, plate, others)
 
-    def _make_node(self, distr: Distribution, samples: torch.Tensor, plate: AncestralPlate, others: tuple) -> StochasticTensor:
+    def _make_node(
+        self, distr: Distribution, samples: torch.Tensor, plate: AncestralPlate, others: tuple
+    ) -> StochasticTensor:
         tensor = new_node(self, distr, samples, plate, others)
         weight = self.sampling_method.weighting_function(tensor, plate)
         if weight is not None:
@@ -215,9 +252,10 @@ class ScoreFunctionWOR(Method):
 
     def control_variate(self, tensor: StochasticTensor, cost: CostTensor) -> Optional[torch.Tensor]:
         """The built-in baseline ``B = Σ_S w̄(s) f(s)`` (normalised weights), biased variant only."""
-        if not self.biased:
+        if not self.use_baseline:
             return None
         return reduce_plate(cost.detach(), tensor.plate, detach_weights=True)
 
     def extra_repr(self) -> str:
-        return f"plate_name={self.plate_name!r}, k={self.k}, biased={self.biased}"
+        extra = "" if self.use_baseline == self.biased else f", use_baseline={self.use_baseline}"
+        return f"plate_name={self.plate_name!r}, k={self.k}, biased={self.biased}{extra}"

@@ -8,7 +8,10 @@ weight ``1/k``, and with the score function over the whole prefix,
 
     ∇ E[f(x_{≤t})] ≈ (1/k) Σ_i f(x^i_{≤t}) ∇ log p(x^i_{≤t}),   log p(x_{≤t}) = Σ_{s≤t} log p(x_s | x_<s),
 
-which is unbiased (for every order of derivatives, as the plain score function).
+which is unbiased (for every order of derivatives, as the plain score function). A step with
+several variables per prefix (batch dimensions that are not plates) draws one value of each, and
+their log-probabilities are summed into the prefix's (``eos`` then is refused: such a step has no
+single token).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class MCDecoder(SequenceSampler):
         support = wor_support(distr)
         lp = support.log_probs
         var_shape = tuple(lp.shape[n_plates:-1])
+        self._check_eos_variables(var_shape, tuple(distr.batch_shape), "the node")
         tokens = Categorical(logits=lp.detach()).sample((self.k,))  # (k, *P, *var)
         log_prob = lp.unsqueeze(0).expand((self.k,) + tuple(lp.shape)).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         if var_shape:
@@ -62,10 +66,14 @@ class MCDecoder(SequenceSampler):
         return support.values(tokens), state
 
     def extend(self, distr: Distribution, parent: WORState, beam_dim: int) -> tuple[torch.Tensor, WORState]:
+        """One token per prefix from ``p(x_t | x_<t)``; with several variables per step (batch
+        dimensions of ``distr`` that are not plates) one value of each, their log-probabilities
+        summed into the prefix's. ``eos`` is refused with several variables."""
         support, lp, ext = self._extension_log_probs(distr, parent, beam_dim)
-        token = Categorical(logits=ext).sample()  # one token per prefix: (n, *B)
-        n = token.shape[0]
-        parent_index = torch.arange(n, device=token.device).reshape((n,) + (1,) * (token.dim() - 1)).expand(token.shape)
+        token = Categorical(logits=ext).sample()  # one token per prefix (and variable): (n, *B, *var_shape)
+        shape = tuple(parent.log_prob.shape)  # (n, *B)
+        n = shape[0]
+        parent_index = torch.arange(n, device=token.device).reshape((n,) + (1,) * (len(shape) - 1)).expand(shape)
         log_prob, done = self._extend_prefixes(lp, parent, parent_index, token)
         state = WORState(log_prob, parent.perturbed, parent.kappa, token, parent_index, done)
         return support.values(token), state

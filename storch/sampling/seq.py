@@ -167,7 +167,10 @@ def expand_with_ignore_as(tensor: torch.Tensor, expand_as: torch.Tensor, ignore_
     def fn(t: torch.Tensor, e: torch.Tensor, n: int) -> torch.Tensor:
         diff = _extra_dims(t, e, "expand_with_ignore_as")
         t = t.reshape(tuple(t.shape[:n]) + (1,) * diff + tuple(t.shape[n:]))  # right-aligned events
-        dim = merge_layouts([layout_of(tensor), layout_of(expand_as)]).index(ignore_dim) if isinstance(ignore_dim, str) else ignore_dim
+        if isinstance(ignore_dim, str):
+            dim = merge_layouts([layout_of(tensor), layout_of(expand_as)]).index(ignore_dim)
+        else:
+            dim = ignore_dim
         if not -e.dim() <= dim < e.dim():
             raise IndexError(
                 f"expand_with_ignore_as: ignore_dim={ignore_dim} is out of range for a tensor of shape "

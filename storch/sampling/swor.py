@@ -17,7 +17,11 @@ conditioned on their maximum being ``T``; keeping the ``k`` best of the ``k·V``
 step gives an exact Gumbel-top-k sample of prefixes at every step, hence of full sequences. The
 ``(k+1)``-th largest perturbed value over *all* prefixes of length ``t`` is
 ``κ_t = max(κ_{t−1}, (k+1)-th largest candidate)``, since the best descendant of a pruned prefix has
-the pruned prefix's value.
+the pruned prefix's value. A sequence step with several variables per beam (batch dimensions that
+are not plates) is one token whose value is the tuple of the variables' values: the search adds
+the variables one at a time, which keeps an exact Gumbel-top-k sample of the (finer) prefixes after
+each, so the step yields ``k`` distinct extensions with the step's ``κ`` and the joint
+log-probability (summed over the variables and steps).
 
 Extension points (for estimators built on this proposal, e.g. the unordered set estimator):
 
@@ -64,7 +68,6 @@ from torch.distributions import Bernoulli, Categorical, Distribution, OneHotCate
 
 from storch.extend import (
     Plate,
-    Tensor,
     TypeRegistry,
     layout_of,
     log_prob_of_own_samples,
@@ -234,7 +237,8 @@ def cond_gumbel_sample(all_joint_log_probs: torch.Tensor, perturbed_log_probs: t
 
     Examples:
         >>> import torch
-        >>> g = cond_gumbel_sample(torch.log(torch.tensor([[0.2, 0.3, 0.5], [0.1, 0.1, 0.8]])), torch.tensor([-1.0, 2.0]))
+        >>> log_p = torch.log(torch.tensor([[0.2, 0.3, 0.5], [0.1, 0.1, 0.8]]))
+        >>> g = cond_gumbel_sample(log_p, torch.tensor([-1.0, 2.0]))
         >>> g.max(-1).values.tolist()
         [-1.0, 2.0]
     """
@@ -276,7 +280,8 @@ def gumbel_top_k_step(
         kappa = torch.maximum(kappa, top[..., k])
     chosen = idx[..., :n_new]
     log_p = flat_log_p.gather(-1, chosen).movedim(-1, 0)
-    return (chosen // size).movedim(-1, 0), (chosen % size).movedim(-1, 0), log_p, top[..., :n_new].movedim(-1, 0), kappa
+    parent_index, token = (chosen // size).movedim(-1, 0), (chosen % size).movedim(-1, 0)
+    return parent_index, token, log_p, top[..., :n_new].movedim(-1, 0), kappa
 
 
 # ----------------------------------------------------------------------- the sampled set
@@ -292,7 +297,8 @@ class WORState:
             steps), differentiable; ``0`` on dead beams.
         perturbed: ``(n, *B)`` its perturbed log-probability (detached; ``−∞`` on dead beams).
         kappa: ``(*B)`` the ``(k+1)``-th largest perturbed value (``−∞`` when the set is the support).
-        tokens: ``(n, *B, *var_shape)`` value indices (for sequences: this step's token).
+        tokens: ``(n, *B, *var_shape)`` value indices (for sequences: this step's token, one index
+            per variable of the step).
         parent_index: ``(n, *B)`` the beam of the previous step each element extends (``None`` for
             a set drawn in one call).
         finished: ``(n, *B)`` whether the sequence has emitted the end-of-sequence token.
@@ -348,15 +354,18 @@ class SequenceSampler(SamplingMethod):
 
         Args:
             distr: the distribution of the next token given each prefix; its batch dimensions are
-                exactly the plates of its parameters, the previous step's plate at ``beam_dim``.
+                the plates of its parameters (the previous step's plate at ``beam_dim``), then the
+                step's variables ``var_shape`` (none for one variable per beam; several are one
+                token whose value is the tuple of theirs).
             parent: the previous step's [`WORState`][storch.sampling.swor.WORState], laid out as ``distr``'s other
                 plates
                 (beam dimension first).
             beam_dim: the position of the previous step's plate among ``distr``'s batch dimensions.
 
         Returns:
-            the samples ``(n', *other plates, *event_shape)`` and the step's [`WORState`][storch.sampling.swor.WORState]
-            (``log_prob`` is that of the whole prefix, differentiable).
+            the samples ``(n', *other plates, *var_shape, *event_shape)`` and the step's
+            [`WORState`][storch.sampling.swor.WORState] (``log_prob`` is that of the whole prefix, the step's
+            variables summed, differentiable; ``parent_index`` is ``(n', *other plates)``).
         """
 
     @abstractmethod
@@ -398,11 +407,32 @@ class SequenceSampler(SamplingMethod):
     def reset(self) -> None:
         self._pending = None
 
-    def _extension_log_probs(self, distr: Distribution, parent: WORState, beam_dim: int) -> tuple[WORSupport, torch.Tensor, torch.Tensor]:
-        """The support, the differentiable next-token log-probabilities ``(n, *B, V)`` and their
-        detached version with finished prefixes forced onto ``eos`` (probability 1)."""
+    def _check_eos_variables(self, var_shape: tuple, batch_shape: tuple, step: str) -> None:
+        """Refuse ``eos`` on a node or step with several variables (it has no single token)."""
+        if self.eos is None or not var_shape:
+            return
+        raise ValueError(
+            f"{type(self).__name__}({self.plate_name!r}): eos={self.eos} marks a sequence finished when its "
+            "token is eos, so with eos a step needs one categorical variable per beam (and plate "
+            f"combination), but {step} has batch shape {batch_shape}, of which {var_shape} are not plates: "
+            f"{math.prod(var_shape)} variables per beam, with no single token to compare with eos. Decode "
+            "one variable per step (one call of the method per variable), or drop eos (fixed-length "
+            "sequences: several variables per step are then sampled jointly, as one token)."
+        )
+
+    def _extension_log_probs(
+        self, distr: Distribution, parent: WORState, beam_dim: int
+    ) -> tuple[WORSupport, torch.Tensor, torch.Tensor]:
+        """The support, the differentiable next-token log-probabilities ``(n, *B, *var_shape, V)``
+        and their detached version with finished prefixes forced onto ``eos`` (probability 1).
+
+        ``var_shape`` are the step's variables (batch dimensions of ``distr`` that are not plates);
+        ``eos`` is refused when there are several.
+        """
         support = wor_support(distr)
         lp = support.log_probs.movedim(beam_dim, 0)
+        var_shape = tuple(lp.shape[parent.log_prob.dim() : -1])
+        self._check_eos_variables(var_shape, tuple(distr.batch_shape), "this sequence step")
         ext = lp.detach()
         if parent.finished is not None and self.eos is not None:
             on_eos = torch.full((lp.shape[-1],), -math.inf, dtype=ext.dtype, device=ext.device)
@@ -413,9 +443,24 @@ class SequenceSampler(SamplingMethod):
     def _extend_prefixes(
         self, lp: torch.Tensor, parent: WORState, parent_index: torch.Tensor, token: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The differentiable prefix log-probability and the finished flags of the extensions."""
+        """The differentiable prefix log-probability and the finished flags of the extensions.
+
+        Args:
+            lp: ``(n, *B, *var_shape, V)`` the step's differentiable log-probabilities.
+            parent: the previous step's state (``(n, *B)``).
+            parent_index: ``(n', *B)`` the previous beam each extension extends.
+            token: ``(n', *B, *var_shape)`` the step's value indices, one per variable.
+
+        Returns:
+            ``(n', *B)``: the prefix log-probability (the step's variables summed) and ``finished``.
+        """
         token_lp = _take_beams(lp, parent_index).gather(-1, token.unsqueeze(-1)).squeeze(-1)
-        done = token == self.eos if self.eos is not None else torch.zeros_like(token, dtype=torch.bool)
+        if token_lp.dim() > parent_index.dim():  # several variables per step: their joint log-probability
+            token_lp = token_lp.sum(tuple(range(parent_index.dim(), token_lp.dim())))
+        if self.eos is not None and token.dim() == parent_index.dim():
+            done = token == self.eos
+        else:
+            done = torch.zeros_like(parent_index, dtype=torch.bool)
         if parent.finished is not None:
             was_done = _take_beams(parent.finished, parent_index)
             token_lp = torch.where(was_done, torch.zeros_like(token_lp), token_lp)  # EOS after EOS: log 1
@@ -487,6 +532,7 @@ class SampleWithoutReplacement(SequenceSampler):
         log_probs = support.log_probs
         plate_shape = tuple(log_probs.shape[:n_plates])
         var_shape = tuple(log_probs.shape[n_plates:-1])
+        self._check_eos_variables(var_shape, tuple(distr.batch_shape), "the node")
         size = log_probs.shape[-1]
         lp = log_probs.reshape(plate_shape + (-1, size))  # (*P, D, V)
         lp_detached = lp.detach()
@@ -510,15 +556,42 @@ class SampleWithoutReplacement(SequenceSampler):
         return support.values(tokens), state
 
     def extend(self, distr: Distribution, parent: WORState, beam_dim: int) -> tuple[torch.Tensor, WORState]:
-        """One step of stochastic beam search: the ``min(k, n·V)`` best of the ``n·V`` extensions."""
+        """One step of stochastic beam search: the ``min(k, n·V^D)`` best of the ``n·V^D`` extensions.
+
+        A step with ``D > 1`` variables per beam (batch dimensions of ``distr`` that are not
+        plates) extends each prefix by the *joint* value of its variables, one token of ``V^D``
+        values: the variables are added one at a time (row-major), each a step of stochastic beam
+        search over the finer prefixes, which keeps an exact Gumbel-top-k sample of the prefixes at
+        every variable, hence ``k`` distinct (prefix, joint value) extensions; ``κ`` and the
+        prefix log-probability (the variables' log-probabilities summed) are those of the whole
+        step. ``eos`` is refused with several variables.
+        """
         support, lp, ext = self._extension_log_probs(distr, parent, beam_dim)
+        n_batch = parent.log_prob.dim()  # beam + plate dimensions
+        var_shape = tuple(lp.shape[n_batch:-1])
+        if math.prod(var_shape) == 0:
+            raise ValueError(
+                f"{type(self).__name__}({self.plate_name!r}): the sequence step has batch shape "
+                f"{tuple(distr.batch_shape)}, of which {var_shape} are not plates: no variable to sample. "
+                "Remove the empty dimension."
+            )
+        ext = ext.reshape(tuple(ext.shape[:n_batch]) + (-1, ext.shape[-1]))  # (n, *B, D, V)
         alive = parent.alive if parent.alive is not None else parent.perturbed > -math.inf
-        parent_lp = torch.where(alive, parent.log_prob.detach(), torch.full_like(parent.perturbed, -math.inf))
-        parent_index, token, log_p, perturbed, kappa = gumbel_top_k_step(
-            parent_lp, parent.perturbed, ext, self.k, parent.kappa
-        )
+        beam_log_p = torch.where(alive, parent.log_prob.detach(), torch.full_like(parent.perturbed, -math.inf))
+        perturbed, kappa = parent.perturbed, parent.kappa
+        parent_index: Optional[torch.Tensor] = None  # the previous step's beam of each current beam
+        tokens = torch.zeros(tuple(ext.shape[:n_batch]) + (0,), dtype=torch.long, device=ext.device)
+        for d in range(ext.shape[-2]):
+            var_ext = ext[..., d, :] if parent_index is None else _take_beams(ext[..., d, :], parent_index)
+            chosen, token, beam_log_p, perturbed, kappa = gumbel_top_k_step(
+                beam_log_p, perturbed, var_ext, self.k, kappa
+            )
+            parent_index = chosen if parent_index is None else _take_beams(parent_index, chosen)
+            tokens = torch.cat([_take_beams(tokens, chosen), token.unsqueeze(-1)], -1)
+        assert parent_index is not None  # at least one variable
+        token = tokens.reshape(tuple(tokens.shape[:n_batch]) + var_shape)
         log_prob, done = self._extend_prefixes(lp, parent, parent_index, token)
-        alive = log_p > -math.inf
+        alive = beam_log_p > -math.inf
         log_prob = torch.where(alive, log_prob, torch.zeros_like(log_prob))
         state = WORState(log_prob, perturbed, kappa, token, parent_index, done, alive)
         return support.values(token), state
