@@ -20,7 +20,8 @@ from storch.distributions.relaxation import conditional_gumbel_rsample
 from storch.ops import cat, expand_as, gather, grad
 from storch.plate import Plate, order_plates
 from storch.reductions import denote_independent, gather_samples, logsumexp, mean, reduce_plates, sum, variance
-from storch.tensor import CostTensor, IndependentTensor, StochasticTensor, Tensor, is_storch
+from storch.tensor import CostTensor, IndependentTensor, StochasticTensor, Tensor, is_storch, is_tensor
+from storch.exceptions import IllegalStorchExposeError
 from storch.wrappers import deterministic, make_left_broadcastable, reduce, stochastic
 from storch import storch  # the manual's storch.storch module of utilities
 from storch import compiler
@@ -30,7 +31,8 @@ from storch.compiled_step import compile_step
 __version__ = "0.1.0"
 
 __all__ = [
-    "Tensor", "StochasticTensor", "CostTensor", "IndependentTensor", "Plate", "is_storch",
+    "Tensor", "StochasticTensor", "CostTensor", "IndependentTensor", "Plate", "is_storch", "is_tensor",
+    "IllegalStorchExposeError",
     "add_cost", "backward", "surrogate_loss", "reset", "registered_costs",
     "denote_independent", "gather_samples", "reduce_plates", "variance", "mean", "sum", "logsumexp",
     "cat", "gather", "expand_as", "grad", "order_plates", "conditional_gumbel_rsample",

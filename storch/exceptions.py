@@ -5,8 +5,15 @@ __all__ = [
 ]
 
 
-class IllegalStorchExposeError(Exception):
-    """A function exposed plain torch values where storch tensors were required."""
+class IllegalStorchExposeError(ValueError):
+    """A storch tensor's samples were exposed as one plain value, or plain values where storch tensors were required.
+
+    Raised by ``bool(t)`` (so ``if t:``), ``t.item()``, ``float(t)``, ``int(t)`` and ``t.tolist()`` on a
+    tensor that holds several samples along a plate (reduce the plates first, e.g. with
+    [`storch.reduce_plates`][storch.reduce_plates]), and by [`storch.deterministic`][storch.deterministic]
+    when a wrapped function returns a plain tensor or loses an input plate. A `ValueError`, so code that
+    catches torch's own "ambiguous truth value" error keeps working.
+    """
 
     def __init__(self, message: str) -> None:
         super().__init__(message)

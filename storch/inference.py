@@ -27,10 +27,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from storch import _tracing
-from storch._dispatch import union_of_layouts
 from storch._step import forget_sampled, sampled_plates
 from storch.exceptions import CompileStepError, NonFiniteCostError, StaleCostError, UnusedNodeWarning
-from storch.plate import MAX_PLATES, Plate, PlateClashError  # MAX_PLATES: re-exported
+from storch.plate import MAX_PLATES, Plate, PlateClashError, layout_of_plates, merge_layouts  # noqa: F401 (MAX_PLATES)
 from storch.reductions import reduce_plate
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, alias, layout_of, plain, wrap_new
 from storch.util import get_distr_parameters, magic_box, restore_lazy_plates
@@ -239,7 +238,8 @@ def _check_one_step(costs: tuple[CostTensor, ...]) -> None:
     if len(costs) < 2:
         return
     try:
-        union_of_layouts([layout_of(c) for c in costs])  # cached when the costs share plates
+        for a, b in _plates_sharing_a_name(costs):
+            merge_layouts([layout_of_plates([a]), layout_of_plates([b])])
     except PlateClashError as clash:
         reset()
         names = ", ".join(repr(c.name) for c in costs)
@@ -249,6 +249,23 @@ def _check_one_step(costs: tuple[CostTensor, ...]) -> None:
             "an earlier step that raised before storch.backward(). Call storch.reset() at the start "
             "of each step (or where you catch the error); the registry has been cleared."
         ) from None
+
+
+def _plates_sharing_a_name(costs: tuple[CostTensor, ...]) -> list[tuple[Plate, Plate]]:
+    """The pairs of different plates with one name among the costs' plates: the only ones that can clash.
+
+    Each cost is reduced over its own plates, so costs never meet in one tensor, and the check looks
+    at the plates one name at a time: costs of independent nodes need not fit in one tensor together
+    (an episode with a reward after each of a hundred decisions holds a hundred plates).
+    """
+    first: dict[str, Plate] = {}
+    pairs: dict[tuple[int, int], tuple[Plate, Plate]] = {}
+    for cost in costs:
+        for plate in layout_of(cost).plates:
+            seen = first.setdefault(plate.name, plate)
+            if seen is not plate:
+                pairs.setdefault((id(seen), id(plate)), (seen, plate))
+    return list(pairs.values())
 
 
 def surrogate_loss(costs: tuple[CostTensor, ...] | None = None) -> torch.Tensor:
@@ -413,15 +430,21 @@ def _nothing_to_differentiate(unused: list[Plate]) -> ValueError:
 
 
 def backward(
+    *positional: Any,
     create_graph: bool = False,
     retain_graph: bool = False,
     update_parameters: bool = True,
     print_costs: bool = False,
+    debug: bool = False,
+    update_estimator_params: bool | None = None,
 ) -> torch.Tensor:
     """Estimate the gradients of the expected total cost and accumulate them in ``.grad``.
 
     Builds the surrogate loss of every registered cost, calls ``backward`` on it, lets each method
     update its state (baselines, temperatures) and clears the registry, also when an error occurs.
+    Every argument is keyword-only: Storchastic's first positional argument was ``debug``, storch's
+    first option is ``create_graph``, so a positional ``storch.backward(True)`` is refused rather
+    than read with either meaning.
 
     Args:
         create_graph: keep the graph of the derivative, for higher-order derivatives (e.g.
@@ -429,6 +452,8 @@ def backward(
         retain_graph: keep the graph for another backward pass.
         update_parameters: call each method's ``update_parameters`` afterwards.
         print_costs: print the estimate of each cost.
+        debug: Storchastic's keyword; storch prints the estimate of each cost (as ``print_costs``).
+        update_estimator_params: Storchastic's name for ``update_parameters`` (overrides it when given).
 
     Returns:
         The estimate of the expected total cost (a plain, detached 0-dim tensor): the forward value
@@ -448,6 +473,18 @@ def backward(
         >>> storch.backward(), p.grad
         (tensor(1.5000), tensor(5.))
     """
+    if positional:
+        reset()  # as for every error in backward: no cost left over from this step
+        raise TypeError(
+            f"storch.backward takes keyword arguments only, got {len(positional)} positional: "
+            f"{', '.join(repr(a) for a in positional)}. Storchastic's first argument was debug, storch's "
+            "first option is create_graph: write storch.backward(create_graph=True) for higher-order "
+            "derivatives, or storch.backward(debug=True) (the same as print_costs=True) to print each "
+            "cost's estimate."
+        )
+    if update_estimator_params is not None:
+        update_parameters = update_estimator_params
+    print_costs = print_costs or debug
     costs = _COSTS.get()
     record = _Record()
     try:

@@ -512,9 +512,12 @@ def _chain_key(plate: Plate) -> str:
 def _raise_clash(seen: Plate, plate: Plate) -> None:
     raise PlateClashError(
         f"Two different plates are named {plate.name!r}: {_describe(seen)} and "
-        f"{_describe(plate)}. Samples of different stochastic nodes never merge. Give "
-        "the nodes different plate names (e.g. Method('z1') and Method('z2')), or if one "
-        "tensor is left over from an earlier step, recompute it in this step."
+        f"{_describe(plate)}. Samples of different stochastic nodes never merge, also when their "
+        "sizes match (Storchastic merged them): a plate identifies its node, and storch applies a "
+        "node's gradient estimator when it reduces that node's plate, so one merged plate would "
+        "silently drop the other node's estimator. Give the nodes different plate names (e.g. "
+        "Method('z1') and Method('z2')), or if one tensor is left over from an earlier step, "
+        "recompute it in this step."
     )
 
 

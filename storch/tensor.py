@@ -28,6 +28,7 @@ from torch.distributions import Distribution
 
 from storch import _dispatch
 from storch._dispatch import torch_function
+from storch.exceptions import IllegalStorchExposeError
 from storch.plate import EMPTY_LAYOUT, Plate, PlateLayout, layout_of_plates
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,7 +69,7 @@ def _single_value(method: Any, what: str) -> Any:
         return value
 
     convert.__name__ = method.__name__
-    convert.__doc__ = f"{what} of a tensor whose plates all have size 1 (else ValueError)."
+    convert.__doc__ = f"{what} of a tensor whose plates all have size 1 (else `IllegalStorchExposeError`)."
     return convert
 
 
@@ -156,6 +157,14 @@ class Tensor(torch.Tensor):
         """A plain ``torch.Tensor`` view of the data, plate dimensions included."""
         return alias(self)
 
+    def detach_tensor(self) -> torch.Tensor:
+        """The data as a plain ``torch.Tensor``, detached from the graph, plate dimensions included.
+
+        Storchastic's name; the same as ``t._tensor.detach()``. For a detached storch tensor that keeps
+        its plates, use ``t.detach()``.
+        """
+        return alias(self).detach()
+
     def stochastic(self) -> bool:
         """True if this is a stochastic node in the stochastic computation graph."""
         return False
@@ -167,7 +176,7 @@ class Tensor(torch.Tensor):
     def _check_single_sample(self, what: str) -> None:
         big = [f"{p.name!r} (size {p.size})" for p in self._layout.plates if p.size > 1]
         if big:
-            raise ValueError(
+            raise IllegalStorchExposeError(
                 f"{what} needs a single value, but this tensor holds several samples along plates "
                 f"{', '.join(big)}. Reduce them first, e.g. storch.reduce_plates(t) for the weighted "
                 "mean over all plates, or use t._tensor for the raw values."
@@ -339,6 +348,14 @@ class StochasticTensor(Tensor):
     def param_grads(self) -> dict[str, torch.Tensor]:
         return self._node.param_grads
 
+    def detach_tensor(self) -> torch.Tensor:
+        """The data as a plain ``torch.Tensor``, detached from the graph, plate dimensions included.
+
+        Storchastic's name; the same as ``t._tensor.detach()``. For a detached storch tensor that keeps
+        its plates, use ``t.detach()``.
+        """
+        return alias(self).detach()
+
     def stochastic(self) -> bool:
         return True
 
@@ -411,6 +428,9 @@ class IndependentTensor(Tensor):
 def is_storch(t: Any) -> bool:
     """True for a [`storch.Tensor`][storch.Tensor]."""
     return isinstance(t, Tensor)
+
+
+is_tensor = is_storch  # Storchastic's name
 
 
 def layout_of(t: Any) -> PlateLayout:

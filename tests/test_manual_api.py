@@ -706,3 +706,149 @@ def test_plate_n_is_the_plate_size():
     z = storch.method.Reparameterization("z", n_samples=5)(Normal(0.0, 1.0))
     assert z.plates[0].n == z.n == 5
     storch.reset()
+
+
+# ============================================================= names Storchastic users reach for
+#: names a migrating user reaches for outside the manual's API reference, all provided by storch;
+#: each is also listed on the migration page (docs/migrating.md)
+PROVIDED_NAMES = [
+    "storch.is_tensor",
+    "storch.IllegalStorchExposeError",
+    "storch.method.GumbelSparseMax",
+    "storch.method.GumbelEntmax",
+    "storch.Tensor.detach_tensor",
+]
+#: Storchastic's keywords that storch takes, by callable
+STORCHASTIC_KEYWORDS = {
+    "storch.method.Infer": ["distribution_type"],
+    "storch.method.ScoreFunctionWOR": ["use_baseline"],
+    "storch.backward": ["debug", "update_estimator_params", "print_costs"],
+}
+MIGRATING_PAGE = Path(__file__).resolve().parents[1] / "docs" / "migrating.md"
+
+
+def _resolve(path: str) -> Any:
+    module, _, rest = path.partition(".")
+    obj: Any = importlib.import_module(module)
+    for part in rest.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@pytest.mark.parametrize("path", PROVIDED_NAMES)
+def test_names_migrating_users_reach_for_resolve_and_are_listed(path: str):
+    _resolve(path)
+    short = path.removeprefix("storch.Tensor.").rsplit(".", 1)[-1]
+    assert short in MIGRATING_PAGE.read_text(encoding="utf-8"), f"{path} is not on the migration page"
+
+
+@pytest.mark.parametrize("path", sorted(STORCHASTIC_KEYWORDS))
+def test_storchastic_keywords_are_taken_and_listed(path: str):
+    parameters = inspect.signature(_resolve(path)).parameters
+    page = MIGRATING_PAGE.read_text(encoding="utf-8")
+    for keyword in STORCHASTIC_KEYWORDS[path]:
+        assert keyword in parameters, f"{path} does not take {keyword}="
+        assert keyword in page, f"{path}({keyword}=...) is not on the migration page"
+
+
+def test_is_tensor_and_detach_tensor():
+    z = storch.method.ScoreFunction("z", n_samples=3)(Bernoulli(torch.tensor(0.5, requires_grad=True)))
+    assert storch.is_tensor(z) and not storch.is_tensor(torch.ones(1))
+    raw = z.detach_tensor()
+    assert type(raw) is torch.Tensor and not raw.requires_grad and raw.shape == (3,)
+    assert torch.equal(raw, z._tensor)
+    storch.reset()
+
+
+def test_truth_value_of_several_samples_is_an_illegal_expose():
+    z = storch.method.ScoreFunction("z", n_samples=3)(Bernoulli(torch.tensor(0.5)))
+    with pytest.raises(storch.IllegalStorchExposeError, match="'z' \\(size 3\\)"):
+        if z:
+            pass
+    with pytest.raises(ValueError):  # still a ValueError, as torch's own ambiguous truth value
+        float(z)
+    assert storch.IllegalStorchExposeError is storch.exceptions.IllegalStorchExposeError
+    one = storch.method.ScoreFunction("one", n_samples=1)(Bernoulli(torch.tensor(1.0)))
+    assert bool(one)  # a single sample is one value
+    storch.reset()
+
+
+def test_backward_is_keyword_only_and_a_positional_call_names_both_meanings():
+    p = torch.tensor(0.3, requires_grad=True)
+    storch.add_cost(5.0 * storch.method.Expect("x")(Bernoulli(p)), "f")
+    with pytest.raises(TypeError, match="debug.*create_graph"):
+        storch.backward(True)
+    assert storch.registered_costs() == ()  # nothing left over from the failed call
+    assert p.grad is None
+
+
+def test_backward_takes_storchastics_debug_and_update_estimator_params(capsys):
+    p = torch.tensor(0.3, requires_grad=True)
+    method = storch.method.ScoreFunction("x", n_samples=1, baseline_factory="moving_average")
+    storch.add_cost(5.0 * method(Bernoulli(p)), "f")
+    storch.backward(debug=True, update_estimator_params=False)
+    assert capsys.readouterr().out.startswith("f: ")
+    before = [b.clone() for b in method.buffers()]
+    storch.add_cost(5.0 * method(Bernoulli(p)), "f")
+    storch.backward(update_estimator_params=False)
+    assert all(torch.equal(a, b) for a, b in zip(before, method.buffers()))  # the baseline did not move
+    storch.add_cost(5.0 * method(Bernoulli(p)), "f")
+    storch.backward(update_estimator_params=True)
+    assert any(not torch.equal(a, b) for a, b in zip(before, method.buffers()))
+
+
+def test_infer_takes_storchastics_distribution_type():
+    from storch.method import Infer
+
+    assert Infer("z", Normal).distribution_type is Normal
+    method = Infer("z", Normal, None, 4)  # Storchastic's positional (type, sampling_method, n_samples)
+    assert method.n_samples == 4
+    assert Infer("z", Normal, baseline_factory="moving_average").n_samples == 1
+    z = method(Normal(torch.tensor(0.0, requires_grad=True), 1.0))
+    assert z.n == 4 and type(z.method).__name__ == "Reparameterization"
+    with pytest.raises(TypeError, match="built for Normal.*called with a Bernoulli"):
+        method(Bernoulli(torch.tensor(0.3)))
+    with pytest.raises(TypeError, match="distribution_type must be"):
+        Infer("z", distribution_type=3)
+    storch.reset()
+
+
+def _wor_gradient(seed: int, k: int, **kwargs: Any) -> torch.Tensor:
+    torch.manual_seed(seed)
+    logits = torch.tensor([0.3, -0.2, 0.5, 0.1], requires_grad=True)
+    z = storch.method.ScoreFunctionWOR("z", k=k, **kwargs)(OneHotCategorical(logits=logits))
+    storch.add_cost((z * torch.tensor([1.0, 4.0, -2.0, 3.0])).sum(-1), "f")
+    storch.backward()
+    return logits.grad
+
+
+def test_score_function_wor_takes_use_baseline():
+    with pytest.raises(ValueError, match="use_baseline=True needs biased=True"):
+        storch.method.ScoreFunctionWOR("z", k=2, use_baseline=True)
+    assert storch.method.ScoreFunctionWOR("z", k=2, biased=True).use_baseline
+    assert not storch.method.ScoreFunctionWOR("z", k=2).use_baseline
+    # k covers the support: the normalised estimator is exact with or without its baseline
+    logits = torch.tensor([0.3, -0.2, 0.5, 0.1], requires_grad=True)
+    exact = torch.autograd.grad((logits.softmax(-1) * torch.tensor([1.0, 4.0, -2.0, 3.0])).sum(), logits)[0]
+    for use_baseline in (True, False):
+        grad = _wor_gradient(0, 4, biased=True, use_baseline=use_baseline)
+        assert torch.allclose(grad, exact, atol=1e-5), use_baseline
+    # fewer samples: the same draws, with and without the built-in baseline, differ
+    with_b = _wor_gradient(1, 2, biased=True)
+    without_b = _wor_gradient(1, 2, biased=True, use_baseline=False)
+    assert not torch.allclose(with_b, without_b)
+
+
+def test_more_than_64_costs_of_independent_nodes():
+    """Each cost is reduced over its own plates: independent nodes never meet in one tensor."""
+    p = torch.tensor(0.5, requires_grad=True)
+    for i in range(100):
+        storch.add_cost(storch.method.Expect(f"s{i}")(Bernoulli(p)) * float(i), f"c{i}")
+    total = storch.backward()
+    assert torch.allclose(total, torch.tensor(0.5 * sum(range(100))))
+    assert torch.allclose(p.grad, torch.tensor(float(sum(range(100)))))
+    q = torch.tensor(0.5, requires_grad=True)
+    for i in range(65):  # the score function, as in a rollout with a reward per step
+        storch.add_cost(storch.method.ScoreFunction(f"s{i}")(Bernoulli(q)), f"c{i}")
+    storch.backward()
+    assert q.grad is not None and torch.isfinite(q.grad)
