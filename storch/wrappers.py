@@ -9,7 +9,9 @@ plates and
 dimension, such as
   ``nn.Conv2d`` on ``(N, C, H, W)`` or ``nn.LSTMCell`` on ``(N, F)`` with an ``(h, c)`` state: the
   plates (and, with ``batch_dims``, the leading non-plate dimensions) are flattened into that batch
-  dimension.
+  dimension. Given an ``nn.Module`` it returns one, a
+  [`LeftBroadcastable`][storch.wrappers.LeftBroadcastable] that holds the module (its parameters stay
+  registered in the model it is assigned to).
 * [`stochastic`][storch.wrappers.stochastic] — check that a user function that samples returns storch tensors.
 * [`ignore_wrapping`][storch.wrappers.ignore_wrapping] — a block in which the wrappers above return their function's
 plain
@@ -26,13 +28,17 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Sequence
 
 import torch
+from torch import nn
 
 from storch._dispatch import align_tensor, expand_plain, plate_dimension_error
 from storch.exceptions import IllegalStorchExposeError
 from storch.plate import EMPTY_LAYOUT, PlateLayout, merge_layouts
 from storch.tensor import Tensor, _Disable, layout_of, wrap_new
 
-__all__ = ["deterministic", "reduce", "make_left_broadcastable", "stochastic", "ignore_wrapping", "is_iterable"]
+__all__ = [
+    "deterministic", "reduce", "make_left_broadcastable", "LeftBroadcastable", "stochastic", "ignore_wrapping",
+    "is_iterable",
+]
 
 #: how many [`ignore_wrapping`][storch.wrappers.ignore_wrapping] blocks are open (per thread / asyncio task)
 _IGNORE_WRAPPING: contextvars.ContextVar[int] = contextvars.ContextVar("storch_ignore_wrapping", default=0)
@@ -211,6 +217,72 @@ def reduce(fn: Callable, plates: str | Sequence[str]) -> Callable:
     return wrapper
 
 
+def _left_broadcast(fn: Callable, args: tuple, kwargs: dict, batch_dims: int) -> Any:
+    """Call ``fn`` with the plates (and ``batch_dims`` batch dimensions) flattened into one first
+    dimension, and give its outputs the plates back."""
+    return _call(
+        fn, args, kwargs, unwrap=True, expand_plates=False, flatten_plates=True, dim=None, dims=None,
+        removed=(), batch_dims=batch_dims,
+    )
+
+
+class LeftBroadcastable(nn.Module):
+    """An ``nn.Module`` run on plated inputs: what
+    [`make_left_broadcastable`][storch.wrappers.make_left_broadcastable] returns for a module.
+
+    It holds the wrapped module as its submodule ``module``, so assigned as an attribute of a model
+    (``self.cell = storch.make_left_broadcastable(nn.GRUCell(4, 8))``) its parameters are the
+    model's: ``model.parameters()`` lists them, an optimizer trains them, and ``.to()``,
+    ``.double()``, ``copy.deepcopy`` and pickling treat them as any submodule's.
+
+    State dict keys are the wrapped module's under the prefix ``module.`` (as
+    ``nn.parallel.DistributedDataParallel`` does): ``module.weight_ih``, ... A checkpoint of the
+    bare module loads with ``wrapper.module.load_state_dict(state)``, and ``wrapper.module`` is the
+    module itself. Attributes the wrapper does not have are read from the wrapped module
+    (``wrapper.hidden_size``).
+
+    Args:
+        module: the module; it must accept exactly one batch dimension (see
+            [`make_left_broadcastable`][storch.wrappers.make_left_broadcastable]).
+        batch_dims: as for [`make_left_broadcastable`][storch.wrappers.make_left_broadcastable].
+
+    Examples:
+        >>> import torch, storch
+        >>> class Policy(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.cell = storch.make_left_broadcastable(torch.nn.GRUCell(4, 8), batch_dims=1)
+        >>> policy = Policy()
+        >>> [name for name, _ in policy.named_parameters()]
+        ['cell.module.weight_ih', 'cell.module.weight_hh', 'cell.module.bias_ih', 'cell.module.bias_hh']
+        >>> x = storch.denote_independent(torch.randn(3, 2, 4), 0, "z")  # plate z, then (N, F)
+        >>> h = policy.cell(x)                     # the GRUCell sees (3·2, 4)
+        >>> h.shape, h.plate_names, policy.cell.hidden_size
+        (torch.Size([3, 2, 8]), ['z'], 8)
+    """
+
+    def __init__(self, module: nn.Module, batch_dims: int = 0) -> None:
+        super().__init__()
+        self.module = module
+        self.batch_dims = batch_dims
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's ``forward`` with the plates flattened into its batch dimension."""
+        return _left_broadcast(self.module, args, kwargs, self.batch_dims)
+
+    def __getattr__(self, name: str) -> Any:
+        """Parameters, buffers and submodules first (``nn.Module``), then the wrapped module's attributes."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module" or name.startswith("__"):
+                raise
+            return getattr(super().__getattr__("module"), name)
+
+    def extra_repr(self) -> str:
+        return f"batch_dims={self.batch_dims}" if self.batch_dims else ""
+
+
 def make_left_broadcastable(fn: Callable | None = None, *, batch_dims: int = 0) -> Callable:
     """Wrap a function that takes exactly one batch dimension, e.g. ``nn.Conv2d`` on ``(N, C, H, W)``.
 
@@ -218,6 +290,12 @@ def make_left_broadcastable(fn: Callable | None = None, *, batch_dims: int = 0) 
     ``(Z, N, C, H, W)`` input with plates ``z`` and ``data`` reaches the convolution as
     ``(Z·N, C, H, W)``. Plain tensor arguments are expanded over the plates first; tensors inside
     tuples, lists and dicts (an ``(h, c)`` state) are handled too, and so are tuple outputs.
+
+    Given an ``nn.Module``, it returns an ``nn.Module``: a
+    [`LeftBroadcastable`][storch.wrappers.LeftBroadcastable] that holds the module, so that a model
+    which assigns it (``self.cell = storch.make_left_broadcastable(nn.GRUCell(4, 8))``) registers,
+    trains, moves and saves the module's parameters (state dict keys under the prefix ``module.``).
+    Given a function, it returns a function.
 
     Args:
         fn: the function or module; without it, a decorator is returned.
@@ -233,6 +311,8 @@ def make_left_broadcastable(fn: Callable | None = None, *, batch_dims: int = 0) 
         >>> x = storch.denote_independent(torch.randn(4, 1, 8, 8), 0, "data")
         >>> conv(x).shape
         torch.Size([4, 2, 6, 6])
+        >>> isinstance(conv, torch.nn.Module), len(list(conv.parameters()))
+        (True, 2)
 
         A recurrent cell on samples of a minibatch: ``nn.LSTMCell`` itself accepts only ``(N, F)``
         inputs, wrapped it takes the sample plate in front.
@@ -248,15 +328,12 @@ def make_left_broadcastable(fn: Callable | None = None, *, batch_dims: int = 0) 
         raise ValueError(f"make_left_broadcastable: batch_dims must be an int >= 0, got {batch_dims!r}.")
     if fn is None:
         return functools.partial(make_left_broadcastable, batch_dims=batch_dims)
-    if batch_dims == 0:
-        return deterministic(fn, flatten_plates=True)
+    if isinstance(fn, nn.Module):
+        return LeftBroadcastable(fn, batch_dims)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return _call(
-            fn, args, kwargs, unwrap=True, expand_plates=False, flatten_plates=True, dim=None, dims=None,
-            removed=(), batch_dims=batch_dims,
-        )
+        return _left_broadcast(fn, args, kwargs, batch_dims)
 
     return wrapper
 

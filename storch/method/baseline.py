@@ -36,6 +36,10 @@ class Baseline(nn.Module, ABC):
     #: [`correction`][storch.method.baseline.Baseline.correction] to stay unbiased (methods that cannot refuse such a
     # baseline when built)
     needs_correction: bool = False
+    #: whether the baseline of a sample is computed from the *other* samples of its plate (leave-one-out):
+    #: unbiased only when the samples are independent, so proposals that draw dependent samples
+    #: (sampling without replacement) refuse it
+    uses_other_samples: bool = False
 
     @abstractmethod
     def compute_baseline(self, tensor: StochasticTensor, cost_node: CostTensor) -> torch.Tensor:
@@ -221,6 +225,8 @@ class BatchAverageBaseline(Baseline):
         ...
         ValueError: The batch_average baseline of node 'z' averages the other samples' costs and needs at least 2 samples; got n_samples=1. Use n_samples >= 2, or baseline_factory='moving_average'.
     """
+
+    uses_other_samples = True
 
     def check_samples(self, n_samples: int, plate_name: str) -> None:
         if n_samples < 2:

@@ -215,6 +215,28 @@ def _log_mass_outside(lp: torch.Tensor, excluded: torch.Tensor, excl_valid: torc
     return torch.log((1.0 - mass_x).clamp_min(1e-30))
 
 
+def _plate_taken_error(owner: str, plate: Plate, method: "MAPO") -> ValueError:
+    """The error for a distribution whose parameters already carry this node's plate name: a call
+    per decoding step (MAPO's own earlier sample), or another node of the same name."""
+    node = plate.node
+    if node is None or not isinstance(node.method, MAPO):
+        return ValueError(
+            f"{owner}: the distribution's parameters already carry a plate named {plate.name!r}, of "
+            "another node; give this node another name."
+        )
+    same = "this MAPO" if node.method is method else "another MAPO of the same name"
+    return ValueError(
+        f"{owner}: the distribution's parameters carry the plate {plate.name!r} of an earlier sample of "
+        f"{same}: MAPO was called once per decoding step, and MAPO does not support step-by-step "
+        "decoding. It sums its memory buffer of whole sequences exactly and samples outside it, which "
+        "needs the probability of every buffered sequence before the first token is drawn. Decode the "
+        "whole sequence in one MAPO node (a factorised Independent(Categorical(logits=(L, V)), 1), or a "
+        "Categorical over candidate sequences scored by the model), or, to decode step by step, use "
+        "ScoreFunctionWOR (sampling without replacement; sampling_method=MCDecoder for i.i.d. "
+        "sequences) or UnorderedSetEstimator, called once per step with the same plate name."
+    )
+
+
 def _gather_log_prob(lp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """``Σ_d lp[f, d, tokens[r, f, d]]``: ``lp`` ``(F, D, V)``, ``tokens`` ``(R, F, D)`` → ``(R, F)``."""
     expanded = lp.unsqueeze(0).expand((tokens.shape[0],) + tuple(lp.shape))
@@ -582,10 +604,7 @@ class MAPO(Method):
         self.check_distribution(distr)
         parents = distribution_layout(distr)
         if self.plate_name in parents.names:
-            raise ValueError(
-                f"{owner}: the distribution's parameters already carry a plate named {self.plate_name!r}; "
-                "give this node another name."
-            )
+            raise _plate_taken_error(owner, parents.plates[parents.names.index(self.plate_name)], self)
         plates, sizes, n = parents.plates, tuple(parents.sizes), self.n_samples
         with no_dispatch():
             support, lp, var_shape = self._flat_log_probs(distr, parents, owner)  # lp: (F, D, V)

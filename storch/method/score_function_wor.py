@@ -15,6 +15,24 @@ The unbiased variant is unbiased for derivatives of every order (the weights are
 that do not depend on the parameters being differentiated); the normalised one is consistent (its
 bias vanishes as ``k`` grows, and it is exact once ``k`` covers the support) and has lower variance.
 
+Baselines (``baseline_factory``). A baseline ``b`` that does not depend on the sample set ``S``
+keeps the unbiased variant unbiased:
+
+    Σ_{s∈S} p(s)/q_κ(s) · (f(s) − b) ∇log p(s),   E_S[Σ_{s∈S} p(s)/q_κ(s) ∇log p(s)] = ∇Σ_s p(s) = 0,
+
+so ``"moving_average"`` (the average of earlier steps' costs) applies, and so does any
+[`storch.method.baseline.Baseline`][storch.method.baseline.Baseline] computed from neither the sampled
+sequences nor their prefixes (e.g. from the data). The leave-one-out ``"batch_average"`` is computed
+from the other elements of ``S``, which depend on ``s`` (they are drawn without it): refused, as the
+normalised variant has its built-in baseline ``B`` and
+[`storch.method.UnorderedSetEstimator`][storch.method.UnorderedSetEstimator] an unbiased leave-one-out
+baseline for sets without replacement. With the i.i.d. proposal
+[`storch.sampling.decoding.MCDecoder`][storch.sampling.decoding.MCDecoder] the estimator is the plain
+score function over ``k`` independent sequences, and ``"batch_average"`` is unbiased too (Kool et al.
+2019, "Buy 4 REINFORCE samples, get a baseline for free!"). A critic of the node's distribution
+parameters is refused for both: at a decoding step they are computed from the earlier tokens of the
+same sequence, and the gradient function is the log-probability of the whole prefix.
+
 Sequences. Call the same method object once per decoding step. At step ``t`` the distribution is
 built from tensors that carry the plate of step ``t − 1`` (same name); the method extends the ``k``
 prefixes by stochastic beam search (the ``k`` best of the ``k·V`` extensions) and returns the tokens
@@ -49,6 +67,8 @@ from typing import Optional
 import torch
 from torch.distributions import Distribution
 
+from storch.method.baseline import Baseline, BaselineFactory, make_baseline
+from storch.method.critic import Critic
 from storch.method.method import Method, check_floating_parameters
 from storch.extend import (
     AncestralPlate,
@@ -77,6 +97,44 @@ def _to_layout(t: torch.Tensor, plates, layout: PlateLayout) -> torch.Tensor:
     return align_to(wrap(t, layout_of_plates(tuple(plates))), layout, expand=True)
 
 
+def _baseline_refusal(baseline: Baseline, sampler: SequenceSampler, biased: bool) -> Optional[str]:
+    """Why ``baseline`` would bias (or has no place in) the estimator, or ``None`` if it applies."""
+    name = type(baseline).__name__
+    if biased:
+        return (
+            "biased=True normalises the weights and subtracts its built-in baseline (the weighted mean "
+            "cost of the same samples), so it takes no other. Pass baseline_factory with biased=False "
+            "(the unbiased estimator, which accepts 'moving_average'), or with "
+            "sampling_method=MCDecoder(...) (i.i.d. sequences, which also accept 'batch_average')"
+        )
+    if baseline.needs_correction:
+        return (
+            f"the {name} baseline depends on the node's own sample and corrects for it with an "
+            "expectation over this step's token, but the gradient function of a sequence step is the "
+            "log-probability of the whole prefix, which that correction does not cover. Use "
+            "'moving_average'"
+        )
+    if isinstance(baseline, Critic):
+        return (
+            f"the {name} baseline is a function of the node's distribution parameters, which at a "
+            "decoding step are computed from the earlier tokens of the same sequence, while the gradient "
+            "function is the log-probability of the whole prefix: a baseline that depends on those "
+            "tokens biases the estimate. Use 'moving_average', or a Baseline computed from neither the "
+            "sampled sequences nor their prefixes (e.g. from the data)"
+        )
+    if baseline.uses_other_samples and not sampler.independent_samples:
+        return (
+            f"the {name} baseline (leave-one-out) averages the costs of the other samples, but "
+            f"{type(sampler).__name__} draws the k samples without replacement, so the others depend on "
+            "each sample and the baseline would bias the unbiased estimator. Use "
+            "baseline_factory='moving_average' (it does not depend on the current samples), biased=True "
+            "(normalised weights with a built-in baseline; consistent), UnorderedSetEstimator (unbiased, "
+            "with a built-in leave-one-out baseline for sets without replacement), or "
+            "sampling_method=MCDecoder(...) for i.i.d. sequences, where 'batch_average' applies"
+        )
+    return None
+
+
 def _to_beams(t: torch.Tensor, src: PlateLayout, parents: PlateLayout, beam_dim: int) -> torch.Tensor:
     """A tensor of the previous step (layout ``src``) laid out as ``parents``, beam dimension first."""
     return align_to(wrap(t, src), parents, expand=True).movedim(beam_dim, 0)
@@ -103,6 +161,16 @@ class ScoreFunctionWOR(Method):
             default [`SampleWithoutReplacement`][storch.method.score_function_wor.SampleWithoutReplacement] (a
             subclass, or
             [`storch.sampling.decoding.MCDecoder`][storch.sampling.decoding.MCDecoder] for i.i.d. sequences).
+        baseline_factory: a baseline ``b``, as for [`storch.method.ScoreFunction`][storch.method.ScoreFunction]:
+            ``None`` (default), ``"moving_average"``, ``"batch_average"``, a
+            [`storch.method.baseline.Baseline`][storch.method.baseline.Baseline] or a zero-argument
+            callable returning one; the gradient becomes ``Σ_S w(s) (f(s) − b) ∇log p(s)``. Only
+            baselines that keep the estimator unbiased are accepted (see the module docstring):
+            with ``biased=False``, ``"moving_average"`` and baselines independent of the sampled
+            sequences; with ``MCDecoder`` also ``"batch_average"`` (leave-one-out, ``k ≥ 2``).
+            Refused with ``biased=True`` (it has its built-in baseline) and, for sets without
+            replacement, ``"batch_average"``; ``"critic"`` and ``"q_critic"`` always (with the
+            reason).
 
     The ``distribution`` of a sequence step's node has the previous step's beams as batch
     dimension; the step's own log-probabilities are in ``sampling_method.state_of(tensor)``. A step
@@ -135,6 +203,18 @@ class ScoreFunctionWOR(Method):
         (True, (4, 3, 4))
         >>> storch.add_cost((seq.argmax(-1) == 1).float().sum(-1), "ones")
         >>> _ = storch.backward()
+
+        A policy with a reward at the end: i.i.d. sequences with the leave-one-out baseline, or
+        the unbiased estimator without replacement with a moving average.
+
+        >>> from storch.sampling import MCDecoder
+        >>> iid = ScoreFunctionWOR("seq", k=4, sampling_method=MCDecoder("seq", 4),
+        ...                        baseline_factory="batch_average")
+        >>> wor = ScoreFunctionWOR("seq", k=4, baseline_factory="moving_average")
+        >>> ScoreFunctionWOR("seq", k=4, baseline_factory="batch_average")
+        Traceback (most recent call last):
+        ...
+        ValueError: ScoreFunctionWOR('seq'): baseline_factory='batch_average' does not apply: ... (leave-one-out) ...
     """
 
     def __init__(
@@ -145,6 +225,7 @@ class ScoreFunctionWOR(Method):
         eos: Optional[int] = None,
         sampling_method: Optional[SequenceSampler] = None,
         use_baseline: Optional[bool] = None,
+        baseline_factory: BaselineFactory = None,
     ) -> None:
         k = check_count(k, "k", f"{type(self).__name__}({plate_name!r})")
         if use_baseline and not biased:
@@ -167,6 +248,23 @@ class ScoreFunctionWOR(Method):
         self.k = k
         self.biased = bool(biased)
         self.use_baseline = self.biased if use_baseline is None else bool(use_baseline)
+        self.baseline = self._make_baseline(baseline_factory)
+
+    def _make_baseline(self, factory: BaselineFactory) -> Optional[Baseline]:
+        """The baseline of ``baseline_factory``, refused (with the reason) where it would bias the estimate."""
+        baseline = make_baseline(factory)
+        if baseline is None:
+            return None
+        sampler: SequenceSampler = self.sampling_method  # type: ignore[assignment]
+        reason = _baseline_refusal(baseline, sampler, self.biased)
+        if reason is not None:
+            given = repr(factory) if isinstance(factory, str) else type(baseline).__name__
+            raise ValueError(
+                f"{type(self).__name__}({self.plate_name!r}): baseline_factory={given} does not apply: {reason}."
+            )
+        if baseline.uses_other_samples:
+            baseline.check_samples(self.k, self.plate_name)
+        return baseline
 
     def check_distribution(self, distr: Distribution) -> None:
         wor_support(distr)  # raises a clear error for distributions without a finite support
@@ -251,10 +349,25 @@ class ScoreFunctionWOR(Method):
         return wrap(state.log_prob, layout_of(tensor))
 
     def control_variate(self, tensor: StochasticTensor, cost: CostTensor) -> Optional[torch.Tensor]:
-        """The built-in baseline ``B = Σ_S w̄(s) f(s)`` (normalised weights), biased variant only."""
+        """The ``baseline_factory``'s baseline, or the built-in ``B = Σ_S w̄(s) f(s)`` (normalised
+        weights, biased variant only)."""
+        if self.baseline is not None:
+            return self.baseline.compute_baseline(tensor, cost)
         if not self.use_baseline:
             return None
         return reduce_plate(cost.detach(), tensor.plate, detach_weights=True)
+
+    def update_parameters(self, result_triples) -> None:
+        super().update_parameters(result_triples)
+        if self.baseline is not None:
+            self.baseline.update()
+
+    @property
+    def keeps_state_between_steps(self) -> bool:
+        """The state of the sampling method and of the baseline (``moving_average`` keeps one)."""
+        return super().keeps_state_between_steps or (
+            self.baseline is not None and self.baseline.keeps_state_between_steps
+        )
 
     def extra_repr(self) -> str:
         extra = "" if self.use_baseline == self.biased else f", use_baseline={self.use_baseline}"

@@ -8,7 +8,10 @@ weight ``1/k``, and with the score function over the whole prefix,
 
     ∇ E[f(x_{≤t})] ≈ (1/k) Σ_i f(x^i_{≤t}) ∇ log p(x^i_{≤t}),   log p(x_{≤t}) = Σ_{s≤t} log p(x_s | x_<s),
 
-which is unbiased (for every order of derivatives, as the plain score function). A step with
+which is unbiased (for every order of derivatives, as the plain score function). Since the ``k``
+sequences are independent, the leave-one-out baseline (the other sequences' mean cost) keeps it
+unbiased: ``ScoreFunctionWOR(..., sampling_method=MCDecoder(...), baseline_factory="batch_average")``
+(or ``"moving_average"``). A step with
 several variables per prefix (batch dimensions that are not plates) draws one value of each, and
 their log-probabilities are summed into the prefix's (``eos`` then is refused: such a step has no
 single token).
@@ -35,6 +38,10 @@ class MCDecoder(SequenceSampler):
     score function over sequences: ``ScoreFunctionWOR("seq", k, sampling_method=MCDecoder("seq", k,
     eos=EOS))``, called once per step as for sampling without replacement.
 
+    Baselines: pass ``baseline_factory="batch_average"`` (leave-one-out over the ``k`` sequences,
+    ``k ≥ 2``) or ``"moving_average"`` to the method, as for
+    [`storch.method.ScoreFunction`][storch.method.ScoreFunction].
+
     Args:
         plate_name: the name of the plates of the steps.
         k: the number of sequences.
@@ -50,6 +57,9 @@ class MCDecoder(SequenceSampler):
         >>> (x1 + x2).plates[0] is x2.plates[0], x2.plates[0].size   # x1 is lined up with x2
         (True, 5)
     """
+
+    #: the ``k`` sequences are i.i.d.: a leave-one-out baseline keeps the estimator unbiased
+    independent_samples = True
 
     def draw(self, distr: Distribution, n_plates: int) -> tuple[torch.Tensor, WORState]:
         support = wor_support(distr)

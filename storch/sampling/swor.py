@@ -330,6 +330,11 @@ class SequenceSampler(SamplingMethod):
             probability 1. ``None``: sequences have a fixed length.
     """
 
+    #: whether the ``k`` samples are drawn independently (i.i.d. sequences, ``MCDecoder``): then a
+    #: baseline may average the other samples' costs (leave-one-out). ``False`` for sets drawn
+    #: without replacement, whose elements depend on each other.
+    independent_samples: bool = False
+
     def __init__(self, plate_name: str, k: int, eos: Optional[int] = None) -> None:
         super().__init__(plate_name)
         self.k = check_count(k, "k", f"{type(self).__name__}({plate_name!r})")
