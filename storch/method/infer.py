@@ -14,7 +14,6 @@ from storch.method.baseline import BaselineFactory
 from storch.method.method import (
     DEFAULT_N_SAMPLES,
     Method,
-    _is_index,
     check_floating_parameters,
     proposal_arguments,
 )
@@ -110,6 +109,6 @@ def _storchastic_arguments(
     ``n_samples`` when it is a count, else a baseline given by keyword.
     """
     sampling_method = None if second is DEFAULT_N_SAMPLES else second
-    if _is_index(third):
+    if isinstance(third, int) and not isinstance(third, bool):
         return distribution_type, sampling_method, third, _DEFAULT
     return distribution_type, sampling_method, DEFAULT_N_SAMPLES, third
