@@ -29,7 +29,7 @@ import storch.method as M
 from storch.method import (
     ARM, DisARM, Expect, GSB, GumbelRao, GumbelSoftmax, Infer, LAX, LocalExpectation, MVD, REBAR, RELAX,
     RaoBlackwellSF, ReinMax, Reparameterization, ScoreFunction, ScoreFunctionWOR, SPSA, StraightThrough,
-    UnorderedSetEstimator, UnorderedSetGumbelSoftmax, VIMCO,
+    UnorderedSetEstimator, UnorderedSetGumbelSoftmax, VIMCO, DoubleControlVariate,
 )
 from storch.method.cumulants import cumulants
 from storch.method.rao_blackwell import SumAndSampleRest
@@ -74,7 +74,9 @@ COUNTED = [
     # methods: n_samples
     *[(cls.__name__, cls.__name__, "n_samples", functools.partial(lambda c, v: c("z", n_samples=v), cls))
       for cls in (ScoreFunction, Reparameterization, GumbelSoftmax, Infer, StraightThrough, GumbelRao, ReinMax,
-                  ARM, DisARM, MVD, SPSA, LocalExpectation, GSB, REBAR)],
+                  ARM, DisARM, MVD, SPSA, LocalExpectation, GSB, REBAR, DoubleControlVariate)],
+    ("ARMS", "ARMS", "n_samples", lambda v: M.ARMS("z", n_samples=v)),
+    ("ARMSMultiSample", "ARMSMultiSample", "n_samples", lambda v: M.ARMSMultiSample("z", n_samples=v)),
     ("VIMCO", "VIMCO", "n_samples", lambda v: VIMCO("z", n_samples=v)),
     ("LAX", "LAX", "n_samples", lambda v: LAX("z", _cv(), n_samples=v)),
     ("RELAX", "RELAX", "n_samples", lambda v: RELAX("z", _cv(), n_samples=v)),
@@ -191,7 +193,8 @@ def test_positional_count_reaches_the_sub_methods_and_baseline_checks():
 
 def test_methods_with_other_signatures_take_or_refuse_a_positional_count_clearly():
     # the second argument is the count itself
-    for cls in (ARM, DisARM, MVD, SPSA, LocalExpectation, GSB, VIMCO, REBAR):
+    for cls in (ARM, DisARM, MVD, SPSA, LocalExpectation, GSB, VIMCO, REBAR, DoubleControlVariate, M.ARMS,
+                M.ARMSMultiSample):
         assert cls("z", 3).n_samples == 3, cls
         with pytest.raises(TypeError, match=rf"^{cls.__name__}\('z'\): n_samples must be a positive int, got "
                                             r"a MonteCarlo module \(MonteCarlo\)"):
@@ -234,6 +237,9 @@ METHODS = {
     "GumbelEntmax": (lambda: M.GumbelEntmax("z", n_samples=2), _bernoulli),
     "ARM": (lambda: ARM("z", n_samples=2), _bernoulli),
     "DisARM": (lambda: DisARM("z", n_samples=2), _bernoulli),
+    "DoubleControlVariate": (lambda: DoubleControlVariate("z", n_samples=2), _bernoulli),
+    "ARMS": (lambda: M.ARMS("z", n_samples=3), _bernoulli),
+    "ARMSMultiSample": (lambda: M.ARMSMultiSample("z", n_samples=2), _bernoulli),
     "MVD": (lambda: MVD("z", n_samples=2), _normal),
     "SPSA": (lambda: SPSA("z", n_samples=2), _normal),
     "LocalExpectation": (lambda: LocalExpectation("z", n_samples=2), _bernoulli),

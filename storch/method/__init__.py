@@ -17,6 +17,8 @@ and multi-sample bounds ([`vimco`][storch.method.vimco]).
 
 from storch.method import baseline, critic, cumulants
 from storch.method.arm import ARM, DisARM
+from storch.method.arms import ARMS, ARMSMultiSample
+from storch.method.double_control_variate import DoubleControlVariate
 from storch.method.critic import Critic, QCritic
 from storch.method.expect import Expect
 from storch.method.gsb import GSB, GeneralizedStochasticBackprop
@@ -46,4 +48,5 @@ __all__ = [
     "critic", "Critic", "QCritic",
     "MAPO",
     "GumbelSparseMax", "GumbelEntmax",
+    "ARMS", "ARMSMultiSample", "DoubleControlVariate",
 ]
