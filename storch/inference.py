@@ -108,7 +108,10 @@ def _check_cost(cost: torch.Tensor, name: str, costs: tuple[CostTensor, ...]) ->
         raise ValueError(
             f"Cost {name!r} has shape {tuple(cost.shape)} with plates {list(layout.names)}: it has "
             f"event dimensions {event}, but a cost must hold one value per plate combination. Reduce "
-            "them first, e.g. cost.sum(-1) (or storch.nn losses with reduction='sum')."
+            "them first, e.g. cost.sum(-1) (or storch.nn losses with reduction='sum'). If a dimension "
+            "is a minibatch of independent data, make it a plate before the model uses it, "
+            "x = storch.denote_independent(x, 0, 'data'): each datum then gets its own baselines, "
+            "and storch averages the cost over the plate for you."
         )
     if not cost.dtype.is_floating_point:
         raise TypeError(f"Cost {name!r} must be a floating point tensor, got {cost.dtype}.")
