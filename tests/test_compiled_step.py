@@ -198,6 +198,7 @@ METHOD_CLASSES = {
     "StraightThrough": (lambda: M.StraightThrough("z", n_samples=2), "one_hot"),
     "GumbelRao": (lambda: M.GumbelRao("z", n_samples=2), "one_hot"),
     "ReinMax": (lambda: M.ReinMax("z", n_samples=2), "one_hot"),
+    "GappedStraightThrough": (lambda: M.GappedStraightThrough("z", n_samples=2), "one_hot"),
     "VIMCO": (lambda: M.VIMCO("z", n_samples=3), "normal"),
     "ScoreFunctionWOR": (lambda: M.ScoreFunctionWOR("z", k=2), "one_hot"),
     "RaoBlackwellSF": (lambda: M.RaoBlackwellSF("z", k=2), "one_hot"),

@@ -246,6 +246,7 @@ METHODS = {
     "StraightThrough": (lambda: StraightThrough("z", n_samples=2), _one_hot),
     "GumbelRao": (lambda: GumbelRao("z", n_samples=2), _one_hot),
     "ReinMax": (lambda: ReinMax("z", n_samples=2), _one_hot),
+    "GappedStraightThrough": (lambda: M.GappedStraightThrough("z", n_samples=2, gap="p"), _one_hot),
     "VIMCO": (lambda: VIMCO("z", n_samples=3), _normal),
     "ScoreFunctionWOR": (lambda: ScoreFunctionWOR("z", k=2), _one_hot),
     "RaoBlackwellSF": (lambda: RaoBlackwellSF("z", k=2), _one_hot),

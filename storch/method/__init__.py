@@ -21,6 +21,7 @@ from storch.method.arms import ARMS, ARMSMultiSample
 from storch.method.double_control_variate import DoubleControlVariate
 from storch.method.critic import Critic, QCritic
 from storch.method.expect import Expect
+from storch.method.gapped_straight_through import GappedStraightThrough
 from storch.method.gsb import GSB, GeneralizedStochasticBackprop
 from storch.method.gumbel import GumbelSoftmax
 from storch.method.gumbel_sparse import GumbelEntmax, GumbelSparseMax
@@ -48,5 +49,5 @@ __all__ = [
     "critic", "Critic", "QCritic",
     "MAPO",
     "GumbelSparseMax", "GumbelEntmax",
-    "ARMS", "ARMSMultiSample", "DoubleControlVariate",
+    "ARMS", "ARMSMultiSample", "DoubleControlVariate", "GappedStraightThrough",
 ]

@@ -14,7 +14,7 @@ and, for ``j ≠ i``, ``E[f(b_j)(b_{id} − p)] = E[Δ_d] Cov(b_{id}, b_{jd})``.
 therefore has mean ``E[Δ_d] (p(1 − p) − Cov) = E[Δ_d] P(b_i = 1, b_j = 0)``, and ``c`` rescales it
 to ``∂E f/∂φ_d = E[Δ_d] p(1 − p)``. Independent uniforms give ``c = 1``: leave-one-out REINFORCE.
 
-Copulas ([`COPULAS`][storch.method.arms.COPULAS]):
+Copulas (`COPULAS`):
 
 * ``"dirichlet"`` (the paper's default): ``d ~ Dirichlet(1_n)`` (uniform spacings of ``n − 1``
   uniforms), ``w_i = (1 − d_i)^{n−1}`` (uniform: ``d_i ~ Beta(1, n − 1)``); ``u = w`` where
