@@ -2,7 +2,8 @@
 
 usage: python docs/results/gsb_scale_tables.py RUN_ROOT [RUN_ROOT ...]
 
-Three tables, one row per (model, estimator), mean ± std over the seeds that finished:
+Three tables, one row per (model, estimator), mean ± std over the seeds that every estimator of
+the model finished:
 
 1. equal steps: test -ELBO and test -log p(x) (K = 200) after the run's steps, the gradient
    log-variance of the last probe, ms/step (median over seeds);
@@ -14,6 +15,7 @@ Three tables, one row per (model, estimator), mean ± std over the seeds that fi
 from __future__ import annotations
 
 import csv
+import math
 import json
 import statistics as st
 import sys
@@ -24,10 +26,13 @@ LE = "local-expectation"
 
 def mean_std(values, digits=2):
     values = [v for v in values if v is not None]
-    if not values:
-        return "–"
-    sd = st.stdev(values) if len(values) > 1 else 0.0
-    return f"{st.fmean(values):.{digits}f} ± {sd:.{digits}f}"
+    finite = [v for v in values if math.isfinite(v)]
+    note = f" (−∞ in {len(values) - len(finite)})" if len(finite) < len(values) else ""  # zero variance
+    if not finite:
+        return "−∞" if values else "–"
+    if len(finite) == 1:
+        return f"{finite[0]:.{digits}f}{note}"
+    return f"{st.fmean(finite):.{digits}f} ± {st.stdev(finite):.{digits}f}{note}"
 
 
 def load(roots):
@@ -39,6 +44,15 @@ def load(roots):
                 s["rows"] = [r for r in csv.DictReader(fh)]
             runs.setdefault((s["model"], s["estimator"], s["label"]), []).append(s)
     return runs
+
+
+def common_seeds(runs):
+    """Keep, per model, the seeds that every estimator of that model finished (a fair comparison)."""
+    by_model = {}
+    for (model, _, _), ss in runs.items():
+        by_model.setdefault(model, []).append({s["seed"] for s in ss})
+    keep = {model: set.intersection(*sets) for model, sets in by_model.items()}
+    return {key: [s for s in ss if s["seed"] in keep[key[0]]] for key, ss in runs.items()}
 
 
 def value(row, key):
@@ -93,7 +107,7 @@ def variance(runs):
 
 
 def main(argv):
-    runs = load(argv)
+    runs = common_seeds(load(argv))
     print("Equal steps\n")
     equal_steps(runs)
     print("\nEqual seconds\n")
