@@ -40,7 +40,7 @@ def catalog_text() -> str:
     lines += [f"  {k:<18} {v}" for k, v in DATASETS.items()]
     lines += ["estimators (latents; objectives; cost evaluations per sample):"]
     for e in ESTIMATORS.values():
-        special = {"expect": "K^D", "local-expectation": "1+D*(K-1)", "mvd": "1+D*(K-1)"}
+        special = {"expect": "K^D", "local-expectation": "1+D*(K-1)", "mvd": "1+D*(K-1)", "arsm": "1+K*(K-1)/2"}
         evals = special.get(e.name) or str(e.evals(None))
         lines.append(f"  {e.name:<18} {'/'.join(e.kinds)}; {'/'.join(e.objectives)}; {evals}: {e.help}")
     lines += ["not included:"]

@@ -18,6 +18,9 @@ and multi-sample bounds ([`vimco`][storch.method.vimco]).
 from storch.method import baseline, critic, cumulants
 from storch.method.arm import ARM, DisARM
 from storch.method.arms import ARMS, ARMSMultiSample
+from storch.method.arsm import ARSM
+from storch.method.carms import CARMS
+from storch.method.coupled_categorical import CoupledCategorical, CoupledCategoricalIW
 from storch.method.double_control_variate import DoubleControlVariate
 from storch.method.critic import Critic, QCritic
 from storch.method.expect import Expect
@@ -50,4 +53,5 @@ __all__ = [
     "MAPO",
     "GumbelSparseMax", "GumbelEntmax",
     "ARMS", "ARMSMultiSample", "DoubleControlVariate", "GappedStraightThrough",
+    "CoupledCategorical", "CoupledCategoricalIW", "ARSM", "CARMS",
 ]
