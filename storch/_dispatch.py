@@ -242,6 +242,8 @@ def torch_function(cls: type, func: Callable, types: tuple, args: tuple = (), kw
     if func in PASSTHROUGH or type(func) in _OPERATOR_TYPES:
         # in C: func(*args, **kwargs) with subclasses off (getters take no keywords, not even {})
         return _call_plain(func, types, args, kwargs) if kwargs else _call_plain(func, types, args)
+    if func is _GETITEM and isinstance(args[0], Tensor) and args[0]._layout.sizes:
+        _check_plated_indexing(args[0], args[1])
     with _Disable():
         layout = None
         first = None
@@ -351,6 +353,42 @@ def _check_dim_args(func: Callable, spec: tuple[tuple[int, ...], int], args: tup
     for d in values:
         if -ndim <= d < ndim and d % ndim < n_plates:
             raise plate_index_error(func, d, d % ndim, subject)
+
+
+_GETITEM = torch.Tensor.__getitem__
+
+
+def _check_plated_indexing(t: Tensor, index: Any) -> None:
+    """Refuse ``t[index]`` where torch's indexing would mix the samples of ``t``'s plates.
+
+    Indexing counts dimensions plates first, as every dimension argument does, so an index on one
+    of the first ``len(plates)`` positions selects or permutes samples; and a tensor index that
+    carries plates is applied by torch to every sample at once (an outer product over the plate),
+    not sample by sample.
+    """
+    items = index if isinstance(index, tuple) else (index,)
+    n = len(t._layout.sizes)
+    for item in items:
+        if isinstance(item, Tensor) and item._layout.sizes:
+            raise ValueError(
+                f"Indexing a tensor with plates {list(t._layout.names)} by a tensor with plates "
+                f"{list(item._layout.names)}: torch's indexing would apply every sample's index to "
+                "every sample (mixing the samples), and storch does not index sample by sample. Use "
+                "torch.gather(t, -1, index.unsqueeze(-1)).squeeze(-1) (per sample), or a one-hot "
+                "product (t * torch.nn.functional.one_hot(index, n)).sum(-1)."
+            )
+    for position, item in enumerate(items):
+        if item is Ellipsis:
+            break
+        if position < n and not (isinstance(item, slice) and item == slice(None)):
+            plate = t._layout.plates[position]
+            raise ValueError(
+                f"Indexing a tensor of shape {tuple(t.shape)} with plates {list(t._layout.names)} at "
+                f"position {position} selects samples of plate {plate.name!r} (size {plate.size}): "
+                "indices count dimensions plates first, as for every dimension argument. Index one "
+                "sample's dimensions from the right, e.g. t[..., i], and reduce or select plates by "
+                f"name (storch.reduce_plates(t, {plate.name!r}), storch.gather(t, {plate.name!r}, index))."
+            )
 
 
 def plate_index_error(func: Callable, dim: int, position: int, t: torch.Tensor) -> ValueError:

@@ -13,6 +13,7 @@ from torch.distributions import Bernoulli, Categorical, Normal, OneHotCategorica
 
 import storch
 from storch.method import Reparameterization, ScoreFunction
+from storch.tensor import plain
 
 
 def _node(name, n, shape=(2,), method=ScoreFunction):
@@ -431,3 +432,20 @@ def test_torch_is_tensor_and_validate_args_unchanged_in_process():
     assert torch.is_tensor.__module__ == "torch"
     assert torch.Tensor.__torch_function__.__func__.__module__ == "torch._tensor"
     assert torch.Tensor.to.__qualname__.startswith("TensorBase")
+
+
+def test_indexing_that_would_mix_samples_is_refused():
+    """`t[index]` counts dimensions plates first; torch's indexing cannot index sample by sample."""
+    x = storch.denote_independent(torch.arange(15.0).reshape(5, 3), 0, "data")
+    i = storch.denote_independent(torch.tensor([0, 1, 2, 0, 1]), 0, "data")
+    with pytest.raises(ValueError, match="plates first"):
+        x[torch.tensor([4, 3, 2, 1, 0])]  # a permutation of the data plate, same shape
+    with pytest.raises(ValueError, match="mixing the samples"):
+        x[i]
+    with pytest.raises(ValueError, match="mixing the samples"):
+        x[..., i]
+    # what works: one sample's dimensions, a plain table indexed by a plated index, gather per sample
+    assert x[:, 1].shape == (5,) and x[..., 1:].shape == (5, 2) and x[..., torch.tensor([0, 2])].shape == (5, 2)
+    assert torch.equal(plain(torch.gather(x, -1, i.unsqueeze(-1)).squeeze(-1)), torch.tensor([0.0, 4, 8, 9, 13]))
+    table = torch.arange(3.0)
+    assert torch.equal(plain(table[i]), torch.tensor([0.0, 1, 2, 0, 1]))
