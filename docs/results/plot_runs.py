@@ -30,7 +30,8 @@ def load(roots):
             if ONLY and summ["estimator"] not in ONLY:
                 continue
             with open(s.parent / "metrics.csv") as fh:
-                rows = [r for r in csv.DictReader(fh) if r[YCOL]]
+                # a gradient variance of exactly zero has log −inf: not a point on the plot
+                rows = [r for r in csv.DictReader(fh) if r[YCOL] and np.isfinite(float(r[YCOL]))]
             steps = np.array([float(r[XCOL]) for r in rows])
             vals = np.array([float(r[YCOL]) for r in rows])
             groups.setdefault(summ["model"], {}).setdefault(summ["label"], []).append((steps, vals))

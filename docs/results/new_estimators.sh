@@ -1,0 +1,28 @@
+#!/bin/bash
+# The estimators added since the Storchastic seeds (ARMS, double control variates, CARMS, ARSM, the
+# coupled categorical estimator) against DisARM and RLOO at equal numbers of cost evaluations per image
+# (--budget 2, 4, 8), on the linear SBN and the categorical VAE, binarized MNIST: 1000 steps, 3 seeds,
+# the gradient-variance probe every 250 steps, one thread per run. Several copies may run side by side
+# (one per core): a run is claimed with a lock folder, finished runs are skipped.
+# Run from the repository root: bash docs/results/new_estimators.sh [SEEDS...]   (default: 0 1 2)
+set -u
+P=${PYTHON:-.venv/bin/python}
+OUT=${OUT:-runs/new-estimators}
+C="--data binarized-mnist --batch-size 50 --lr 1e-3 --eval-size 1000 --eval-k 100 --threads 1 --no-progress
+   --steps 1000 --eval-every 250 --var-every 250 --var-reps 20 --out $OUT"
+run() {  # model estimator seed budget: skips a finished run
+  model=$1; est=$2; seed=$3; budget=$4
+  dir=$OUT/${model}_binarized-mnist_${est}_budget=${budget}_seed${seed}
+  if [ -f "$dir/summary.json" ]; then return; fi
+  lock=$dir.lock
+  mkdir -p "$OUT"; mkdir "$lock" 2>/dev/null || return
+  $P -m storch.bench $C --model $model --estimator $est --seed $seed --budget $budget --overwrite
+  rmdir "$lock"
+}
+for seed in ${@:-0 1 2}; do
+  for b in 2 4 8; do
+    for e in disarm rloo arms double-cv; do run sbn-linear $e $seed $b; done
+    for e in rloo carms coupled-categorical double-cv; do run categorical-vae $e $seed $b; done
+  done
+  run categorical-vae arsm $seed 46   # ARSM's one Dirichlet draw: 1 + 10*9/2 = 46 evaluations
+done
