@@ -104,9 +104,11 @@ from storch._tracing import state_declared_for
 from storch.distributions.measure_valued import register_measure_valued
 from storch.distributions.relaxation import register_relaxation
 from storch.plate import (
+    MAX_PLATES,
     AncestralPlate,
     Plate,
     PlateLayout,
+    TooManyPlatesError,
     layout_of_plates,
     merge_layouts,
     order_plates,
@@ -173,6 +175,8 @@ __all__ = [
     "with_nested",
     "note_sampled",
     "reraise_cuda_dimension_error",
+    "MAX_PLATES",
+    "TooManyPlatesError",
     # surrogate-loss helpers
     "magic_box",
     "rsample_gumbel_softmax",

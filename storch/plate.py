@@ -400,11 +400,11 @@ MAX_PLATES = 64
 class TooManyPlatesError(ValueError):
     """More than `MAX_PLATES` plates would meet in one tensor."""
 
-    def __init__(self, plates: Sequence["Plate"]) -> None:
+    def __init__(self, plates: Sequence["Plate"], detail: str = "") -> None:
         names = ", ".join(repr(p.name) for p in list(plates)[:6])
+        head = f"{detail} " if detail else f"{len(plates)} plates would meet in one tensor ({names}, ...), but "
         super().__init__(
-            f"{len(plates)} plates would meet in one tensor ({names}, ...), "
-            f"but torch handles tensors of at most {MAX_PLATES} dimensions and every plate is one. Every "
+            f"{head}torch handles tensors of at most {MAX_PLATES} dimensions and every plate is one. Every "
             "stochastic node adds its plate to everything computed from it, so a chain of N nodes gives "
             "its last values N plates. Draw several variables in one node (a distribution with a batch "
             "dimension), or decode a sequence with one ancestral plate per chain (storch.sampling's "

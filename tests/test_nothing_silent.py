@@ -370,7 +370,7 @@ def test_more_than_64_plates_in_one_tensor_says_why():
     assert len(x.plates) == MAX_PLATES
     storch.add_cost(x, "f")  # 64 plates: fine
     storch.reset()
-    with pytest.raises(TooManyPlatesError, match=r"65 plates would meet in one tensor \('x64', 'x63'.*at most 64.*chain of N nodes"):
+    with pytest.raises(TooManyPlatesError, match=r"cannot add node 'x64'.*65 plates.*65 in all.*at most 64.*chain of N nodes"):
         storch.method.ScoreFunction("x64")(Bernoulli(0.25 + 0.5 * x))
 
 
@@ -482,3 +482,24 @@ def test_parameters_that_torch_accepts_as_integers_still_work():
     )
     c = storch.method.Expect("c")(Categorical(probs=torch.tensor([1, 3])))
     assert b.shape == (2,) and c.shape == (2,)
+
+
+def test_a_node_whose_parameters_would_pass_torchs_dimension_limit_is_refused_by_name():
+    """Plates plus one parameter's own dimensions over 64: storch's error at the node, not torch's in backward."""
+    from torch.distributions import Categorical
+
+    from storch.plate import TooManyPlatesError
+
+    theta, x = torch.zeros(2, requires_grad=True), torch.tensor(0.0)
+    for t in range(63):  # 63 plates and the logits' one dimension: 64, the limit
+        a = storch.method.ScoreFunction(f"a{t}", n_samples=1)(Categorical(logits=theta + x))
+        x = x + a
+    storch.add_cost(x.float(), "c")
+    storch.backward()
+    assert theta.grad is not None and torch.isfinite(theta.grad).all()
+    theta, x = torch.zeros(2, requires_grad=True), torch.tensor(0.0)
+    with pytest.raises(TooManyPlatesError, match="cannot add node 'a63'.*65 in all"):
+        for t in range(64):
+            a = storch.method.ScoreFunction(f"a{t}", n_samples=1)(Categorical(logits=theta + x))
+            x = x + a
+    storch.reset()

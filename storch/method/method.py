@@ -51,15 +51,18 @@ from torch import nn
 from torch.distributions import Distribution
 
 from storch.extend import (
+    MAX_PLATES,
     CostTensor,
     Plate,
     PlateLayout,
+    TooManyPlatesError,
     StochasticTensor,
     Tensor,
     distribution_layout,
     floating_dtype,
     get_distr_parameters,
     is_tracing,
+    layout_of,
     layout_of_plates,
     log_prob_of_own_samples,
     magic_box,
@@ -201,6 +204,26 @@ def check_floating_parameters(distr: Distribution, method: str, node: str) -> No
     )
 
 
+def _check_room_for_a_plate(distr: Distribution, parents: PlateLayout, method: str, node: str) -> None:
+    """Refuse a node whose plate would give its samples or its distribution's parameters more dimensions
+    than torch handles (`MAX_PLATES`): the parents' plates, the new one, and one sample's (or one
+    parameter's) own dimensions. Without it the step fails later, in the backward pass, with torch's
+    bare "only tensors with up to 64 dims are supported"."""
+    own = len(distr.batch_shape) + len(distr.event_shape) - len(parents.sizes)  # batch_shape holds the plates
+    if len(parents.sizes) + own + 2 <= MAX_PLATES:  # a parameter has at most one dimension more
+        return
+    widest = own
+    for param in get_distr_parameters(distr, filter_requires_grad=False).values():
+        widest = max(widest, param.dim() - len(layout_of(param).sizes))
+    if len(parents.sizes) + 1 + widest > MAX_PLATES:
+        raise TooManyPlatesError(
+            [*parents.plates, Plate(node, 1)],
+            detail=f"{method} cannot add node {node!r}: its samples or its distribution's parameters would "
+            f"have {len(parents.sizes) + 1} plates and {widest} dimensions of their own, "
+            f"{len(parents.sizes) + 1 + widest} in all.",
+        )
+
+
 def log_prob(tensor: StochasticTensor) -> Tensor:
     """``log p(x)`` of each sample of ``tensor``, summed over all non-plate dimensions."""
     node = node_of(tensor)
@@ -327,6 +350,7 @@ class Method(nn.Module):
                 f"{type(self).__name__}: the distribution's parameters already carry a plate named "
                 f"{self.plate_name!r}; give this node another name."
             )
+        _check_room_for_a_plate(distr, parents, type(self).__name__, self.plate_name)
         try:
             with no_dispatch():
                 samples, plate, others = draw(distr, parents)
