@@ -25,7 +25,7 @@ import contextvars
 import functools
 import math
 from collections.abc import Iterable, Iterator
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -55,97 +55,239 @@ def _map(fn: Callable[[Any], Any], value: Any) -> Any:
     return value
 
 
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``value``, in the order in which ``_map`` visits them."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        for v in value:
+            yield from _tensors_in(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors_in(v)
+
+
+def _is_plated(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a storch tensor with at least one plate."""
+    return isinstance(t, Tensor) and bool(t._layout.plates)
+
+
+def _name(fn: Callable) -> Any:
+    """How error messages name ``fn``."""
+    return getattr(fn, "__name__", fn)
+
+
 def _collect_layouts(args: tuple, kwargs: dict) -> PlateLayout:
-    layouts: list[PlateLayout] = []
-    _map(lambda t: layouts.append(t._layout) if isinstance(t, Tensor) and t._layout.plates else None, (args, kwargs))
+    """The union of the plates of the storch tensors among the arguments."""
+    layouts = [t._layout for t in _tensors_in((args, kwargs)) if _is_plated(t)]
     return merge_layouts(layouts) if layouts else EMPTY_LAYOUT
 
 
-def _call(
-    fn: Callable,
-    args: tuple,
-    kwargs: dict,
-    *,
-    unwrap: bool,
-    expand_plates: bool,
-    flatten_plates: bool,
-    dim: str | None,
-    dims: Sequence[str] | None,
-    removed: Sequence[str],
-    batch_dims: int = 0,
-) -> Any:
-    union = _collect_layouts(args, kwargs)
-    expand = expand_plates or flatten_plates
-    n = len(union.sizes)
-    flat = math.prod(union.sizes)
-    merge_batch = flatten_plates and n > 0 and batch_dims > 0
-    batch: list[tuple[int, ...]] = []  # the batch shape (first batch_dims non-plate dims) when merged
+class _PlateKeywords(NamedTuple):
+    """The plates a wrapped function is told about by name, fixed when it is wrapped.
 
-    def merge(t: torch.Tensor) -> torch.Tensor:
-        """``(flat, *B, *rest)`` -> ``(flat·prod(B), *rest)``, with ``B`` the same for every tensor."""
-        shape = tuple(t.shape[1 : 1 + batch_dims])
-        if t.dim() < 1 + batch_dims or (batch and shape != batch[0]):
-            raise ValueError(
-                f"{getattr(fn, '__name__', fn)}: with batch_dims={batch_dims} every tensor argument needs the "
-                f"same {batch_dims} batch dimension(s) after its plates {list(union.names)}; got shape "
-                f"{tuple(t.shape[1:])} after the plates"
-                + (f", but an earlier argument had batch shape {batch[0]}." if batch else ".")
-            )
-        if not batch:
-            batch.append(shape)
-        return t.reshape((flat * math.prod(shape),) + tuple(t.shape[1 + batch_dims :]))
+    Attributes:
+        dim: a plate whose dimension index is passed as the function's ``dim`` keyword.
+        dims: plates whose dimension indices are passed as the function's ``dims`` keyword.
+        removed: plates the function reduces away; its outputs lack them.
+    """
 
-    def prepare(t: torch.Tensor) -> torch.Tensor:
-        plated = isinstance(t, Tensor) and bool(t._layout.plates)
-        with _Disable():
-            if plated:
-                t = align_tensor(t, union, expand=expand)
-            elif expand and n:
-                t = expand_plain(t, union) if flatten_plates else t
-            if flatten_plates and n:
-                t = t.reshape((flat,) + tuple(t.shape[n:]))
-                if merge_batch:
-                    t = merge(t)
-            if isinstance(t, Tensor):  # never hand out (or retype below) the caller's storch tensor
-                t = t.view_as(t)
-        if not unwrap and plated and not flatten_plates:
-            return wrap_new(t, union)  # t is a fresh view here
-        return t
+    dim: str | None = None
+    dims: Sequence[str] | None = None
+    removed: Sequence[str] = ()
 
-    new_args = _map(prepare, args)
-    new_kwargs = _map(prepare, kwargs)
-    if dim is not None:
-        new_kwargs["dim"] = union.index(dim)
-    if dims is not None:
-        new_kwargs["dims"] = [union.index(d) for d in dims]
+
+class _Flattened(NamedTuple):
+    """Arguments with their plates flattened into one first dimension, and what undoing that needs.
+
+    Attributes:
+        args: the positional arguments to call with.
+        kwargs: the keyword arguments to call with.
+        batch: the batch dimensions flattened together with the plates (``()`` for none).
+    """
+
+    args: tuple
+    kwargs: dict
+    batch: tuple[int, ...]
+
+
+# ------------------------------------------------------------------------------------------ step 1: align
+
+
+def _fresh_view(t: torch.Tensor) -> torch.Tensor:
+    """A new view of a storch tensor, so the caller's own is never handed out (or retyped later);
+    other tensors as they are. Must run with torch functions disabled."""
+    return t.view_as(t) if isinstance(t, Tensor) else t
+
+
+def _align(t: torch.Tensor, union: PlateLayout, expand: bool, unwrap: bool) -> torch.Tensor:
+    """One argument laid out for the plates ``union``.
+
+    A plated storch tensor gets a dimension for every plate of ``union`` (size 1 where it lacks the
+    plate, unless ``expand``) and is returned as a plain view, or as a storch tensor on ``union``
+    when not ``unwrap``. Other tensors are passed as they are (a storch tensor without plates as a
+    fresh view).
+    """
+    plated = _is_plated(t)
     with _Disable():
-        out = fn(*new_args, **new_kwargs)
+        if plated:
+            t = align_tensor(t, union, expand=expand)
+        t = _fresh_view(t)
+    return wrap_new(t, union) if plated and not unwrap else t
+
+
+# ---------------------------------------------------------------------------------------- step 2: flatten
+
+
+def _flatten_plates(t: torch.Tensor, union: PlateLayout) -> torch.Tensor:
+    """One argument expanded over every plate of ``union`` (plain tensors too), with those plates
+    flattened into one first dimension: ``(*plate sizes, *rest)`` -> ``(prod(plate sizes), *rest)``."""
+    with _Disable():
+        t = align_tensor(t, union, expand=True) if _is_plated(t) else expand_plain(t, union)
+        return t.reshape((math.prod(union.sizes),) + tuple(t.shape[len(union.sizes):]))
+
+
+def _batch_error(fn: Callable, t: torch.Tensor, union: PlateLayout, batch_dims: int, batch: tuple | None) -> ValueError:
+    """The error for a flattened argument ``t`` without the batch shape ``batch`` of the arguments before it."""
+    earlier = f", but an earlier argument had batch shape {batch}." if batch is not None else "."
+    return ValueError(
+        f"{_name(fn)}: with batch_dims={batch_dims} every tensor argument needs the same {batch_dims} batch "
+        f"dimension(s) after its plates {list(union.names)}; got shape {tuple(t.shape[1:])} after the plates"
+        + earlier
+    )
+
+
+def _batch_shape(fn: Callable, tensors: Iterable[torch.Tensor], union: PlateLayout, batch_dims: int) -> tuple:
+    """The ``batch_dims`` dimensions after the flattened plates, which every tensor must share.
+
+    Returns ``()`` if there are no tensors.
+
+    Raises:
+        ValueError: if a tensor has too few dimensions or another batch shape than the ones before it.
+    """
+    batch = None
+    with _Disable():
+        for t in tensors:
+            shape = tuple(t.shape[1:1 + batch_dims])
+            if t.dim() < 1 + batch_dims or (batch is not None and shape != batch):
+                raise _batch_error(fn, t, union, batch_dims, batch)
+            batch = shape if batch is None else batch
+    return () if batch is None else batch
+
+
+def _merge_batch(t: torch.Tensor, batch: tuple[int, ...]) -> torch.Tensor:
+    """``(flat, *batch, *rest)`` -> ``(flat·prod(batch), *rest)``."""
+    with _Disable():
+        return t.reshape((t.shape[0] * math.prod(batch),) + tuple(t.shape[1 + len(batch):]))
+
+
+def _flatten_arguments(fn: Callable, args: tuple, kwargs: dict, union: PlateLayout, batch_dims: int) -> _Flattened:
+    """The arguments with the plates of ``union`` (then ``batch_dims`` batch dimensions) flattened into
+    one first dimension, as plain tensors."""
+    args, kwargs = _map(functools.partial(_flatten_plates, union=union), (args, kwargs))
+    batch = _batch_shape(fn, _tensors_in((args, kwargs)), union, batch_dims) if batch_dims else ()
+    if batch_dims:
+        args, kwargs = _map(functools.partial(_merge_batch, batch=batch), (args, kwargs))
+    return _Flattened(args, kwargs, batch)
+
+
+# ------------------------------------------------------------------------------------------- step 3: call
+
+
+def _with_plate_keywords(kwargs: dict, union: PlateLayout, keywords: _PlateKeywords) -> dict:
+    """``kwargs`` with the plates named in ``keywords.dim``/``keywords.dims`` as their dimension indices."""
+    if keywords.dim is not None:
+        kwargs = {**kwargs, "dim": union.index(keywords.dim)}
+    if keywords.dims is not None:
+        kwargs = {**kwargs, "dims": [union.index(d) for d in keywords.dims]}
+    return kwargs
+
+
+def _invoke(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` with storch's torch function disabled."""
+    with _Disable():
+        return fn(*args, **kwargs)
+
+
+# -------------------------------------------------------------------------------- step 4: restore, check
+
+
+def _unflatten(t: torch.Tensor, fn: Callable, union: PlateLayout, batch: tuple[int, ...]) -> torch.Tensor:
+    """An output ``(flat·prod(batch), *rest)`` back to ``(*plate sizes, *batch, *rest)``.
+
+    Raises:
+        ValueError: if ``fn`` did not keep the flattened first dimension.
+    """
+    lead = math.prod(union.sizes) * math.prod(batch)
+    if t.dim() == 0 or t.shape[0] != lead:
+        merged = f" and the batch dimensions {batch}" if batch else ""
+        raise ValueError(
+            f"{_name(fn)} returned shape {tuple(t.shape)} after the plates {list(union.names)}{merged} were "
+            f"flattened into a first dimension of size {lead}; it must keep that dimension."
+        )
+    with _Disable():
+        return t.reshape(union.sizes + batch + tuple(t.shape[1:]))
+
+
+def _output_layout(union: PlateLayout, removed: Sequence[str]) -> PlateLayout:
+    """The plates of the outputs: those of the arguments less the ``removed`` ones."""
+    return union.without([union.plates[union.index(r)] for r in removed]) if removed else union
+
+
+def _restore_plates(t: torch.Tensor, fn: Callable, layout: PlateLayout) -> Tensor:
+    """An output of ``fn`` as a storch tensor on the plates ``layout``, which lead its dimensions.
+
+    Raises:
+        ValueError: if the first dimensions of ``t`` are not the plates of ``layout``.
+    """
+    if type(t) is not torch.Tensor:
+        with _Disable():
+            t = t.view_as(t)
+    sizes = layout.sizes
+    if sizes and tuple(t.shape[: len(sizes)]) != sizes:
+        raise plate_dimension_error(fn, t.shape, layout)
+    return wrap_new(t, layout)
+
+
+# ----------------------------------------------------------------------------------------- the two calls
+
+
+def _call_aligned(
+    fn: Callable, args: tuple, kwargs: dict, keywords: _PlateKeywords, expand: bool, unwrap: bool
+) -> Any:
+    """Call ``fn`` on arguments aligned to their union of plates, and give its outputs the plates back.
+
+    Args:
+        fn: the function.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        keywords: the plates passed to ``fn`` by name, and those it removes.
+        expand: expand the storch arguments to the full size of every plate.
+        unwrap: pass plain tensors instead of storch tensors.
+    """
+    union = _collect_layouts(args, kwargs)
+    args, kwargs = _map(functools.partial(_align, union=union, expand=expand, unwrap=unwrap), (args, kwargs))
+    out = _invoke(fn, args, _with_plate_keywords(kwargs, union, keywords))
     if _IGNORE_WRAPPING.get():
         return out  # ignore_wrapping(): the function's own outputs, plates not given back
-    out_layout = union.without([union.plates[union.index(r)] for r in removed]) if removed else union
+    return _map(functools.partial(_restore_plates, fn=fn, layout=_output_layout(union, keywords.removed)), out)
 
-    def finish(t: torch.Tensor) -> torch.Tensor:
-        if flatten_plates and n:
-            b = batch[0] if merge_batch and batch else ()
-            lead = flat * math.prod(b)
-            if t.dim() == 0 or t.shape[0] != lead:
-                merged = f" and the batch dimensions {b}" if b else ""
-                raise ValueError(
-                    f"{getattr(fn, '__name__', fn)} returned shape {tuple(t.shape)} after the plates "
-                    f"{list(union.names)}{merged} were flattened into a first dimension of size {lead}; it "
-                    "must keep that dimension."
-                )
-            with _Disable():
-                t = t.reshape(union.sizes + b + tuple(t.shape[1:]))
-        if type(t) is not torch.Tensor:
-            with _Disable():
-                t = t.view_as(t)
-        sizes = out_layout.sizes
-        if sizes and tuple(t.shape[: len(sizes)]) != sizes:
-            raise plate_dimension_error(fn, t.shape, out_layout)
-        return wrap_new(t, out_layout)
 
-    return _map(finish, out)
+def _call_flattened(fn: Callable, args: tuple, kwargs: dict, keywords: _PlateKeywords, batch_dims: int) -> Any:
+    """Call ``fn`` with all plates (and ``batch_dims`` batch dimensions) flattened into one first
+    dimension of every argument, and give its outputs the plates back.
+
+    Without plates this is ``_call_aligned`` with the arguments passed as they are.
+    """
+    union = _collect_layouts(args, kwargs)
+    if not union.sizes:
+        return _call_aligned(fn, args, kwargs, keywords, expand=True, unwrap=True)
+    flat = _flatten_arguments(fn, args, kwargs, union, batch_dims)
+    out = _invoke(fn, flat.args, _with_plate_keywords(flat.kwargs, union, keywords))
+    if _IGNORE_WRAPPING.get():
+        return out  # ignore_wrapping(): the function's own outputs, still flattened
+    out = _map(functools.partial(_unflatten, fn=fn, union=union, batch=flat.batch), out)
+    return _map(functools.partial(_restore_plates, fn=fn, layout=_output_layout(union, keywords.removed)), out)
 
 
 def deterministic(
@@ -182,12 +324,13 @@ def deterministic(
             dim=dim, dims=dims,
         )
 
+    keywords = _PlateKeywords(dim, dims)
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return _call(
-            fn, args, kwargs, unwrap=unwrap, expand_plates=expand_plates,
-            flatten_plates=flatten_plates, dim=dim, dims=dims, removed=(),
-        )
+        if flatten_plates:
+            return _call_flattened(fn, args, kwargs, keywords, batch_dims=0)
+        return _call_aligned(fn, args, kwargs, keywords, expand=expand_plates, unwrap=unwrap)
 
     return wrapper
 
@@ -205,14 +348,11 @@ def reduce(fn: Callable, plates: str | Sequence[str]) -> Callable:
         []
     """
     names = [plates] if isinstance(plates, str) else list(plates)
+    keywords = _PlateKeywords(names[0] if len(names) == 1 else None, names if len(names) > 1 else None, names)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return _call(
-            fn, args, kwargs, unwrap=True, expand_plates=False, flatten_plates=False,
-            dim=names[0] if len(names) == 1 else None, dims=names if len(names) > 1 else None,
-            removed=names,
-        )
+        return _call_aligned(fn, args, kwargs, keywords, expand=False, unwrap=True)
 
     return wrapper
 
@@ -220,10 +360,7 @@ def reduce(fn: Callable, plates: str | Sequence[str]) -> Callable:
 def _left_broadcast(fn: Callable, args: tuple, kwargs: dict, batch_dims: int) -> Any:
     """Call ``fn`` with the plates (and ``batch_dims`` batch dimensions) flattened into one first
     dimension, and give its outputs the plates back."""
-    return _call(
-        fn, args, kwargs, unwrap=True, expand_plates=False, flatten_plates=True, dim=None, dims=None,
-        removed=(), batch_dims=batch_dims,
-    )
+    return _call_flattened(fn, args, kwargs, _PlateKeywords(), batch_dims)
 
 
 class LeftBroadcastable(nn.Module):
@@ -359,25 +496,27 @@ def stochastic(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         union = _collect_layouts(args, kwargs)
-        out = fn(*args, **kwargs)
-
-        def check(t: torch.Tensor) -> torch.Tensor:
-            if not isinstance(t, Tensor):
-                raise IllegalStorchExposeError(
-                    f"{getattr(fn, '__name__', fn)} is marked @storch.stochastic but returned a plain "
-                    f"torch.Tensor of shape {tuple(t.shape)}; return storch tensors (sample with a "
-                    "storch.method.Method)."
-                )
-            lost = [p.name for p in union.plates if not any(p == q for q in layout_of(t).plates)]
-            if lost:
-                raise IllegalStorchExposeError(
-                    f"{getattr(fn, '__name__', fn)} returned a tensor without the input plates {lost}."
-                )
-            return t
-
-        return _map(check, out)
+        return _map(functools.partial(_check_sampled, fn=fn, union=union), fn(*args, **kwargs))
 
     return wrapper
+
+
+def _check_sampled(t: torch.Tensor, fn: Callable, union: PlateLayout) -> torch.Tensor:
+    """An output ``t`` of the [`stochastic`][storch.wrappers.stochastic] function ``fn``, checked to be a
+    storch tensor on every plate of its inputs' ``union``.
+
+    Raises:
+        IllegalStorchExposeError: if ``t`` is a plain ``torch.Tensor`` or lost an input plate.
+    """
+    if not isinstance(t, Tensor):
+        raise IllegalStorchExposeError(
+            f"{_name(fn)} is marked @storch.stochastic but returned a plain torch.Tensor of shape "
+            f"{tuple(t.shape)}; return storch tensors (sample with a storch.method.Method)."
+        )
+    lost = [p.name for p in union.plates if not any(p == q for q in layout_of(t).plates)]
+    if lost:
+        raise IllegalStorchExposeError(f"{_name(fn)} returned a tensor without the input plates {lost}.")
+    return t
 
 
 @contextlib.contextmanager

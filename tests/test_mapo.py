@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 import sys
 
 import pytest
@@ -15,7 +16,7 @@ from torch.distributions import Bernoulli, Categorical, Independent, Normal, One
 
 import storch
 from storch.method import MAPO, ScoreFunction
-from storch.method.mapo import MAPOState, sample_outside
+from storch.method.mapo import MAPOMemory, MAPOState, sample_outside
 from storch.testing import assert_unbiased, check_unbiased, replicated_gradients
 
 from problems import minibatch_categorical, nested_categorical, one_categorical, replicated_hessians
@@ -87,7 +88,9 @@ def test_buffer_covering_the_support_is_exact():
 
 # a length-3 sequence over 3 tokens, factorised; the cost a fixed table of the 27 sequences
 SEQ_THETA = torch.tensor([[0.3, -0.2, 0.5], [1.0, 0.0, -0.7], [-0.4, 0.6, 0.1]])
-SEQ_TABLE = torch.linspace(-2.0, 3.0, 27)[torch.randperm(27, generator=torch.Generator().manual_seed(1))].reshape(3, 3, 3)
+SEQ_TABLE = torch.linspace(-2.0, 3.0, 27)[
+    torch.randperm(27, generator=torch.Generator().manual_seed(1))
+].reshape(3, 3, 3)
 
 
 def sequence_expectation(theta: torch.Tensor) -> torch.Tensor:
@@ -143,8 +146,8 @@ def test_minibatch_plate_has_a_buffer_per_datum():
     method = MAPO("z", n_samples=2, buffer_size=2)
     (grads,) = replicated_gradients([problem.w], R, problem.model(method))
     assert_unbiased(grads, problem.exact())
-    n_data = method._buf_tokens.shape[0] // R
-    assert method._buf_tokens.shape[0] == R * n_data and n_data > 1
+    n_data = method.store.buffer_tokens.shape[0] // R
+    assert method.store.buffer_tokens.shape[0] == R * n_data and n_data > 1
     assert all(len(method.memory(k)[0]) >= 1 for k in (0, 1, R * n_data - 1))  # filled after one step
 
 
@@ -427,3 +430,74 @@ def test_a_baseline_that_needs_its_correction_is_refused_when_built():
     with pytest.raises(ValueError, match="QCritic baseline depends on the node's own sample"):
         MAPO("y", n_samples=2, baseline_factory="q_critic")
     assert MAPO("y", n_samples=2, baseline_factory="critic").baseline is not None
+
+
+# ===================================================================== the memory module
+def _explored_method() -> MAPO:
+    """A MAPO with systematic exploration after one step on a 5-value categorical."""
+    method = MAPO("y", n_samples=3, buffer_size=2, systematic_exploration=True, max_explored=4)
+    y = method(Categorical(logits=torch.zeros(5, requires_grad=True)))
+    storch.add_cost(y.float(), "f")
+    storch.backward()
+    return method
+
+
+def _same_memory(a: MAPO, b: MAPO) -> None:
+    assert a.memory()[0].tolist() == b.memory()[0].tolist()
+    assert a.memory()[1].tolist() == b.memory()[1].tolist()
+    assert a.explored().tolist() == b.explored().tolist()
+    for name, buffer in a.store.named_buffers():
+        assert torch.equal(buffer, getattr(b.store, name)), name
+
+
+def test_memory_is_one_module_of_buffers_kept_in_the_extra_state():
+    method = _explored_method()
+    assert isinstance(method.store, MAPOMemory)
+    names = ["buffer_tokens", "buffer_costs", "buffer_valid", "explored_tokens", "explored_valid", "explored_next"]
+    assert [name for name, _ in method.named_buffers()] == [f"store.{name}" for name in names]
+    state = method.state_dict()
+    assert list(state) == ["_extra_state"]  # the keys of before: old checkpoints load
+    assert sorted(state["_extra_state"]) == sorted(names + ["var_shape", "n_values"])
+    method.double()
+    method.to(torch.float32)
+    dtypes = {name: buffer.dtype for name, buffer in method.store.named_buffers()}
+    assert dtypes["buffer_costs"] == torch.float64 and dtypes["buffer_tokens"] == torch.long
+    assert dtypes["buffer_valid"] == torch.bool and dtypes["explored_next"] == torch.long
+    method.reset()
+    assert method.store.var_shape is None and method.store.n_values == -1
+    assert method.store.buffer_tokens.shape == (0, 2, 0)
+
+
+def test_old_format_state_dict_loads():
+    # written by MAPO before MAPOMemory: one '_extra_state' dict with the memory's tensors
+    old = {"_extra_state": {
+        "var_shape": [], "n_values": 5,
+        "buffer_tokens": torch.tensor([[[3], [1]]]), "buffer_costs": torch.tensor([[-1.0, 0.5]], dtype=torch.float64),
+        "buffer_valid": torch.tensor([[True, True]]), "explored_tokens": torch.tensor([[[4], [0], [0], [0]]]),
+        "explored_valid": torch.tensor([[True, False, False, False]]), "explored_next": torch.tensor([1]),
+    }}
+    method = MAPO("y", n_samples=3, buffer_size=2, systematic_exploration=True, max_explored=4)
+    method.load_state_dict(old)
+    assert method.memory()[0].tolist() == [3, 1] and method.memory()[1].tolist() == [-1.0, 0.5]
+    assert method.explored().tolist() == [4]
+    assert method.store.var_shape == () and method.store.n_values == 5
+    y = method(Categorical(logits=torch.zeros(5)))
+    assert y._tensor[:2].tolist() == [3, 1] and not bool((y._tensor[2:] == 4).any())
+    storch.reset()
+
+
+def test_pickling_carries_the_memory_also_from_before_the_memory_module():
+    method = _explored_method()
+    _same_memory(pickle.loads(pickle.dumps(method)), method)
+    # a MAPO pickled before MAPOMemory held the tensors as attributes
+    state = dict(method.__dict__)
+    state["_modules"] = {k: v for k, v in state["_modules"].items() if k != "store"}
+    state.update({f"_{old}": getattr(method.store, new).clone() for old, new in [
+        ("buf_tokens", "buffer_tokens"), ("buf_costs", "buffer_costs"), ("buf_valid", "buffer_valid"),
+        ("exp_tokens", "explored_tokens"), ("exp_valid", "explored_valid"), ("exp_next", "explored_next"),
+    ]})
+    state.update(_var_shape=method.store.var_shape, _n_values=method.store.n_values)
+    old = MAPO.__new__(MAPO)
+    old.__setstate__(state)
+    _same_memory(old, method)
+    assert old.store.var_shape == () and old.store.n_values == 5

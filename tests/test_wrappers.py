@@ -268,3 +268,48 @@ def test_stochastic_raises_when_an_input_plate_is_lost():
 def test_illegal_storch_expose_error_is_an_exception_with_message():
     err = IllegalStorchExposeError("boom")
     assert isinstance(err, Exception) and err.message == "boom"
+
+
+# ---------------------------------------------------------- the steps of a wrapped call
+
+
+def test_left_broadcast_batch_dims_flattens_keyword_and_nested_arguments():
+    z = _z(3, (2, 4))  # plate z, then (N, F) = (2, 4)
+    spy = _Spy(lambda x, state: x.sum(-1, keepdim=True) + state[0])
+    out = storch.make_left_broadcastable(spy, batch_dims=1)(z, state=(torch.zeros(2, 1),))
+    (x,), kwargs = spy.calls[0]
+    assert type(x) is torch.Tensor and x.shape == (6, 4)
+    assert kwargs["state"][0].shape == (6, 1)
+    assert out.shape == (3, 2, 1) and out.plate_names == ["z"]
+    torch.testing.assert_close(out._tensor, z._tensor.sum(-1, keepdim=True))
+
+
+def test_left_broadcast_batch_dims_errors_name_the_shapes():
+    z = _z(3, (2, 4))
+    wrapped = storch.make_left_broadcastable(lambda a, b: a, batch_dims=1)
+    with pytest.raises(ValueError, match=r"got shape \(7, 1\) after the plates, but an earlier argument had batch "
+                       r"shape \(2,\)\."):
+        wrapped(z, torch.zeros(7, 1))
+    scalar = _z(3, ())
+    with pytest.raises(ValueError, match=r"got shape \(\) after the plates\.$"):
+        storch.make_left_broadcastable(lambda a: a, batch_dims=1)(scalar)
+    with pytest.raises(ValueError, match=r"\['z'\] and the batch dimensions \(2,\) were flattened into a first "
+                       r"dimension of size 6"):
+        storch.make_left_broadcastable(lambda a: a[0], batch_dims=1)(z)
+
+
+def test_flatten_plates_without_plates_passes_the_arguments_as_they_are():
+    spy = _Spy(lambda a: 2 * a)
+    x = torch.ones(2, 3)
+    out = storch.deterministic(spy, flatten_plates=True)(x)
+    (a,), _ = spy.calls[0]
+    assert a is x
+    assert isinstance(out, storch.Tensor) and out.plates == [] and out.shape == (2, 3)
+
+
+def test_ignore_wrapping_returns_flattened_outputs():
+    z = _z(3, (2, 4))
+    with storch.wrappers.ignore_wrapping():
+        out = storch.make_left_broadcastable(lambda a: 2 * a, batch_dims=1)(z)
+    assert type(out) is torch.Tensor and out.shape == (6, 4)
+    torch.testing.assert_close(out, 2 * z._tensor.reshape(6, 4))

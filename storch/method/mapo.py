@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
+from torch import nn
 from torch.distributions import Categorical, Distribution, Independent
 
 from storch.extend import (
@@ -68,7 +69,7 @@ from storch.reductions import reduce_plates
 from storch.sampling.method import SamplingMethod, check_count
 from storch.sampling.swor import WORSupport, wor_support
 
-__all__ = ["MAPO", "MAPOState", "sample_outside"]
+__all__ = ["MAPO", "MAPOMemory", "MAPOState", "sample_outside"]
 
 
 # ----------------------------------------------------------------------- sampling outside a set
@@ -135,6 +136,141 @@ def sample_outside(
         tokens[..., t] = token
         alive = alive * (excluded[..., t].unsqueeze(0) == token.unsqueeze(-1)).double()
     return tokens, outside  # type: ignore[return-value]
+
+
+# ----------------------------------------------------------------------- the memory
+#: the memory's tensors, in the order of the ``_extra_state`` dict (the names of its keys)
+_MEMORY_TENSORS = (
+    "buffer_tokens", "buffer_costs", "buffer_valid", "explored_tokens", "explored_valid", "explored_next",
+)
+#: the attributes that held them on MAPO objects pickled before ``MAPOMemory``
+_OLD_ATTRIBUTES = dict(zip(("_buf_tokens", "_buf_costs", "_buf_valid", "_exp_tokens", "_exp_valid", "_exp_next"),
+                           _MEMORY_TENSORS))
+
+
+class MAPOMemory(nn.Module):
+    """The memory of a [`MAPO`][storch.method.mapo.MAPO] method: per key (datum), a buffer of the best
+    values found and their costs, and the values explored (with ``systematic_exploration``).
+
+    The tensors are buffers of this module, so ``.to()``, ``copy.deepcopy`` and pickling carry them
+    with the method, and they keep their dtypes under ``.double()`` or ``.half()``. They are not
+    persistent: the method's ``state_dict`` holds them in its ``_extra_state`` entry
+    ([`state`][storch.method.mapo.MAPOMemory.state]), as before this module existed (as
+    [`MovingAverageBaseline`][storch.method.baseline.MovingAverageBaseline] keeps its averages), so
+    checkpoints of either version load. The buffers are each rank's own: inside a model wrapped in
+    ``DistributedDataParallel``, call
+    [`storch.distributed.exclude_methods_from_ddp`][storch.distributed.exclude_methods_from_ddp] first.
+
+    Attributes:
+        buffer_tokens: ``(K, buffer_size, D)`` the buffered values' indices (long), ``D`` variables.
+        buffer_costs: ``(K, buffer_size)`` their costs (float64; ``inf`` on empty slots).
+        buffer_valid: ``(K, buffer_size)`` which slots hold a value.
+        explored_tokens: ``(K, E, D)`` the explored values (``E`` is ``max_explored``, or 0).
+        explored_valid: ``(K, E)`` which slots hold a value.
+        explored_next: ``(K,)`` the slot the next explored value of each key goes to (a ring).
+        var_shape: the shape of the variables of one value; ``None`` until the first value.
+        n_values: the number of values of each variable; ``-1`` until a distribution tells.
+
+    Args:
+        buffer_size: the most values the buffer of one key holds.
+
+    Examples:
+        >>> memory = MAPOMemory(buffer_size=4)
+        >>> memory.buffer_costs.shape, memory.var_shape
+        (torch.Size([0, 4]), None)
+        >>> memory.shape_values((3,), explored=0, device=torch.device("cpu"))   # values of 3 variables
+        >>> memory.grow(2)                                                      # keys 0, 1 and 2
+        >>> memory.buffer_tokens.shape, memory.explored_next.tolist()
+        (torch.Size([3, 4, 3]), [0, 0, 0])
+    """
+
+    def __init__(self, buffer_size: int) -> None:
+        super().__init__()
+        self.buffer_size = buffer_size
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every value: no keys, the variables' shape and number of values unknown (on the CPU)."""
+        b = self.buffer_size
+        self.var_shape: Optional[tuple[int, ...]] = None
+        self.n_values = -1
+        self.register_buffer("buffer_tokens", torch.zeros((0, b, 0), dtype=torch.long), persistent=False)
+        self.register_buffer("buffer_costs", torch.zeros((0, b), dtype=torch.float64), persistent=False)
+        self.register_buffer("buffer_valid", torch.zeros((0, b), dtype=torch.bool), persistent=False)
+        self.register_buffer("explored_tokens", torch.zeros((0, 0, 0), dtype=torch.long), persistent=False)
+        self.register_buffer("explored_valid", torch.zeros((0, 0), dtype=torch.bool), persistent=False)
+        self.register_buffer("explored_next", torch.zeros((0,), dtype=torch.long), persistent=False)
+
+    @property
+    def n_vars(self) -> int:
+        """The number of variables ``D`` of one value (1 while unknown)."""
+        return 1 if self.var_shape is None else math.prod(self.var_shape)
+
+    def shape_values(self, var_shape: tuple[int, ...], explored: int, device: torch.device) -> None:
+        """Empty memory for values of variables of shape ``var_shape``, with ``explored`` slots per key
+        for explored values, on ``device`` (the costs and flags stay where they are)."""
+        d = math.prod(var_shape)
+        self.var_shape = tuple(var_shape)
+        self.buffer_tokens = torch.zeros((0, self.buffer_size, d), dtype=torch.long, device=device)
+        self.buffer_costs = self.buffer_costs.to(device)
+        self.buffer_valid = self.buffer_valid.to(device)
+        self.explored_tokens = torch.zeros((0, explored, d), dtype=torch.long, device=device)
+        self.explored_valid = torch.zeros((0, explored), dtype=torch.bool, device=device)
+        self.explored_next = self.explored_next.to(device)
+
+    def grow(self, max_key: int) -> None:
+        """Make room for the keys up to ``max_key`` (at least doubling), with empty buffers; after
+        [`shape_values`][storch.method.mapo.MAPOMemory.shape_values]."""
+        k = self.buffer_tokens.shape[0]
+        if max_key < k:
+            return
+        grow = max(max_key + 1, 2 * k) - k
+        b, d, e = self.buffer_size, self.n_vars, self.explored_tokens.shape[1]
+        dev = self.buffer_tokens.device
+        self.buffer_tokens = torch.cat([self.buffer_tokens, torch.zeros((grow, b, d), dtype=torch.long, device=dev)])
+        self.buffer_costs = torch.cat(
+            [self.buffer_costs, torch.full((grow, b), math.inf, dtype=torch.float64, device=dev)]
+        )
+        self.buffer_valid = torch.cat([self.buffer_valid, torch.zeros((grow, b), dtype=torch.bool, device=dev)])
+        self.explored_tokens = torch.cat(
+            [self.explored_tokens, torch.zeros((grow, e, d), dtype=torch.long, device=dev)]
+        )
+        self.explored_valid = torch.cat([self.explored_valid, torch.zeros((grow, e), dtype=torch.bool, device=dev)])
+        self.explored_next = torch.cat([self.explored_next, torch.zeros((grow,), dtype=torch.long, device=dev)])
+
+    def state(self) -> dict:
+        """The memory (copies) as the dict that MAPO's ``state_dict`` holds under ``_extra_state``."""
+        state: dict[str, Any] = {
+            "var_shape": list(self.var_shape) if self.var_shape is not None else [-1],
+            "n_values": self.n_values,
+        }
+        return {**state, **{name: getattr(self, name).clone() for name in _MEMORY_TENSORS}}
+
+    def load(self, state: Any, owner: str) -> None:
+        """Restore the memory from a dict written by [`state`][storch.method.mapo.MAPOMemory.state].
+
+        Raises:
+            ValueError: if ``state`` is not such a dict (the message names ``owner``).
+        """
+        keys = ("var_shape", "n_values") + _MEMORY_TENSORS
+        if not isinstance(state, dict) or any(k not in state for k in keys):
+            raise ValueError(
+                f"{owner}.load_state_dict: the '_extra_state' entry must be the dict "
+                f"written by get_extra_state, with keys {list(keys)}."
+            )
+        var_shape = list(state["var_shape"])
+        self.var_shape = None if var_shape == [-1] else tuple(int(s) for s in var_shape)
+        self.n_values = int(state["n_values"])
+        for name in _MEMORY_TENSORS:
+            setattr(self, name, state[name].clone())
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+        """``.to(device)`` moves the memory; the tokens stay integers and the costs float64."""
+        dtypes = {name: getattr(self, name).dtype for name in _MEMORY_TENSORS}
+        super()._apply(fn, recurse)
+        for name, dtype in dtypes.items():
+            setattr(self, name, getattr(self, name).to(dtype))
+        return self
 
 
 # ----------------------------------------------------------------------- the sampled set
@@ -380,75 +516,44 @@ class MAPO(Method):
                 f"n_samples >= 2; got n_samples={n}. Use n_samples >= 2, or "
                 "baseline_factory='moving_average'."
             )
-        self._clear_memory()
+        self.store = MAPOMemory(self.buffer_size)
 
     # ------------------------------------------------------------------ memory
-    def _clear_memory(self) -> None:
-        self._var_shape: Optional[tuple[int, ...]] = None
-        self._n_values = -1
-        self._buf_tokens = torch.zeros((0, self.buffer_size, 0), dtype=torch.long)
-        self._buf_costs = torch.zeros((0, self.buffer_size), dtype=torch.float64)
-        self._buf_valid = torch.zeros((0, self.buffer_size), dtype=torch.bool)
-        self._exp_tokens = torch.zeros((0, 0, 0), dtype=torch.long)
-        self._exp_valid = torch.zeros((0, 0), dtype=torch.bool)
-        self._exp_next = torch.zeros((0,), dtype=torch.long)
-
-    @property
-    def _n_vars(self) -> int:
-        return 1 if self._var_shape is None else math.prod(self._var_shape)
-
     def _init_memory(self, var_shape: tuple[int, ...], n_values: int, device: torch.device) -> None:
         owner = f"MAPO({self.plate_name!r})"
-        if self._var_shape is None:
-            d = math.prod(var_shape)
-            self._var_shape = tuple(var_shape)
-            self._buf_tokens = torch.zeros((0, self.buffer_size, d), dtype=torch.long, device=device)
-            self._buf_costs = self._buf_costs.to(device)
-            self._buf_valid = self._buf_valid.to(device)
-            e = self.max_explored if self.systematic_exploration else 0
-            self._exp_tokens = torch.zeros((0, e, d), dtype=torch.long, device=device)
-            self._exp_valid = torch.zeros((0, e), dtype=torch.bool, device=device)
-            self._exp_next = self._exp_next.to(device)
-        elif tuple(var_shape) != self._var_shape:
+        if self.store.var_shape is None:
+            explored = self.max_explored if self.systematic_exploration else 0
+            self.store.shape_values(var_shape, explored, device)
+        elif tuple(var_shape) != self.store.var_shape:
             raise ValueError(
-                f"{owner}: the memory holds values of {self._var_shape} variables, but this "
+                f"{owner}: the memory holds values of {self.store.var_shape} variables, but this "
                 f"distribution's values have {tuple(var_shape)}. One MAPO method keeps the memory of "
                 "one kind of value; use another MAPO for other values, or call method.reset() to forget it."
             )
         if n_values >= 0:
-            if self._n_values >= 0 and n_values != self._n_values:
+            if self.store.n_values >= 0 and n_values != self.store.n_values:
                 raise ValueError(
-                    f"{owner}: the memory holds values of variables with {self._n_values} values each, but "
+                    f"{owner}: the memory holds values of variables with {self.store.n_values} values each, but "
                     f"this distribution's variables have {n_values}. Use another MAPO for them, or call "
                     "method.reset() to forget the memory."
                 )
-            if self._n_values < 0 and self._buf_valid.any() and int(self._buf_tokens[self._buf_valid].max()) >= n_values:
+            if self.store.n_values < 0 and self._largest_buffered() >= n_values:
                 raise ValueError(
-                    f"{owner}: the memory holds value indices up to {int(self._buf_tokens[self._buf_valid].max())}, "
+                    f"{owner}: the memory holds value indices up to {self._largest_buffered()}, "
                     f"but the distribution's variables have only {n_values} values."
                 )
-            self._n_values = n_values
-        if self._buf_tokens.device != device:
+            self.store.n_values = n_values
+        if self.store.buffer_tokens.device != device:
             self._apply(lambda t: t.to(device))
 
-    def _ensure_keys(self, max_key: int) -> None:
-        k = self._buf_tokens.shape[0]
-        if max_key < k:
-            return
-        grow = max(max_key + 1, 2 * k) - k
-        b, d = self.buffer_size, self._n_vars
-        dev = self._buf_tokens.device
-        self._buf_tokens = torch.cat([self._buf_tokens, torch.zeros((grow, b, d), dtype=torch.long, device=dev)])
-        self._buf_costs = torch.cat([self._buf_costs, torch.full((grow, b), math.inf, dtype=torch.float64, device=dev)])
-        self._buf_valid = torch.cat([self._buf_valid, torch.zeros((grow, b), dtype=torch.bool, device=dev)])
-        e = self._exp_tokens.shape[1]
-        self._exp_tokens = torch.cat([self._exp_tokens, torch.zeros((grow, e, d), dtype=torch.long, device=dev)])
-        self._exp_valid = torch.cat([self._exp_valid, torch.zeros((grow, e), dtype=torch.bool, device=dev)])
-        self._exp_next = torch.cat([self._exp_next, torch.zeros((grow,), dtype=torch.long, device=dev)])
+    def _largest_buffered(self) -> int:
+        """The largest value index in any buffer (-1 when they are all empty)."""
+        valid = self.store.buffer_valid
+        return int(self.store.buffer_tokens[valid].max()) if valid.any() else -1
 
     def _key_list(self, keys: Any) -> torch.Tensor:
         owner = f"MAPO({self.plate_name!r})"
-        k = torch.as_tensor(keys, device=self._buf_tokens.device).reshape(-1)
+        k = torch.as_tensor(keys, device=self.store.buffer_tokens.device).reshape(-1)
         if k.is_floating_point() or k.dtype == torch.bool or (k.numel() and int(k.min()) < 0):
             raise ValueError(f"{owner}: memory keys are non-negative integers, got {keys!r}.")
         return k.long()
@@ -474,40 +579,43 @@ class MAPO(Method):
         m = values.shape[0]
         if m > self.buffer_size:
             raise ValueError(f"{owner}: {m} values do not fit in a buffer of buffer_size={self.buffer_size}.")
-        if self._n_values >= 0 and values.numel() and int(values.max()) >= self._n_values:
-            raise ValueError(f"{owner}: value index {int(values.max())} out of range: the variables have {self._n_values} values.")
-        self._init_memory(tuple(values.shape[1:]), -1, self._buf_tokens.device)
-        values = values.reshape(m, -1).long().to(self._buf_tokens.device)
+        if self.store.n_values >= 0 and values.numel() and int(values.max()) >= self.store.n_values:
+            raise ValueError(
+                f"{owner}: value index {int(values.max())} out of range: the variables have "
+                f"{self.store.n_values} values."
+            )
+        self._init_memory(tuple(values.shape[1:]), -1, self.store.buffer_tokens.device)
+        values = values.reshape(m, -1).long().to(self.store.buffer_tokens.device)
         if costs is None:
             costs = torch.full((m,), -math.inf, dtype=torch.float64)
         costs = torch.as_tensor(costs, dtype=torch.float64, device=values.device).reshape(m)
         k = self._key_list(keys)
-        self._ensure_keys(int(k.max()) if k.numel() else 0)
+        self.store.grow(int(k.max()) if k.numel() else 0)
         kb = k.numel()
-        cand = torch.cat([self._buf_tokens[k], values.unsqueeze(0).expand(kb, m, -1)], 1)
-        cost = torch.cat([self._buf_costs[k], costs.unsqueeze(0).expand(kb, m)], 1)
-        valid = torch.cat([self._buf_valid[k], torch.ones((kb, m), dtype=torch.bool, device=values.device)], 1)
+        cand = torch.cat([self.store.buffer_tokens[k], values.unsqueeze(0).expand(kb, m, -1)], 1)
+        cost = torch.cat([self.store.buffer_costs[k], costs.unsqueeze(0).expand(kb, m)], 1)
+        valid = torch.cat([self.store.buffer_valid[k], torch.ones((kb, m), dtype=torch.bool, device=values.device)], 1)
         self._merge(k, cand, cost, valid, first_sample=cand.shape[1], use_threshold=False)
-        if self._exp_tokens.shape[1]:  # a value is in the buffer or explored, never both
-            same = (self._exp_tokens[k].unsqueeze(2) == values.reshape(1, 1, m, -1)).all(-1).any(-1)
-            self._exp_valid[k] = self._exp_valid[k] & ~same
+        if self.store.explored_tokens.shape[1]:  # a value is in the buffer or explored, never both
+            same = (self.store.explored_tokens[k].unsqueeze(2) == values.reshape(1, 1, m, -1)).all(-1).any(-1)
+            self.store.explored_valid[k] = self.store.explored_valid[k] & ~same
 
     def memory(self, key: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The buffer of ``key``: values ``(m, *var_shape)`` (value indices) and their costs ``(m,)``,
         best first (a cost of ``−inf``: added by [`add_to_memory`][storch.method.mapo.MAPO.add_to_memory] and not
         evaluated yet)."""
-        var_shape = self._var_shape if self._var_shape is not None else ()
-        if key >= self._buf_tokens.shape[0]:
+        var_shape = self.store.var_shape if self.store.var_shape is not None else ()
+        if key >= self.store.buffer_tokens.shape[0]:
             return torch.zeros((0,) + var_shape, dtype=torch.long), torch.zeros((0,), dtype=torch.float64)
-        valid = self._buf_valid[key]
-        return self._buf_tokens[key][valid].reshape((-1,) + var_shape), self._buf_costs[key][valid]
+        valid = self.store.buffer_valid[key]
+        return self.store.buffer_tokens[key][valid].reshape((-1,) + var_shape), self.store.buffer_costs[key][valid]
 
     def explored(self, key: int = 0) -> torch.Tensor:
         """The explored values of ``key`` (with ``systematic_exploration``): ``(m, *var_shape)``."""
-        var_shape = self._var_shape if self._var_shape is not None else ()
-        if key >= self._exp_tokens.shape[0]:
+        var_shape = self.store.var_shape if self.store.var_shape is not None else ()
+        if key >= self.store.explored_tokens.shape[0]:
             return torch.zeros((0,) + var_shape, dtype=torch.long)
-        return self._exp_tokens[key][self._exp_valid[key]].reshape((-1,) + var_shape)
+        return self.store.explored_tokens[key][self.store.explored_valid[key]].reshape((-1,) + var_shape)
 
     def _merge(
         self, keys: torch.Tensor, tokens: torch.Tensor, costs: torch.Tensor, valid: torch.Tensor,
@@ -533,64 +641,49 @@ class MAPO(Method):
             order = torch.cat([order, torch.arange(c, b, device=order.device).expand(order.shape[0], pad)], 1)
         keep = order[:, :b]
         new_valid = eligible.gather(1, keep)
-        self._buf_tokens[keys] = torch.where(new_valid.unsqueeze(-1), tokens.gather(1, keep.unsqueeze(-1).expand(-1, -1, tokens.shape[2])), 0)
-        self._buf_costs[keys] = torch.where(new_valid, costs.gather(1, keep), math.inf)
-        self._buf_valid[keys] = new_valid
-        if not self._exp_tokens.shape[1] or first_sample >= c:
+        kept = tokens.gather(1, keep.unsqueeze(-1).expand(-1, -1, tokens.shape[2]))
+        self.store.buffer_tokens[keys] = torch.where(new_valid.unsqueeze(-1), kept, 0)
+        self.store.buffer_costs[keys] = torch.where(new_valid, costs.gather(1, keep), math.inf)
+        self.store.buffer_valid[keys] = new_valid
+        if not self.store.explored_tokens.shape[1] or first_sample >= c:
             return
         in_buffer = torch.zeros_like(eligible).scatter(1, keep, new_valid)[:, :c]
         valid = valid[:, :c]
         is_sample = torch.arange(c, device=tokens.device) >= first_sample
         fresh = valid & is_sample & ~in_buffer[:, :c] & ~(same & earlier & valid.unsqueeze(1)).any(-1)
-        e = self._exp_tokens.shape[1]
+        e = self.store.explored_tokens.shape[1]
         rank = fresh.long().cumsum(-1) - 1
         fresh = fresh & (rank < e)
-        slot = (self._exp_next[keys].unsqueeze(1) + rank) % e
+        slot = (self.store.explored_next[keys].unsqueeze(1) + rank) % e
         rows = keys.unsqueeze(1).expand_as(slot)
-        self._exp_tokens[rows[fresh], slot[fresh]] = tokens[:, :c][fresh]
-        self._exp_valid[rows[fresh], slot[fresh]] = True
-        self._exp_next[keys] = (self._exp_next[keys] + fresh.sum(-1)) % e
+        self.store.explored_tokens[rows[fresh], slot[fresh]] = tokens[:, :c][fresh]
+        self.store.explored_valid[rows[fresh], slot[fresh]] = True
+        self.store.explored_next[keys] = (self.store.explored_next[keys] + fresh.sum(-1)) % e
 
     def reset(self) -> None:
         """Forget every buffer and explored set."""
         super().reset()
-        self._clear_memory()
+        self.store.clear()
 
     def get_extra_state(self) -> dict:
-        """The memory (copies), for ``state_dict`` (key ``_extra_state``)."""
-        return {
-            "var_shape": list(self._var_shape) if self._var_shape is not None else [-1],
-            "n_values": self._n_values,
-            "buffer_tokens": self._buf_tokens.clone(), "buffer_costs": self._buf_costs.clone(),
-            "buffer_valid": self._buf_valid.clone(), "explored_tokens": self._exp_tokens.clone(),
-            "explored_valid": self._exp_valid.clone(), "explored_next": self._exp_next.clone(),
-        }
+        """The memory (copies), for ``state_dict`` (key ``_extra_state``; see
+        [`MAPOMemory.state`][storch.method.mapo.MAPOMemory.state])."""
+        return self.store.state()
 
     def set_extra_state(self, state: Any) -> None:
         """Restore the memory saved by [`get_extra_state`][storch.method.mapo.MAPO.get_extra_state]
         (``load_state_dict`` calls it)."""
-        keys = ("var_shape", "n_values", "buffer_tokens", "buffer_costs", "buffer_valid", "explored_tokens",
-                "explored_valid", "explored_next")
-        if not isinstance(state, dict) or any(k not in state for k in keys):
-            raise ValueError(
-                f"MAPO({self.plate_name!r}).load_state_dict: the '_extra_state' entry must be the dict "
-                f"written by get_extra_state, with keys {list(keys)}."
-            )
-        var_shape = list(state["var_shape"])
-        self._var_shape = None if var_shape == [-1] else tuple(int(s) for s in var_shape)
-        self._n_values = int(state["n_values"])
-        self._buf_tokens, self._buf_costs = state["buffer_tokens"].clone(), state["buffer_costs"].clone()
-        self._buf_valid, self._exp_tokens = state["buffer_valid"].clone(), state["explored_tokens"].clone()
-        self._exp_valid, self._exp_next = state["explored_valid"].clone(), state["explored_next"].clone()
+        self.store.load(state, f"MAPO({self.plate_name!r})")
 
-    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
-        """``.to(device)`` moves the memory with the module (tokens stay integers, costs float64)."""
-        super()._apply(fn, recurse)
-        for name in ("_buf_tokens", "_buf_costs", "_buf_valid", "_exp_tokens", "_exp_valid", "_exp_next"):
-            t = getattr(self, name)
-            moved = fn(t)
-            setattr(self, name, moved.to(t.dtype))
-        return self
+    def __setstate__(self, state: dict) -> None:
+        """Unpickle, also a MAPO pickled before its memory became a ``MAPOMemory`` (attributes then)."""
+        old = {new: state.pop(name) for name, new in _OLD_ATTRIBUTES.items() if name in state}
+        var_shape, n_values = state.pop("_var_shape", None), state.pop("_n_values", -1)
+        super().__setstate__(state)
+        if old:
+            self.store = MAPOMemory(self.buffer_size)
+            self.store.load({"var_shape": list(var_shape) if var_shape is not None else [-1], "n_values": n_values,
+                             **old}, f"MAPO({self.plate_name!r})")
 
     # ------------------------------------------------------------------ sampling
     def check_distribution(self, distr: Distribution) -> None:
@@ -664,15 +757,15 @@ class MAPO(Method):
         the longest buffer), and the sequences the samples must avoid: the buffer, plus those
         already explored with ``systematic_exploration``."""
         n_elem = keys_flat.shape[0]
-        self._ensure_keys(int(keys_flat.max()) if n_elem else 0)
-        buf_tokens = self._buf_tokens[keys_flat]  # (F, B, D)
-        buf_valid = self._buf_valid[keys_flat]
+        self.store.grow(int(keys_flat.max()) if n_elem else 0)
+        buf_tokens = self.store.buffer_tokens[keys_flat]  # (F, B, D)
+        buf_valid = self.store.buffer_valid[keys_flat]
         m = int(buf_valid.sum(-1).max()) if n_elem else 0
         buf_tokens, buf_valid = buf_tokens[:, :m], buf_valid[:, :m]
         excluded, excl_valid = buf_tokens, buf_valid
         if self.systematic_exploration:
-            excluded = torch.cat([excluded, self._exp_tokens[keys_flat]], 1)
-            excl_valid = torch.cat([excl_valid, self._exp_valid[keys_flat]], 1)
+            excluded = torch.cat([excluded, self.store.explored_tokens[keys_flat]], 1)
+            excl_valid = torch.cat([excl_valid, self.store.explored_valid[keys_flat]], 1)
         return buf_tokens, buf_valid, excluded, excl_valid
 
     def _row_weights(
@@ -720,7 +813,7 @@ class MAPO(Method):
     def _keys(self, plates: tuple[Plate, ...], key: Any) -> torch.Tensor:
         """The memory key of each element of the plates, shaped to broadcast over them."""
         owner = f"MAPO({self.plate_name!r})"
-        dev = self._buf_tokens.device
+        dev = self.store.buffer_tokens.device
         independent = [i for i, p in enumerate(plates) if p.node is None]
         indep_sizes = tuple(plates[i].size for i in independent)
         view = tuple(p.size if p.node is None else 1 for p in plates)
