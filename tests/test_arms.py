@@ -14,11 +14,8 @@
 
 from __future__ import annotations
 
-import copy
-import io
 import itertools
 import math
-import pickle
 
 import numpy as np
 import pytest
@@ -32,6 +29,7 @@ from storch.method.arms import ARMS, COPULAS, ARMSMultiSample, arms_iwae_bound, 
 from storch.method.vimco import iwae_bound
 from storch.testing import assert_unbiased, replicate, replicated_gradients, variance_with_stderr
 
+from estimator_checks import DATA, check_compile_step, check_copies, check_cost_without_logit_plates_is_refused
 from problems import bernoulli, enumerate_bernoulli, exact_grads, minibatch_bernoulli, nested_bernoulli
 from seeding import manual_seed
 
@@ -393,9 +391,7 @@ def test_construction_is_checked():
 def test_a_cost_without_the_logits_plates_is_refused_by_name():
     phi = torch.zeros(4, 3, requires_grad=True)
     z = ARMS("z", n_samples=2)(Bernoulli(logits=storch.denote_independent(phi, 0, "data")))
-    storch.add_cost(storch.reduce_plates(z.sum(-1), "data"), "f")
-    with pytest.raises(ValueError, match=r"ARMS\('z'\): the logits carry plates \['data'\] that the cost 'f'"):
-        storch.backward()
+    check_cost_without_logit_plates_is_refused(z, r"ARMS\('z'\): the logits carry plates \['data'\] that the cost 'f'")
 
 
 # ------------------------------------------------------------------------------ copies and compile_step
@@ -418,7 +414,6 @@ class _Model(nn.Module):
         return storch.backward()
 
 
-DATA = (torch.rand(5, 4, generator=torch.Generator().manual_seed(1)) < 0.5).float()
 BUILDS = {
     "dirichlet": lambda: ARMS("z", n_samples=3),
     "gaussian": lambda: ARMS("z", n_samples=4, copula="gaussian"),
@@ -428,27 +423,9 @@ BUILDS = {
 
 @pytest.mark.parametrize("name", list(BUILDS))
 def test_copies_pickles_and_state_dict(name):
-    model = _Model(BUILDS[name]())
-    model.step(DATA)
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)):
-        assert type(other.method) is type(model.method) and other.method.copula == model.method.copula
-        assert other.method.state_dict().keys() == model.method.state_dict().keys()
-        storch.reset()
-        other.step(DATA)
+    check_copies(lambda: _Model(BUILDS[name]()), DATA)
 
 
 @pytest.mark.parametrize("name", list(BUILDS))
 def test_compile_step_replays_the_eager_step(name):
-    eager, compiled = _Model(BUILDS[name]()), _Model(BUILDS[name]())
-    step = storch.compile_step(compiled.step, compiled)
-    for i in range(3):
-        results = []
-        for model, run in ((eager, eager.step), (compiled, step)):
-            model.zero_grad()
-            torch.manual_seed(100 + i)
-            results.append([run(DATA).clone()] + [p.grad.clone() for p in model.parameters()])
-        for a, b in zip(*results):
-            torch.testing.assert_close(a, b, atol=0, rtol=0)
+    check_compile_step(lambda: _Model(BUILDS[name]()), DATA)

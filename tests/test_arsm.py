@@ -13,10 +13,7 @@ The factorised two-variable problem defined here is shared with tests/test_carms
 
 from __future__ import annotations
 
-import copy
-import io
 import itertools
-import pickle
 
 import pytest
 import torch
@@ -28,6 +25,7 @@ from storch.method import ScoreFunction
 from storch.method.arsm import ARSM, arsm_logit_gradient, arsm_pseudo_actions
 from storch.testing import assert_unbiased, check_unbiased, replicated_gradients
 
+from estimator_checks import DATA, check_compile_step, check_copies, check_cost_without_logit_plates_is_refused
 from problems import exact_grads, minibatch_categorical, nested_categorical, one_categorical, replicated_hessians
 
 R = 3000
@@ -179,9 +177,7 @@ def test_non_categorical_is_refused():
 def test_a_cost_without_the_logits_plates_is_refused_by_name():
     theta = torch.zeros(4, 3, requires_grad=True)
     z = ARSM("z")(OneHotCategorical(logits=storch.denote_independent(theta, 0, "data")))
-    storch.add_cost(storch.reduce_plates(z.sum(-1), "data"), "f")
-    with pytest.raises(ValueError, match=r"ARSM\('z'\): the logits carry plates \['data'\] that the cost 'f'"):
-        storch.backward()
+    check_cost_without_logit_plates_is_refused(z, r"ARSM\('z'\): the logits carry plates \['data'\] that the cost 'f'")
 
 
 # ------------------------------------------------------------------------------ copies and compile_step
@@ -204,38 +200,9 @@ class CategoricalModel(nn.Module):
         return storch.backward()
 
 
-DATA = (torch.rand(5, 4, generator=torch.Generator().manual_seed(1)) < 0.5).float()
-
-
-def check_copies(build) -> None:
-    model = CategoricalModel(build())
-    model.step(DATA)
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)):
-        assert type(other.method) is type(model.method) and repr(other.method) == repr(model.method)
-        assert other.method.state_dict().keys() == model.method.state_dict().keys()
-        storch.reset()
-        other.step(DATA)
-
-
-def check_compile_step(build) -> None:
-    eager, compiled = CategoricalModel(build()), CategoricalModel(build())
-    step = storch.compile_step(compiled.step, compiled)
-    for i in range(3):
-        results = []
-        for model, run in ((eager, eager.step), (compiled, step)):
-            model.zero_grad()
-            torch.manual_seed(100 + i)
-            results.append([run(DATA).clone()] + [p.grad.clone() for p in model.parameters()])
-        for a, b in zip(*results):
-            torch.testing.assert_close(a, b, atol=0, rtol=0)
-
-
 def test_copies_pickles_and_state_dict():
-    check_copies(lambda: ARSM("z", n_samples=2))
+    check_copies(lambda: CategoricalModel(ARSM("z", n_samples=2)), DATA)
 
 
 def test_compile_step_replays_the_eager_step():
-    check_compile_step(lambda: ARSM("z", n_samples=2))
+    check_compile_step(lambda: CategoricalModel(ARSM("z", n_samples=2)), DATA)

@@ -25,9 +25,8 @@ from storch.testing import assert_unbiased, replicated_gradients
 
 from problems import bernoulli, exact_grads, minibatch_categorical
 from seeding import manual_seed
-from test_arsm import (
-    NESTED, ONE, FactorisedPair, assert_second_order_is_not_estimated, check_compile_step, check_copies,
-)
+from estimator_checks import DATA, check_compile_step, check_copies, check_cost_without_logit_plates_is_refused
+from test_arsm import NESTED, ONE, CategoricalModel, FactorisedPair, assert_second_order_is_not_estimated
 
 R = 3000
 
@@ -225,17 +224,15 @@ def test_construction_is_checked():
 def test_a_cost_without_the_logits_plates_is_refused_by_name():
     theta = torch.zeros(4, 3, requires_grad=True)
     z = CARMS("z", 2)(OneHotCategorical(logits=storch.denote_independent(theta, 0, "data")))
-    storch.add_cost(storch.reduce_plates(z.sum(-1), "data"), "f")
-    with pytest.raises(ValueError, match=r"CARMS\('z'\): the logits carry plates \['data'\] that the cost 'f'"):
-        storch.backward()
+    check_cost_without_logit_plates_is_refused(z, r"CARMS\('z'\): the logits carry plates \['data'\] that the cost 'f'")
 
 
 # ------------------------------------------------------------------------------ copies and compile_step
 @pytest.mark.parametrize("copula", ["dirichlet", "gaussian"])
 def test_copies_pickles_and_state_dict(copula):
-    check_copies(lambda: CARMS("z", 3, copula=copula))
+    check_copies(lambda: CategoricalModel(CARMS("z", 3, copula=copula)), DATA)
 
 
 @pytest.mark.parametrize("copula", ["dirichlet", "gaussian"])
 def test_compile_step_replays_the_eager_step(copula):
-    check_compile_step(lambda: CARMS("z", 3, copula=copula))
+    check_compile_step(lambda: CategoricalModel(CARMS("z", 3, copula=copula)), DATA)

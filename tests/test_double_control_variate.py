@@ -68,6 +68,14 @@ def _warmed(params: list[torch.Tensor], model, adapt: bool) -> None:
         replicated_gradients(params, 256, model)
 
 
+def _assert_unbiased_after_warm_up(problem, param: torch.Tensor, method: DoubleControlVariate, label: str = "") -> None:
+    """Warm an adapted ``α`` up, then check ``R`` replicated gradients of ``param`` against the exact one."""
+    model = problem.model(method)
+    _warmed([param], model, method.adapt)
+    (grads,) = replicated_gradients([param], R, model)
+    assert_unbiased(grads, problem.exact(), label=label)
+
+
 KINDS = {
     "fixed": lambda name, n: DoubleControlVariate(name, n_samples=n, alpha=-1.0, adapt=False),
     "adapted": lambda name, n: DoubleControlVariate(name, n_samples=n),
@@ -79,10 +87,7 @@ KINDS = {
 def test_one_bernoulli_node_with_a_coupled_cost(kind):
     problem = bernoulli(interaction=2.0)
     method = KINDS[kind]("x", 3)
-    model = problem.model(method)
-    _warmed([problem.phi], model, method.adapt)
-    (grads,) = replicated_gradients([problem.phi], R, model)
-    assert_unbiased(grads, problem.exact(), label=kind)
+    _assert_unbiased_after_warm_up(problem, problem.phi, method, kind)
     if method.adapt:
         assert float(method.alpha) != -1.0  # the statistics moved it
 
@@ -90,30 +95,18 @@ def test_one_bernoulli_node_with_a_coupled_cost(kind):
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_one_one_hot_categorical_node(kind):
     problem = one_categorical(5)
-    method = KINDS[kind]("z", 3)
-    model = problem.model(method)
-    _warmed([problem.theta], model, method.adapt)
-    (grads,) = replicated_gradients([problem.theta], R, model)
-    assert_unbiased(grads, problem.exact(), label=kind)
+    _assert_unbiased_after_warm_up(problem, problem.theta, KINDS[kind]("z", 3), kind)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_bernoulli_under_a_minibatch_plate(kind):
     problem = minibatch_bernoulli(interaction=1.0)
-    method = KINDS[kind]("z", 2)
-    model = problem.model(method)
-    _warmed([problem.w], model, method.adapt)
-    (grads,) = replicated_gradients([problem.w], R, model)
-    assert_unbiased(grads, problem.exact(), label=kind)
+    _assert_unbiased_after_warm_up(problem, problem.w, KINDS[kind]("z", 2), kind)
 
 
 def test_categorical_under_a_minibatch_plate():
     problem = minibatch_categorical()
-    method = DoubleControlVariate("z", n_samples=3)
-    model = problem.model(method)
-    _warmed([problem.w], model, True)
-    (grads,) = replicated_gradients([problem.w], R, model)
-    assert_unbiased(grads, problem.exact())
+    _assert_unbiased_after_warm_up(problem, problem.w, DoubleControlVariate("z", n_samples=3))
 
 
 CHAINS = {

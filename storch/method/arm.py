@@ -35,17 +35,14 @@ import torch
 from torch.distributions import Bernoulli, Distribution
 from torch.distributions.utils import probs_to_logits
 
+from storch.method.antithetic import (
+    aligned_logits, check_bernoulli, check_logit_plates, control_variate_term, cost_target, on_every_point,
+    points_first,
+)
 from storch.method.groups import GroupRecords, flatten_groups, group_plate, group_weights
 from storch.method.method import Method
 from storch.extend import (
-    CostTensor,
-    StochasticTensor,
-    align_to,
-    layout_of,
-    layout_of_plates,
-    no_dispatch,
-    node_of,
-    wrap,
+    CostTensor, StochasticTensor, align_to, layout_of, layout_of_plates, no_dispatch, node_of, wrap,
 )
 
 __all__ = ["ARM", "DisARM", "bernoulli_logits"]
@@ -78,12 +75,7 @@ class _AntitheticBernoulli(Method, ABC):
         super().__init__(plate_name, None, n_samples)
 
     def check_distribution(self, distr: Distribution) -> None:
-        if not isinstance(distr, Bernoulli):
-            raise ValueError(
-                f"{type(self).__name__}({self.plate_name!r}) estimates gradients of Bernoulli logits "
-                f"only, got {type(distr).__name__}. Use Bernoulli(logits=...) for binary variables, "
-                "or another method for this node (MVD, ScoreFunction, Reparameterization)."
-            )
+        check_bernoulli(f"{type(self).__name__}({self.plate_name!r})", distr)
 
     def _record(self, samples: torch.Tensor, u: torch.Tensor) -> None:
         """Keep what the estimator needs besides the samples (nothing by default)."""
@@ -123,26 +115,16 @@ class _AntitheticBernoulli(Method, ABC):
         replaced by its ``n`` groups (``[groups, *other plates of the cost, *C]``); the term is then
         given to both points of each group.
         """
-        plate = tensor.plate
-        cost_layout = layout_of(cost)
+        plate, cost_layout = tensor.plate, layout_of(cost)
         node_plates = node_of(tensor).layout.plates[1:]  # the parameters' plates
         groups = group_plate(plate, 2)
-        rest = [p for p in cost_layout.plates if p is not plate]
-        target = layout_of_plates([groups] + rest)
+        target = cost_target(groups, plate, cost)
         phi = bernoulli_logits(tensor.distribution)  # type: ignore[arg-type]
-        phi_layout = layout_of(phi)
-        extra = [p.name for p in phi_layout.plates if p not in target.plates]
-        if extra:
-            raise ValueError(
-                f"{type(self).__name__}({self.plate_name!r}): the logits carry plates {extra} that the cost "
-                f"{cost.name!r} does not have (its plates: {list(cost_layout.names)}); register the cost "
-                "before reducing them."
-            )
+        phi_layout = check_logit_plates(f"{type(self).__name__}({self.plate_name!r})", phi, cost, target)
         i = cost_layout.position(plate)
         with no_dispatch():
-            n_event = phi.dim() - len(phi_layout.sizes)
-            phi = align_to(wrap(phi, phi_layout), target) if phi_layout.plates else phi
-            c = cost.detach().movedim(i, 0) if i else cost.detach()
+            phi, n_event = aligned_logits(phi, phi_layout, target)
+            c = points_first(cost, i)
             c = c.reshape((groups.size, 2) + tuple(c.shape[1:]) + (1,) * n_event)
             node_layout = layout_of_plates((groups,) + node_plates)
 
@@ -150,14 +132,7 @@ class _AntitheticBernoulli(Method, ABC):
                 return align_to(wrap(values, node_layout), target)
 
             g = self._gradient(tensor, c[:, 0], c[:, 1], phi.detach(), per_group)
-            term = (phi - phi.detach()) * g
-            if n_event:
-                term = term.sum(tuple(range(-n_event, 0)))
-            term = term.expand(target.sizes)  # (n, *rest): every plate of the cost
-            term = term.unsqueeze(1).expand((groups.size, 2) + tuple(term.shape[1:]))
-            term = term.reshape((plate.size,) + tuple(term.shape[2:]))
-            if i:
-                term = term.movedim(0, i)
+            term = on_every_point(control_variate_term(phi, g, n_event), target, plate, 2, i)
         return None, wrap(term, cost_layout)
 
     def extra_repr(self) -> str:

@@ -59,27 +59,20 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.distributions import Bernoulli, Distribution
+from torch.distributions import Distribution
 
 from storch.extend import (
-    CostTensor,
-    Plate,
-    StochasticTensor,
-    Tensor,
-    align_to,
-    layout_of,
-    layout_of_plates,
-    no_dispatch,
-    node_of,
-    wrap,
-    wrap_new,
+    CostTensor, Plate, StochasticTensor, Tensor, align_to, layout_of, no_dispatch, node_of, wrap, wrap_new,
 )
 from storch.inference import add_cost
+from storch.method.antithetic import (
+    aligned_logits, check_antithetic_count, check_bernoulli, check_logit_plates, control_variate_term, cost_target,
+    on_every_point,
+)
 from storch.method.arm import bernoulli_logits
 from storch.method.method import Method
-from storch.sampling.method import check_count
 
-__all__ = ["ARMS", "ARMSMultiSample", "COPULAS", "Copula", "arms_iwae_bound", "arms_logit_gradient"]
+__all__ = ["ARMS", "ARMSMultiSample", "COPULAS", "Copula", "arms_iwae_bound", "arms_logit_gradient", "check_copula"]
 
 
 # ------------------------------------------------------------------------------------- copulas
@@ -188,7 +181,8 @@ def arms_logit_gradient(costs: torch.Tensor, samples: torch.Tensor, phi: torch.T
     return loo * (torch.sigmoid(phi) * torch.sigmoid(-phi) / copula.disagreement(phi, n))
 
 
-def _copula_of(owner: str, copula: str) -> str:
+def check_copula(owner: str, copula: str) -> str:
+    """``copula``, checked to be the name of one of `COPULAS`; ``owner`` names the method."""
     if not isinstance(copula, str) or copula not in COPULAS:
         raise ValueError(f"{owner}: copula must be one of {sorted(COPULAS)}, got {copula!r}.")
     return copula
@@ -200,22 +194,11 @@ class _ARMSBase(Method, ABC):
 
     def __init__(self, plate_name: str, n_samples: int, copula: str) -> None:
         owner = f"{type(self).__name__}({plate_name!r})"
-        n_samples = check_count(n_samples, "n_samples", owner)
-        if n_samples < 2:
-            raise ValueError(
-                f"{owner}: the copula and the leave-one-out baseline need n_samples >= 2 mutually "
-                f"antithetic samples, got {n_samples}. Use n_samples=2 (DisARM's pair) or more."
-            )
-        super().__init__(plate_name, None, n_samples)
-        self.copula = _copula_of(owner, copula)
+        super().__init__(plate_name, None, check_antithetic_count(owner, n_samples))
+        self.copula = check_copula(owner, copula)
 
     def check_distribution(self, distr: Distribution) -> None:
-        if not isinstance(distr, Bernoulli):
-            raise ValueError(
-                f"{type(self).__name__}({self.plate_name!r}) estimates gradients of Bernoulli logits "
-                f"only, got {type(distr).__name__}. Use Bernoulli(logits=...) for binary variables, "
-                "or another method for this node (ScoreFunction, LocalExpectation, MVD)."
-            )
+        check_bernoulli(f"{type(self).__name__}({self.plate_name!r})", distr)
 
     def _copula_samples(self, phi: torch.Tensor) -> torch.Tensor:
         u = COPULAS[self.copula].uniforms(phi, self.n_samples)
@@ -235,32 +218,18 @@ class _ARMSBase(Method, ABC):
         """
         plate, node = tensor.plate, node_of(tensor)
         cost_layout = layout_of(cost)
-        target = layout_of_plates([plate] + [p for p in cost_layout.plates if p is not plate])
+        target = cost_target(plate, plate, cost)
         phi = bernoulli_logits(tensor.distribution)  # type: ignore[arg-type]
-        phi_layout = layout_of(phi)
-        extra = [p.name for p in phi_layout.plates if p not in target.plates]
-        if extra:
-            raise ValueError(
-                f"{type(self).__name__}({self.plate_name!r}): the logits carry plates {extra} that the cost "
-                f"{cost.name!r} does not have (its plates: {list(cost_layout.names)}); register the cost "
-                "before reducing them."
-            )
+        phi_layout = check_logit_plates(f"{type(self).__name__}({self.plate_name!r})", phi, cost, target)
         i, n = cost_layout.position(plate), self.n_samples
         costs = self._copula_costs(tensor, cost)
         with no_dispatch():
-            n_event = phi.dim() - len(phi_layout.sizes)
-            phi = align_to(wrap(phi, phi_layout), target) if phi_layout.plates else phi
+            phi, n_event = aligned_logits(phi, phi_layout, target)
             b = align_to(wrap(node.samples, node.layout), target)[-n:]
             c = costs.movedim(i, 0) if i else costs
             c = c[-n:].reshape(tuple(c[-n:].shape) + (1,) * n_event)
             g = arms_logit_gradient(c, b, phi.detach(), COPULAS[self.copula])
-            term = (phi - phi.detach()) * g
-            if n_event:
-                term = term.sum(tuple(range(-n_event, 0)))
-            term = term.reshape((1,) * (len(target.sizes) - term.dim()) + tuple(term.shape))
-            term = term.expand(target.sizes)  # (n, *rest): every point, every plate of the cost
-            if i:
-                term = term.movedim(0, i)
+            term = on_every_point(control_variate_term(phi, g, n_event), target, plate, 1, i)
         return None, wrap(term, cost_layout)
 
     def extra_repr(self) -> str:

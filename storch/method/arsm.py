@@ -42,56 +42,19 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.distributions import Categorical, Distribution, OneHotCategorical
-from torch.distributions.utils import probs_to_logits
+from torch.distributions import Distribution, OneHotCategorical
 
 from storch.extend import (
-    CostTensor,
-    PlateLayout,
-    StochasticTensor,
-    align_to,
-    layout_of,
-    layout_of_plates,
-    no_dispatch,
-    node_of,
-    wrap,
+    CostTensor, StochasticTensor, align_to, layout_of, layout_of_plates, no_dispatch, node_of, wrap,
+)
+from storch.method.antithetic import (
+    aligned_logits, categorical_logits, check_categorical, check_logit_plates, control_variate_term, cost_target,
+    on_every_point, points_first,
 )
 from storch.method.groups import GroupRecords, flatten_groups, group_plate, group_weights
 from storch.method.method import Method
 
-__all__ = ["ARSM", "arsm_logit_gradient", "arsm_pseudo_actions", "categorical_logits"]
-
-CATEGORICAL = (Categorical, OneHotCategorical)
-
-
-def categorical_logits(d: Categorical | OneHotCategorical) -> torch.Tensor:
-    """The (normalised) logits of ``d``: as given, or ``log probs`` from the given ``probs``.
-
-    The lazily cached attribute of the other parameterisation is not used: torch caches it on first
-    use, possibly while storch dispatch is disabled, without the plates of the parameters.
-
-    Examples:
-        >>> categorical_logits(Categorical(probs=torch.tensor([0.25, 0.75]))).exp()
-        tensor([0.2500, 0.7500])
-    """
-    inner = d._categorical if isinstance(d, OneHotCategorical) else d
-    given = inner.__dict__.get("_param")
-    if given is not None and given is inner.__dict__.get("logits"):
-        return given
-    return probs_to_logits(inner.probs)
-
-
-def check_categorical(method: str, plate_name: str, distr: Distribution) -> None:
-    """Refuse anything but a ``Categorical`` or ``OneHotCategorical`` with at least two categories."""
-    if not isinstance(distr, CATEGORICAL):
-        raise ValueError(
-            f"{method}({plate_name!r}) estimates gradients of categorical logits only, got "
-            f"{type(distr).__name__}. Use OneHotCategorical(logits=...) or Categorical(logits=...), "
-            "ARMS for Bernoulli variables, or another method for this node (ScoreFunction, MVD)."
-        )
-    if categorical_logits(distr).shape[-1] < 2:
-        raise ValueError(f"{method}({plate_name!r}): a categorical needs at least 2 categories.")
-
+__all__ = ["ARSM", "arsm_logit_gradient", "arsm_pseudo_actions"]
 
 def as_samples(distr: Distribution, index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Category indices as the samples of ``distr``: one-hot in ``like``'s dtype, or the indices."""
@@ -192,7 +155,7 @@ class ARSM(Method):
         self._draws = GroupRecords("ARSM", "Dirichlet draws")  # samples -> π
 
     def check_distribution(self, distr: Distribution) -> None:
-        check_categorical("ARSM", self.plate_name, distr)
+        check_categorical(f"ARSM({self.plate_name!r})", distr)
 
     def proposal_dist(self, distr: Distribution, amt_samples: int) -> torch.Tensor:
         phi = categorical_logits(distr).detach()  # type: ignore[arg-type]
@@ -216,39 +179,20 @@ class ARSM(Method):
         phi = categorical_logits(tensor.distribution)  # type: ignore[arg-type]
         m = _group_size(phi.shape[-1])
         groups = group_plate(plate, m)
-        target = layout_of_plates([groups] + [p for p in cost_layout.plates if p is not plate])
-        phi_layout = check_logit_plates("ARSM", self.plate_name, phi, cost, target)
+        target = cost_target(groups, plate, cost)
+        phi_layout = check_logit_plates(f"ARSM({self.plate_name!r})", phi, cost, target)
         i = cost_layout.position(plate)
         with no_dispatch():
-            n_event = phi.dim() - len(phi_layout.sizes)
-            phi = align_to(wrap(phi, phi_layout), target) if phi_layout.plates else phi
-            c = cost.detach().movedim(i, 0) if i else cost.detach()
+            phi, n_event = aligned_logits(phi, phi_layout, target)
+            c = points_first(cost, i)
             c = c.reshape((groups.size, m) + tuple(c.shape[1:]))
             node_layout = layout_of_plates((groups,) + node_of(tensor).layout.plates[1:])
             pi = align_to(wrap(self._draws.of(tensor), node_layout), target)
             g = arsm_logit_gradient(c, pi, n_event - 1)
-            term = ((phi - phi.detach()) * g).sum(tuple(range(-n_event, 0)))
-            term = term.expand(target.sizes)  # (n, *rest): every plate of the cost
-            term = term.unsqueeze(1).expand((groups.size, m) + tuple(term.shape[1:]))
-            term = term.reshape((plate.size,) + tuple(term.shape[2:]))
-            if i:
-                term = term.movedim(0, i)
+            term = on_every_point(control_variate_term(phi, g, n_event), target, plate, m, i)
         return None, wrap(term, cost_layout)
 
 
 def _group_size(c: int) -> int:
     return c * (c - 1) // 2 + 1
 
-
-def check_logit_plates(
-    method: str, plate_name: str, phi: torch.Tensor, cost: CostTensor, target: PlateLayout
-) -> PlateLayout:
-    """The layout of the logits ``phi``; an error naming the plates the cost lacks."""
-    phi_layout = layout_of(phi)
-    extra = [p.name for p in phi_layout.plates if p not in target.plates]
-    if extra:
-        raise ValueError(
-            f"{method}({plate_name!r}): the logits carry plates {extra} that the cost {cost.name!r} does not "
-            f"have (its plates: {list(layout_of(cost).names)}); register the cost before reducing them."
-        )
-    return phi_layout

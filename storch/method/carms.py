@@ -50,20 +50,14 @@ import torch
 import torch.nn.functional as F
 from torch.distributions import Distribution
 
-from storch.extend import (
-    CostTensor,
-    StochasticTensor,
-    align_to,
-    layout_of,
-    layout_of_plates,
-    no_dispatch,
-    node_of,
-    wrap,
+from storch.extend import CostTensor, StochasticTensor, align_to, layout_of, no_dispatch, node_of, wrap
+from storch.method.antithetic import (
+    aligned_logits, categorical_logits, check_antithetic_count, check_categorical, check_logit_plates,
+    control_variate_term, cost_target, on_every_point, points_first,
 )
-from storch.method.arms import COPULAS, Copula
-from storch.method.arsm import as_samples, categorical_logits, check_categorical, check_logit_plates, sample_index
+from storch.method.arms import COPULAS, Copula, check_copula
+from storch.method.arsm import as_samples, sample_index
 from storch.method.method import Method
-from storch.sampling.method import check_count
 
 __all__ = ["CARMS", "carms_logit_gradient", "carms_samples", "pair_weights"]
 
@@ -185,19 +179,13 @@ class CARMS(Method):
 
     def __init__(self, plate_name: str, n_samples: int = 2, copula: str = "dirichlet") -> None:
         owner = f"CARMS({plate_name!r})"
-        n_samples = check_count(n_samples, "n_samples", owner)
-        if n_samples < 2:
-            raise ValueError(
-                f"{owner}: the copula and the leave-one-out baseline need n_samples >= 2 mutually "
-                f"antithetic samples, got {n_samples}. Use n_samples=2 or more."
-            )
-        if not isinstance(copula, str) or copula not in COPULAS:
-            raise ValueError(f"{owner}: copula must be one of {sorted(COPULAS)}, got {copula!r}.")
+        n_samples = check_antithetic_count(owner, n_samples)
+        copula = check_copula(owner, copula)
         super().__init__(plate_name, None, n_samples)
         self.copula = copula
 
     def check_distribution(self, distr: Distribution) -> None:
-        check_categorical("CARMS", self.plate_name, distr)
+        check_categorical(f"CARMS({self.plate_name!r})", distr)
 
     def proposal_dist(self, distr: Distribution, amt_samples: int) -> torch.Tensor:
         phi = categorical_logits(distr).detach()  # type: ignore[arg-type]
@@ -209,22 +197,17 @@ class CARMS(Method):
         """``(φ − stopgrad φ) · stopgrad(g_φ)``, summed over variables and categories, on every point;
         computed on plain values laid out as ``[plate, *other plates of the cost, ...]``."""
         plate, node, cost_layout = tensor.plate, node_of(tensor), layout_of(cost)
-        target = layout_of_plates([plate] + [p for p in cost_layout.plates if p is not plate])
+        target = cost_target(plate, plate, cost)
         phi = categorical_logits(tensor.distribution)  # type: ignore[arg-type]
-        phi_layout = check_logit_plates("CARMS", self.plate_name, phi, cost, target)
+        phi_layout = check_logit_plates(f"CARMS({self.plate_name!r})", phi, cost, target)
         i = cost_layout.position(plate)
         with no_dispatch():
-            n_event = phi.dim() - len(phi_layout.sizes)
-            phi = align_to(wrap(phi, phi_layout), target) if phi_layout.plates else phi
+            phi, n_event = aligned_logits(phi, phi_layout, target)
             index = sample_index(tensor.distribution, align_to(wrap(node.samples, node.layout), target))
-            c = cost.detach().movedim(i, 0) if i else cost.detach()
+            c = points_first(cost, i)
             c = c.reshape(tuple(c.shape) + (1,) * n_event)
             g = carms_logit_gradient(c, index, phi.detach(), COPULAS[self.copula])
-            term = ((phi - phi.detach()) * g).sum(tuple(range(-n_event, 0)))
-            term = term.reshape((1,) * (len(target.sizes) - term.dim()) + tuple(term.shape))
-            term = term.expand(target.sizes)  # (n, *rest): every point, every plate of the cost
-            if i:
-                term = term.movedim(0, i)
+            term = on_every_point(control_variate_term(phi, g, n_event), target, plate, 1, i)
         return None, wrap(term, cost_layout)
 
     def extra_repr(self) -> str:

@@ -50,47 +50,25 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.distributions import Categorical, Distribution, OneHotCategorical
-from torch.distributions.utils import probs_to_logits
+from torch.distributions import Distribution, OneHotCategorical
 
 from storch.extend import (
-    CostTensor,
-    StochasticTensor,
-    align_to,
-    layout_of,
-    layout_of_plates,
-    no_dispatch,
-    node_of,
-    wrap,
+    CostTensor, StochasticTensor, align_to, layout_of, layout_of_plates, no_dispatch, node_of, wrap,
+)
+from storch.method.antithetic import (
+    aligned_logits, categorical_logits, check_categorical, check_logit_plates, control_variate_term, cost_target,
+    on_every_point, points_first,
 )
 from storch.method.groups import GroupRecords, flatten_groups, group_plate, group_weights
 from storch.method.method import Method
 
 __all__ = [
-    "CoupledCategorical", "CoupledCategoricalIW", "ORDERINGS", "Pair", "categorical_logits", "stick_breaking_logits",
+    "CoupledCategorical", "CoupledCategoricalIW", "ORDERINGS", "Pair", "stick_breaking_logits",
     "stick_breaking_pairs", "disarm_stick_gradient", "importance_weighted_stick_gradient", "logit_gradient",
 ]
 
 
 # ------------------------------------------------------------------------------ the coding
-def _given(d: Categorical, name: str) -> Optional[torch.Tensor]:
-    value = d.__dict__.get(name)
-    return value if value is not None and value is d.__dict__.get("_param") else None
-
-
-def categorical_logits(d: Categorical | OneHotCategorical) -> torch.Tensor:
-    """The normalised logits ``log p`` of ``d``, from whichever of ``logits`` / ``probs`` it was
-    built with (the lazily cached other one may lack the parameters' plates).
-
-    Examples:
-        >>> categorical_logits(OneHotCategorical(probs=torch.tensor([0.5, 0.25, 0.25]))).exp()
-        tensor([0.5000, 0.2500, 0.2500])
-    """
-    d = d._categorical if isinstance(d, OneHotCategorical) else d
-    logits = _given(d, "logits")
-    return logits if logits is not None else probs_to_logits(d.probs)
-
-
 #: how the categories are ordered along the stick, by name: ``(logits) -> order``, ``order[..., k]``
 #: the category at position ``k``
 ORDERINGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -224,17 +202,7 @@ class _CoupledCategoricalBase(Method, ABC):
         self._draws = GroupRecords(type(self).__name__, "stick-breaking pairs")
 
     def check_distribution(self, distr: Distribution) -> None:
-        if not isinstance(distr, (Categorical, OneHotCategorical)):
-            raise ValueError(
-                f"{type(self).__name__}({self.plate_name!r}) estimates gradients of categorical logits only, "
-                f"got {type(distr).__name__}. Use Categorical or OneHotCategorical, DisARM for Bernoulli "
-                "variables, or another method for this node (ScoreFunction, LocalExpectation)."
-            )
-        if distr.param_shape[-1] < 2:
-            raise ValueError(
-                f"{type(self).__name__}({self.plate_name!r}): the categorical has a single category, so there "
-                "is no gradient to estimate; sample it with another method or drop the node."
-            )
+        check_categorical(f"{type(self).__name__}({self.plate_name!r})", distr)
 
     def proposal_dist(self, distr: Distribution, amt_samples: int) -> torch.Tensor:
         theta = categorical_logits(distr).detach()  # type: ignore[arg-type]
@@ -265,39 +233,26 @@ class _CoupledCategoricalBase(Method, ABC):
         """
         plate, cost_layout = tensor.plate, layout_of(cost)
         groups = group_plate(plate, 2)
-        target = layout_of_plates([groups] + [p for p in cost_layout.plates if p is not plate])
+        target = cost_target(groups, plate, cost)
         theta = categorical_logits(tensor.distribution)  # type: ignore[arg-type]
-        theta_layout = layout_of(theta)
-        extra = [p.name for p in theta_layout.plates if p not in target.plates]
-        if extra:
-            raise ValueError(
-                f"{type(self).__name__}({self.plate_name!r}): the logits carry plates {extra} that the cost "
-                f"{cost.name!r} does not have (its plates: {list(cost_layout.names)}); register the cost "
-                "before reducing them."
-            )
+        theta_layout = check_logit_plates(f"{type(self).__name__}({self.plate_name!r})", theta, cost, target)
         draw: _Draw = self._draws.of(tensor)
         node_plates = node_of(tensor).layout.plates[1:]
         i = cost_layout.position(plate)
         with no_dispatch():
-            n_event = theta.dim() - len(theta_layout.sizes)  # *batch, C
-            theta = align_to(wrap(theta, theta_layout), target) if theta_layout.plates else theta
+            theta, n_event = aligned_logits(theta, theta_layout, target)  # n_event: *batch, C
             order = align_to(wrap(draw.order, layout_of_plates(node_plates)), target) if node_plates else draw.order
             shape = torch.broadcast_shapes(theta.shape, order.shape)
             sorted_theta = theta.detach().expand(shape).gather(-1, order.expand(shape))
             per_group = layout_of_plates((groups,) + tuple(node_plates))
             k, k_tilde = (align_to(wrap(draw.positions[:, j], per_group), target) for j in (0, 1))
-            c = cost.detach().movedim(i, 0) if i else cost.detach()
+            c = points_first(cost, i)
             c = c.reshape((groups.size, 2) + tuple(c.shape[1:]) + (1,) * n_event)
             pair = Pair(c[:, 0], c[:, 1], k, k_tilde)
             g_phi = self._gradient(pair, stick_breaking_logits(sorted_theta))
             g_sorted = logit_gradient(g_phi, sorted_theta)
             g_theta = torch.zeros_like(g_sorted).scatter(-1, order.expand(g_sorted.shape), g_sorted)
-            term = ((theta - theta.detach()) * g_theta).sum(tuple(range(-n_event, 0)))
-            term = term.reshape((1,) * (len(target.sizes) - term.dim()) + tuple(term.shape)).expand(target.sizes)
-            term = term.unsqueeze(1).expand((groups.size, 2) + tuple(term.shape[1:]))
-            term = term.reshape((plate.size,) + tuple(term.shape[2:]))
-            if i:
-                term = term.movedim(0, i)
+            term = on_every_point(control_variate_term(theta, g_theta, n_event), target, plate, 2, i)
         return None, wrap(term, cost_layout)
 
     def extra_repr(self) -> str:

@@ -40,10 +40,9 @@ from __future__ import annotations
 from typing import Union
 
 import torch
-from torch.distributions import Distribution
 
-from storch.method.method import DEFAULT_N_SAMPLES, Method
-from storch.method.straight_through import one_hot_view_for, sample_one_hot
+from storch.method.method import DEFAULT_N_SAMPLES
+from storch.method.straight_through import StraightThroughFamily, hard_forward
 from storch.sampling.method import SamplingMethod
 
 __all__ = ["GappedStraightThrough", "gapped_straight_through", "gapped_perturbation", "expected_gumbel_gap"]
@@ -111,7 +110,7 @@ def gapped_straight_through(
     if isinstance(gap, str):
         gap = expected_gumbel_gap((logits.detach().softmax(-1) * hard).sum(-1, keepdim=True))
     soft = ((logits + gapped_perturbation(logits, hard, gap)) / temperature).softmax(-1)
-    return hard + (soft - soft.detach())
+    return hard_forward(hard, soft)
 
 
 def _checked_gap(owner: str, gap: Gap) -> Gap:
@@ -132,7 +131,7 @@ def _checked_temperature(owner: str, temperature: float) -> float:
     return float(temperature)
 
 
-class GappedStraightThrough(Method):
+class GappedStraightThrough(StraightThroughFamily):
     """Gapped straight-through: the hard sample forward, a deterministic gapped relaxation backward.
 
     Fan et al. 2022 (ICML). The relaxed sample is ``softmax((θ + m)/τ)`` with logits moved so that
@@ -191,8 +190,6 @@ class GappedStraightThrough(Method):
         torch.Size([3])
     """
 
-    reparameterized = True
-
     def __init__(
         self,
         plate_name: str,
@@ -206,17 +203,5 @@ class GappedStraightThrough(Method):
         self.temperature = _checked_temperature(owner, temperature)
         self.gap = _checked_gap(owner, gap)
 
-    def check_distribution(self, distr: Distribution) -> None:
-        if one_hot_view_for(distr) is None:
-            hint = " Use OneHotCategorical instead of Categorical." if type(distr).__name__ == "Categorical" else ""
-            raise ValueError(
-                f"GappedStraightThrough({self.plate_name!r}) needs one-hot samples and has no one-hot view of "
-                f"{type(distr).__name__}; it supports OneHotCategorical and Bernoulli (register others "
-                f"with storch.method.straight_through.register_one_hot_view).{hint}"
-            )
-
-    def proposal_dist(self, distr: Distribution, amt_samples: int) -> torch.Tensor:
-        view = one_hot_view_for(distr)
-        logits = view.logits(distr)  # type: ignore[union-attr]
-        hard = sample_one_hot(logits, amt_samples)
-        return view.to_sample(gapped_straight_through(logits, hard, self.temperature, self.gap))  # type: ignore[union-attr]
+    def backward_pass(self, logits: torch.Tensor, hard: torch.Tensor) -> torch.Tensor:
+        return gapped_straight_through(logits, hard, self.temperature, self.gap)

@@ -42,7 +42,7 @@ from torch.distributions import Distribution
 from storch.distributions.one_hot import one_hot
 from storch.distributions.relaxation import AnnealedTemperature
 from storch.method.method import DEFAULT_N_SAMPLES, Method
-from storch.method.straight_through import one_hot_view_for
+from storch.method.straight_through import hard_forward, one_hot_view_for, require_one_hot_view
 from storch.sampling.method import SamplingMethod
 
 __all__ = ["GumbelSparseMax", "GumbelEntmax", "sparsemax", "entmax15", "gumbel_perturb"]
@@ -122,13 +122,7 @@ class _GumbelProjection(AnnealedTemperature, Method):
         raise NotImplementedError
 
     def check_distribution(self, distr: Distribution) -> None:
-        if one_hot_view_for(distr) is None:
-            hint = " Use OneHotCategorical instead of Categorical." if type(distr).__name__ == "Categorical" else ""
-            raise ValueError(
-                f"{type(self).__name__}({self.plate_name!r}) cannot relax a {type(distr).__name__}: it supports "
-                f"OneHotCategorical and Bernoulli (distributions with a one-hot view; add one with "
-                f"storch.method.straight_through.register_one_hot_view).{hint}"
-            )
+        require_one_hot_view(distr, f"{type(self).__name__}({self.plate_name!r}) cannot relax a {type(distr).__name__}")
         _entmax()  # a missing package is an error now, not at the first backward pass
 
     def proposal_dist(self, distr: Distribution, amt_samples: int) -> torch.Tensor:
@@ -137,7 +131,7 @@ class _GumbelProjection(AnnealedTemperature, Method):
         relaxed = self.project(scores / self.temperature)
         if self.straight_through:
             hard = one_hot(scores.detach().argmax(-1), scores.shape[-1], scores.dtype)
-            relaxed = hard + (relaxed - relaxed.detach())
+            relaxed = hard_forward(hard, relaxed)
         return view.to_sample(relaxed)
 
     def update_parameters(self, result_triples) -> None:

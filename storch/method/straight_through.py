@@ -44,7 +44,8 @@ from storch.sampling.method import SamplingMethod, check_count
 
 __all__ = [
     "StraightThrough", "GumbelRao", "ReinMax", "OneHotView", "register_one_hot_view", "one_hot_view_for",
-    "straight_through", "gumbel_rao", "reinmax", "sample_one_hot",
+    "straight_through", "gumbel_rao", "reinmax", "sample_one_hot", "hard_forward", "require_one_hot_view",
+    "StraightThroughFamily",
 ]
 
 
@@ -104,7 +105,32 @@ _VIEWS.register(Bernoulli)(OneHotView(logits=_bernoulli_logits, to_sample=lambda
 _VIEWS.register(OneHotCategorical)(OneHotView(logits=lambda d: d.logits, to_sample=lambda y: y))
 
 
+def require_one_hot_view(distr: Distribution, refusal: str) -> OneHotView:
+    """The one-hot view of ``distr``; else a ``ValueError`` that starts with ``refusal`` and names the
+    supported distributions and how to register others."""
+    view = one_hot_view_for(distr)
+    if view is None:
+        hint = " Use OneHotCategorical instead of Categorical." if type(distr).__name__ == "Categorical" else ""
+        raise ValueError(
+            f"{refusal}; it supports OneHotCategorical and Bernoulli (register others "
+            f"with storch.method.straight_through.register_one_hot_view).{hint}"
+        )
+    return view
+
+
 # --------------------------------------------------------------------------- functions
+def hard_forward(hard: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
+    """``hard + soft − stopgrad(soft)``: the value of ``hard``, the gradient of ``soft``.
+
+    Examples:
+        >>> import torch
+        >>> soft = torch.tensor([0.2, 0.8], requires_grad=True)
+        >>> hard_forward(torch.tensor([0.0, 1.0]), soft).tolist()
+        [0.0, 1.0]
+    """
+    return hard + (soft - soft.detach())
+
+
 def sample_one_hot(logits: torch.Tensor, n: int) -> torch.Tensor:
     """``n`` one-hot samples ``(n, *logits.shape)`` of the categorical with these logits."""
     index = torch.distributions.Categorical(logits=logits.detach(), validate_args=False).sample((n,))
@@ -123,8 +149,7 @@ def straight_through(logits: torch.Tensor, hard: torch.Tensor) -> torch.Tensor:
         >>> torch.autograd.grad(y[1], theta)[0]     # ∂π₁/∂θ at π = 1/3
         tensor([-0.1111,  0.2222, -0.1111])
     """
-    probs = logits.softmax(-1)
-    return hard + (probs - probs.detach())
+    return hard_forward(hard, logits.softmax(-1))
 
 
 def gumbel_rao(
@@ -151,7 +176,7 @@ def gumbel_rao(
     # log softmax(z̃/τ) is z̃/τ up to a constant, which softmax ignores: differentiate as z = θ + G
     log_relaxed = relaxed.clamp_min(torch.finfo(relaxed.dtype).tiny).log()
     soft = (log_relaxed + (logits - logits.detach()) / temperature).softmax(-1).mean(0)
-    return hard + (soft - soft.detach())
+    return hard_forward(hard, soft)
 
 
 def reinmax(logits: torch.Tensor, hard: torch.Tensor, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
@@ -173,24 +198,22 @@ def reinmax(logits: torch.Tensor, hard: torch.Tensor, temperature: float | torch
     pi1 = (hard + (logits / temperature).softmax(-1)) / 2
     pi1 = ((pi1.log() - logits).detach() + logits).softmax(-1)
     pi2 = 2 * pi1 - pi0 / 2
-    return hard + (pi2 - pi2.detach())
+    return hard_forward(hard, pi2)
 
 
 # --------------------------------------------------------------------------- methods
-class _StraightThroughFamily(Method, ABC):
+class StraightThroughFamily(Method, ABC):
     """Shared sampling: hard one-hot samples of the distribution's one-hot view, a method-specific
     backward pass, then back to the distribution's sample space."""
 
     reparameterized = True
 
     def check_distribution(self, distr: Distribution) -> None:
-        if one_hot_view_for(distr) is None:
-            hint = " Use OneHotCategorical instead of Categorical." if type(distr).__name__ == "Categorical" else ""
-            raise ValueError(
-                f"{type(self).__name__}({self.plate_name!r}) needs one-hot samples and has no one-hot view of "
-                f"{type(distr).__name__}; it supports OneHotCategorical and Bernoulli (register others "
-                f"with storch.method.straight_through.register_one_hot_view).{hint}"
-            )
+        require_one_hot_view(
+            distr,
+            f"{type(self).__name__}({self.plate_name!r}) needs one-hot samples and has no one-hot view of "
+            f"{type(distr).__name__}",
+        )
 
     def proposal_dist(self, distr: Distribution, amt_samples: int) -> torch.Tensor:
         view = one_hot_view_for(distr)
@@ -209,7 +232,7 @@ def _check_temperature(name: str, temperature: float) -> float:
     return float(temperature)
 
 
-class StraightThrough(_StraightThroughFamily):
+class StraightThrough(StraightThroughFamily):
     """Straight-through: forward the one-hot sample ``D``, backward through ``π``: ``D + π − stopgrad(π)``.
 
     Bengio et al. 2013. Biased; exact (every single estimate) for costs linear in the one-hot sample.
@@ -246,7 +269,7 @@ class StraightThrough(_StraightThroughFamily):
         return straight_through(logits, hard)
 
 
-class GumbelRao(_StraightThroughFamily):
+class GumbelRao(StraightThroughFamily):
     """Gumbel-Rao: straight-through Gumbel-softmax, Rao-Blackwellised over the noise given ``D``.
 
     Paulus et al. 2021. The backward pass averages ``n_relaxed`` relaxed samples ``softmax(z̃/τ)``
@@ -295,7 +318,7 @@ class GumbelRao(_StraightThroughFamily):
         return gumbel_rao(logits, hard, self.temperature, self.n_relaxed)
 
 
-class ReinMax(_StraightThroughFamily):
+class ReinMax(StraightThroughFamily):
     """ReinMax: a second-order accurate straight-through backward pass.
 
     Liu et al. 2023: ``π₁ = (D + softmax(θ/τ))/2``, ``π₁ ← softmax(stopgrad(log π₁ − θ) + θ)``,
