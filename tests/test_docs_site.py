@@ -64,10 +64,9 @@ def test_docstrings_have_no_sphinx_roles() -> None:
     assert not findings, "\n" + _report(findings)
 
 
-@pytest.mark.skipif(not (SITE / "index.html").exists(), reason="the site is not built (make docs)")
-def test_built_site_reads_as_user_documentation() -> None:
-    findings = lint.lint([], site=SITE)
-    assert not findings, "\n" + _report(findings)
+# The built site (API pages from the docstrings included) is linted by `make docs` itself, right after
+# the build (`docs_lint.py --site site`), and its code widths are measured in a browser there: CI runs
+# both on every submission, so no test here depends on a site left over from an earlier build.
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,14 +179,3 @@ def test_screenshot_check_without_a_browser_installs_nothing(monkeypatch, capsys
     assert shot.main(["docs_screenshot.py", str(tmp_path), "--require-browser"]) == 1
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines == [shot.NO_BROWSER, shot.NO_BROWSER] and "apt-get install chromium-headless-shell" in lines[0]
-
-
-@pytest.mark.skipif(not (SITE / "index.html").exists(), reason="the site is not built (make docs)")
-def test_home_page_code_fits_at_1280_px() -> None:
-    shot = _screenshot()
-    browser = shot.find_browser()
-    if browser is None:
-        pytest.skip("no headless Chromium")
-    measured = shot.measure_code(browser, SITE, ["index.html"])
-    assert measured["index.html"]["blocks"] >= 1
-    assert shot.check_code(measured) == ([], [])
