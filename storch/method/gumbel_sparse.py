@@ -34,16 +34,15 @@ without it.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
 from torch.distributions import Distribution
 
 from storch.distributions.one_hot import one_hot
-from storch.distributions.relaxation import AnnealedTemperature
-from storch.method.method import DEFAULT_N_SAMPLES, Method
+from storch.method.gumbel import GumbelSoftmax
 from storch.method.straight_through import hard_forward, one_hot_view_for, require_one_hot_view
-from storch.sampling.method import SamplingMethod
 
 __all__ = ["GumbelSparseMax", "GumbelEntmax", "sparsemax", "entmax15", "gumbel_perturb"]
 
@@ -95,31 +94,12 @@ def gumbel_perturb(logits: torch.Tensor, n: int) -> torch.Tensor:
     return logits - torch.log(-torch.log(u.clamp(finfo.tiny, 1.0 - finfo.eps)))
 
 
-class _GumbelProjection(AnnealedTemperature, Method):
-    """Relaxed samples ``project((log p + G)/τ)`` of a node with a one-hot view; subclasses give ``project``."""
+class _GumbelProjection(GumbelSoftmax):
+    """Gumbel-softmax with another map onto the simplex: relaxed samples ``project((log p + G)/τ)`` of a
+    node with a one-hot view. The arguments, the temperature schedule and its state are Gumbel-softmax's;
+    a subclass sets ``project`` (``staticmethod(sparsemax)``, ``staticmethod(entmax15)``)."""
 
-    reparameterized = True
-
-    def __init__(
-        self,
-        plate_name: str,
-        sampling_method: SamplingMethod | None = None,
-        n_samples: int = DEFAULT_N_SAMPLES,
-        straight_through: bool = False,
-        initial_temperature: float = 1.0,
-        min_temperature: float = 1e-4,
-        annealing_rate: float = 0.0,
-    ) -> None:
-        super().__init__(plate_name, sampling_method, n_samples)
-        self.init_temperature(
-            f"{type(self).__name__}({plate_name!r})", initial_temperature, min_temperature, annealing_rate
-        )
-        self.straight_through = straight_through
-
-    @staticmethod
-    def project(scores: torch.Tensor) -> torch.Tensor:
-        """The map of scores ``(..., C)`` onto the simplex."""
-        raise NotImplementedError
+    project: Callable[[torch.Tensor], torch.Tensor]
 
     def check_distribution(self, distr: Distribution) -> None:
         require_one_hot_view(distr, f"{type(self).__name__}({self.plate_name!r}) cannot relax a {type(distr).__name__}")
@@ -133,15 +113,6 @@ class _GumbelProjection(AnnealedTemperature, Method):
             hard = one_hot(scores.detach().argmax(-1), scores.shape[-1], scores.dtype)
             relaxed = hard_forward(hard, relaxed)
         return view.to_sample(relaxed)
-
-    def update_parameters(self, result_triples) -> None:
-        super().update_parameters(result_triples)
-        self.anneal()
-
-    @property
-    def keeps_state_between_steps(self) -> bool:
-        """Only an annealed temperature changes between steps (``annealing_rate > 0``)."""
-        return super().keeps_state_between_steps or self.annealing_rate != 0
 
 
 class GumbelSparseMax(_GumbelProjection):
@@ -180,9 +151,7 @@ class GumbelSparseMax(_GumbelProjection):
         (torch.Size([3, 4]), True, True)
     """
 
-    @staticmethod
-    def project(scores: torch.Tensor) -> torch.Tensor:
-        return sparsemax(scores)
+    project = staticmethod(sparsemax)
 
 
 class GumbelEntmax(_GumbelProjection):
@@ -217,6 +186,4 @@ class GumbelEntmax(_GumbelProjection):
         (torch.Size([5, 2]), True)
     """
 
-    @staticmethod
-    def project(scores: torch.Tensor) -> torch.Tensor:
-        return entmax15(scores)
+    project = staticmethod(entmax15)
