@@ -348,14 +348,6 @@ class StochasticTensor(Tensor):
     def param_grads(self) -> dict[str, torch.Tensor]:
         return self._node.param_grads
 
-    def detach_tensor(self) -> torch.Tensor:
-        """The data as a plain ``torch.Tensor``, detached from the graph, plate dimensions included.
-
-        Storchastic's name; the same as ``t._tensor.detach()``. For a detached storch tensor that keeps
-        its plates, use ``t.detach()``.
-        """
-        return alias(self).detach()
-
     def stochastic(self) -> bool:
         return True
 
