@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from storch.plate import (
     EMPTY_LAYOUT,
     AncestralPlate,
+    ChainPlate,
     Plate,
     PlateLayout,
     layout_of_plates,
@@ -664,6 +665,9 @@ def reindex_ancestral(t: torch.Tensor, src: PlateLayout, union: PlateLayout) -> 
     for plate in src.plates:
         target = newest.get(plate.chain_name) if isinstance(plate, AncestralPlate) else None
         if target is None or target is plate:
+            continue
+        if isinstance(target, ChainPlate):  # one sample per step, at the same place: relabel only
+            src = layout_of_plates(tuple(target if p is plate else p for p in src.plates))
             continue
         steps = []
         step = target

@@ -22,8 +22,9 @@ _PRUNE_AT = 64
 def note_sampled(plate: Plate) -> None:
     """Remember the plate of a node sampled in this step."""
     refs = _SAMPLED.get()
-    if len(refs) >= _PRUNE_AT:  # nodes of steps that never reached backward: drop the dead ones
-        refs = tuple(r for r in refs if r() is not None)
+    n = len(refs)
+    if n >= _PRUNE_AT and n & (n - 1) == 0:  # at 64, 128, 256, ... entries (amortised O(1) per node):
+        refs = tuple(r for r in refs if r() is not None)  # drop nodes of steps that never reached backward
     _SAMPLED.set(refs + (weakref.ref(plate),))
 
 

@@ -106,6 +106,7 @@ from storch.distributions.relaxation import register_relaxation
 from storch.plate import (
     MAX_PLATES,
     AncestralPlate,
+    ChainPlate,
     Plate,
     PlateLayout,
     TooManyPlatesError,
@@ -139,6 +140,7 @@ from storch.util import (
     restore_lazy_plates,
     rsample_gumbel_softmax,
     with_nested,
+    without_plate,
 )
 
 __all__ = [
@@ -151,6 +153,7 @@ __all__ = [
     "StochasticNode",
     "Plate",
     "AncestralPlate",
+    "ChainPlate",
     "PlateLayout",
     "layout_of",
     "node_of",
@@ -173,6 +176,7 @@ __all__ = [
     "restore_lazy_plates",
     "log_prob_of_own_samples",
     "with_nested",
+    "without_plate",
     "note_sampled",
     "reraise_cuda_dimension_error",
     "MAX_PLATES",

@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "Plate", "AncestralPlate", "PlateLayout", "order_plates", "PlateClashError", "TooManyPlatesError",
-    "layout_of_plates", "merge_layouts", "MAX_PLATES", "CUDA_MAX_DIMS", "CudaDimensionError",
+    "layout_of_plates", "merge_layouts", "MAX_PLATES", "CUDA_MAX_DIMS", "CudaDimensionError", "ChainPlate",
 ]
 
 _creation_counter = itertools.count()
@@ -300,6 +300,74 @@ class AncestralPlate(Plate):
         return False
 
 
+_NO_OTHER_PARENT = torch.zeros(1, dtype=torch.long)  # the parent_index of a step of a single-sample chain
+
+
+class _Chain:
+    """What the steps of one single-sample chain share (compared by identity)."""
+
+    __slots__ = ("__weakref__",)
+
+
+class ChainPlate(AncestralPlate):
+    """The plate of a single-sample node, a step of a *chain* of single-sample nodes.
+
+    A node drawn with one sample (plain Monte Carlo, ``n_samples=1``) from a distribution that carries
+    the newest step of a chain does not add a plate: its plate *replaces* that step, as the next step
+    of the chain. A rollout of ``T`` decisions, each drawn from a state computed from the previous
+    one, so carries one plate however long it is, and torch's limit of 64 dimensions does not bound
+    ``T``. The steps keep their nodes' names (``renames_its_chain``); where tensors of two steps
+    meet, the newer is kept and the older relabelled (one sample each: nothing to re-index).
+
+    The node sees its distribution without the step it extends (that size-1 dimension dropped, on a
+    copy of the distribution), so its samples and distribution look like any other node's. In the
+    surrogate loss every step is its own node, processed newest first, and the costs that reach a
+    step are summed before its node's term is formed: a reward after each of ``T`` decisions costs
+    ``O(T)`` (the reward to go; see `storch.inference`).
+
+    A node whose distribution carries an older step (a *sibling* of a later node) starts a chain of
+    its own: a chain never branches.
+
+    Examples:
+        >>> root = ChainPlate("a0")
+        >>> step = ChainPlate("a1", ancestor=root)
+        >>> step.size, step.chain_name, step.descends_from(root), root.descends_from(step)
+        (1, 'a0', True, False)
+    """
+
+    __slots__ = ("depth", "chain", "_extended_by")
+    renames_its_chain = True
+
+    def __init__(
+        self,
+        name: str,
+        parents: Sequence[Plate] = (),
+        node: "StochasticNode | None" = None,
+        ancestor: "ChainPlate | None" = None,
+    ) -> None:
+        if ancestor is not None and not isinstance(ancestor, ChainPlate):
+            raise TypeError(f"ChainPlate {name!r}: its ancestor must be a ChainPlate, got {type(ancestor).__name__}.")
+        index = None if ancestor is None else _NO_OTHER_PARENT
+        super().__init__(name, 1, None, parents, node, ancestor=ancestor, parent_index=index)
+        self._extended_by: "weakref.ref | None" = None
+        if ancestor is None:
+            self.depth = 0
+            self.chain = _Chain()
+        else:
+            self.depth = ancestor.depth + 1
+            self.chain = ancestor.chain
+            ancestor._extended_by = weakref.ref(self)
+
+    @property
+    def is_tip(self) -> bool:
+        """Whether no node has extended this step yet (a new single-sample node drawn from it would)."""
+        newer = self._extended_by
+        return newer is None or newer() is None
+
+    def descends_from(self, other: Plate) -> bool:
+        return isinstance(other, ChainPlate) and other.chain is self.chain and other.depth < self.depth
+
+
 class PlateLayout:
     """The ordered plates of a tensor (newest first) and their sizes.
 
@@ -465,7 +533,8 @@ def merge_layouts(layouts: Iterable[PlateLayout]) -> PlateLayout:
         for newer, older in pairs:
             if (id(newer), id(older)) not in done:
                 done.add((id(newer), id(older)))
-                extra += [layout_of_plates(s.index_plates) for s in _chain(newer, older) if s.index_plates]
+                if not isinstance(newer, ChainPlate):  # (a chain's steps have no index plates)
+                    extra += [layout_of_plates(s.index_plates) for s in _chain(newer, older) if s.index_plates]
         if not extra:
             break
         merged, pairs = _merge_once([merged] + extra)

@@ -265,6 +265,11 @@ class StochasticNode:
             self._layout = weakref.ref(layout)
         return layout
 
+    @property
+    def parent_layout(self) -> PlateLayout:
+        """The plates of the node's distribution: its samples' plates without its own."""
+        return layout_of_plates(self.parents)
+
     def stochastic_tensor(self) -> "StochasticTensor":
         """A [`StochasticTensor`][storch.tensor.StochasticTensor] view of the samples (shares the node's
         ``param_grads``)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Iterable, Iterator, Sequence
 
@@ -156,6 +157,45 @@ def restore_lazy_plates(d: Distribution) -> None:
             sizes = layout.sizes
             if sizes and tuple(value.shape[: len(sizes)]) == sizes:
                 dist.__dict__[name] = wrap(value, layout)
+
+
+def without_plate(d: Distribution, plate: Plate) -> Distribution:
+    """A copy of ``d`` (and of the distributions nested in it) whose tensors no longer carry the size-1
+    ``plate``: that dimension is dropped from each tensor that carries it (a view) and from the batch
+    shape. ``d`` itself is left as it is.
+
+    A step of a single-sample chain ([`storch.plate.ChainPlate`][storch.plate.ChainPlate]) keeps such a
+    copy of its distribution: its own plate replaced the step its distribution carried, so that its
+    samples and distribution have the same plates, as any node's.
+    """
+    if plate.size != 1:
+        raise ValueError(f"without_plate: plate {plate.name!r} has size {plate.size}; only a size-1 plate can be dropped.")
+    copy = _copy_distribution(d)
+    for dist in with_nested(copy):
+        position = None
+        layout = distribution_layout(dist)
+        for i, p in enumerate(layout.plates):
+            if p is plate:
+                position = i
+        for name, value in list(dist.__dict__.items()):
+            if isinstance(value, Tensor) and any(p is plate for p in value._layout.plates):
+                i = value._layout.position(plate)
+                with _Disable():
+                    squeezed = value.select(i, 0)
+                dist.__dict__[name] = wrap_new(squeezed, value._layout.without_position(i))
+        if position is not None and len(dist._batch_shape) > position:
+            shape = tuple(dist._batch_shape)
+            dist._batch_shape = torch.Size(shape[:position] + shape[position + 1:])
+    return copy
+
+
+def _copy_distribution(d: Distribution) -> Distribution:
+    """A shallow copy of ``d`` and of the distributions nested in it (their tensors are shared)."""
+    c = copy.copy(d)
+    for name, value in c.__dict__.items():
+        if isinstance(value, Distribution):
+            c.__dict__[name] = _copy_distribution(value)
+    return c
 
 
 def log_prob_of_own_samples(d: Distribution, samples: torch.Tensor) -> torch.Tensor:

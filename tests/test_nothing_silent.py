@@ -358,20 +358,51 @@ def test_backward_under_no_grad_says_so():
 
 
 # ------------------------------------------------------------------ 11. more than 64 plates
+class NoChain(storch.method.ScoreFunction):
+    """A score function whose single-sample nodes do not extend chains (storch.plate.ChainPlate), so
+    that every node adds a plate: how plates pile up where they really multiply (several samples per
+    node), without allocating 2^64 values."""
+
+    extends_chains = False
+
+
+def test_single_sample_nodes_drawn_from_each_other_do_not_pile_up_plates():
+    p = torch.tensor(0.5, requires_grad=True)
+    x = storch.method.ScoreFunction("x0")(Bernoulli(p))
+    for i in range(1, 200):
+        x = storch.method.ScoreFunction(f"x{i}")(Bernoulli(0.25 + 0.5 * x))
+    assert [q.name for q in x.plates] == ["x199"]
+    storch.add_cost(x, "f")
+    storch.backward()
+    assert torch.isfinite(p.grad)
+
+
+def test_more_than_64_independent_single_sample_nodes_in_one_tensor_says_why():
+    """Independent single-sample nodes (each its own chain) still add a plate each where they meet."""
+    from storch.plate import TooManyPlatesError
+
+    p = torch.tensor(0.5, requires_grad=True)
+    total = torch.tensor(0.0)
+    with pytest.raises(TooManyPlatesError, match="65 plates would meet in one tensor.*at most 64"):
+        for i in range(65):
+            total = total + storch.method.ScoreFunction(f"x{i}")(Bernoulli(p))
+    storch.reset()
+
+
 def test_more_than_64_plates_in_one_tensor_says_why():
     """The 65th plate of a chain is refused where it is made, with storch's reason and fix (not torch's
     "only tensors with up to 64 dims are supported" one operation later)."""
     from storch.plate import MAX_PLATES, TooManyPlatesError
 
     p = torch.tensor(0.5, requires_grad=True)
-    x = storch.method.ScoreFunction("x0")(Bernoulli(p))
+    x = NoChain("x0")(Bernoulli(p))
     for i in range(1, MAX_PLATES):
-        x = storch.method.ScoreFunction(f"x{i}")(Bernoulli(0.25 + 0.5 * x))
+        x = NoChain(f"x{i}")(Bernoulli(0.25 + 0.5 * x))
     assert len(x.plates) == MAX_PLATES
     storch.add_cost(x, "f")  # 64 plates: fine
     storch.reset()
     with pytest.raises(TooManyPlatesError, match=r"cannot add node 'x64'.*65 plates.*65 in all.*at most 64.*chain of N nodes"):
-        storch.method.ScoreFunction("x64")(Bernoulli(0.25 + 0.5 * x))
+        NoChain("x64")(Bernoulli(0.25 + 0.5 * x))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -492,7 +523,7 @@ def test_a_node_whose_parameters_would_pass_torchs_dimension_limit_is_refused_by
 
     theta, x = torch.zeros(2, requires_grad=True), torch.tensor(0.0)
     for t in range(63):  # 63 plates and the logits' one dimension: 64, the limit
-        a = storch.method.ScoreFunction(f"a{t}", n_samples=1)(Categorical(logits=theta + x))
+        a = NoChain(f"a{t}", n_samples=1)(Categorical(logits=theta + x))
         x = x + a
     storch.add_cost(x.float(), "c")
     storch.backward()
@@ -500,6 +531,6 @@ def test_a_node_whose_parameters_would_pass_torchs_dimension_limit_is_refused_by
     theta, x = torch.zeros(2, requires_grad=True), torch.tensor(0.0)
     with pytest.raises(TooManyPlatesError, match="cannot add node 'a63'.*65 in all"):
         for t in range(64):
-            a = storch.method.ScoreFunction(f"a{t}", n_samples=1)(Categorical(logits=theta + x))
+            a = NoChain(f"a{t}", n_samples=1)(Categorical(logits=theta + x))
             x = x + a
     storch.reset()

@@ -60,8 +60,10 @@ from storch import distributed
 from storch.method.baseline import Baseline
 from storch.method.local_expectation import coordinates_for
 from storch.extend import (
+    ChainPlate,
     CostTensor,
     PlateLayout,
+    StochasticNode,
     StochasticTensor,
     TypeRegistry,
     get_distr_parameters,
@@ -137,6 +139,14 @@ def critic_inputs(distr: Distribution) -> list[torch.Tensor]:
     if "probs" in params:
         params.pop("logits", None)
     return [params[name] for name in sorted(params)]
+
+
+def _previous_chain_step(node: StochasticNode) -> Optional[StochasticNode]:
+    """The node of the chain step that ``node`` extended, if ``node`` is a step of a single-sample chain."""
+    plate = node.plate
+    if isinstance(plate, ChainPlate) and plate.ancestor is not None:
+        return plate.ancestor.node
+    return None
 
 
 def _aligned(t: torch.Tensor, layout: PlateLayout, what: str) -> torch.Tensor:
@@ -247,7 +257,9 @@ class Critic(Baseline):
     parameter tensors
     otherwise), flattened per element of the node's parent plates, and with ``include_ancestors``
     also the samples of the stochastic nodes whose plates the distribution carries (its ancestors:
-    also non-descendants). All of it is detached; the node's own sample is never an input.
+    also non-descendants); for a step of a single-sample chain ([`storch.plate.ChainPlate`][storch.plate.ChainPlate])
+    that is the previous step's sample, not the earlier steps' (give the critic a state that
+    summarises them). All of it is detached; the node's own sample is never an input.
 
     Args:
         network_factory: ``(in_features, out_features) -> nn.Module``, called once per cost name at
@@ -329,7 +341,7 @@ class Critic(Baseline):
         """``ŝ`` for the node of ``tensor``: a detached plain tensor ``(*parent plate sizes, F)`` and
         the node's parent layout (its plates without its own)."""
         node = node_of(tensor)
-        layout = layout_of_plates(node.layout.plates[1:])
+        layout = node.parent_layout
         distr = node.distribution
         if self.inputs is not None:
             restore_lazy_plates(distr)
@@ -343,6 +355,10 @@ class Critic(Baseline):
                 if plate.node is not None:
                     ancestor = wrap(plate.node.samples, plate.node.layout)
                     named.append((f"the sample of ancestor {plate.name!r} of the {what}", ancestor))
+            previous = _previous_chain_step(node)
+            if previous is not None:  # its plate is the node's own now: its one sample, without it
+                ancestor = wrap(previous.samples.select(0, 0), layout_of_plates(previous.parents))
+                named.append((f"the sample of ancestor {previous.name!r} of the {what}", ancestor))
         if not named:
             raise ValueError(
                 f"The {what} has no input: its distribution {type(distr).__name__} has no parameter "
@@ -690,7 +706,7 @@ class QCritic(Critic):
         pending = self._pending.get((cost_node.name, id(node.plate)))
         if pending is not None:
             pending.corrected = True
-        layout = layout_of_plates(node.layout.plates[1:])
+        layout = node.parent_layout
         coordinates = self._coordinates(tensor)
         restore_lazy_plates(node.distribution)
         probs = _aligned(coordinates.probs(node.distribution), layout, f"the probabilities of node {tensor.name!r}")

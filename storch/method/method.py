@@ -52,6 +52,7 @@ from torch.distributions import Distribution
 
 from storch.extend import (
     MAX_PLATES,
+    ChainPlate,
     CostTensor,
     Plate,
     PlateLayout,
@@ -74,6 +75,7 @@ from storch.extend import (
     restore_lazy_plates,
     state_declared_for,
     wrap,
+    without_plate,
     wrap_new,
 )
 from storch.sampling.method import MonteCarlo, SamplingMethod, check_count, describe_argument
@@ -301,6 +303,12 @@ class Method(nn.Module):
     #: not reparameterized; such a method gets the bound through
     # [`on_joint_bound`][storch.method.method.Method.on_joint_bound]
     handles_joint_bound: bool = False
+    #: whether a node drawn with a single plain Monte Carlo sample may be a step of a single-sample
+    #: chain ([`storch.plate.ChainPlate`][storch.plate.ChainPlate]): it then extends the chain its
+    #: distribution carries instead of adding a plate, so that rollouts of any length fit in torch's
+    #: 64 dimensions. Methods whose estimator needs the node's plate next to its parents' (none
+    #: in storch today) set it to ``False``.
+    extends_chains: bool = True
 
     def __init__(
         self, plate_name: str, sampling_method: SamplingMethod | None = None, n_samples: int = DEFAULT_N_SAMPLES
@@ -350,7 +358,8 @@ class Method(nn.Module):
                 f"{type(self).__name__}: the distribution's parameters already carry a plate named "
                 f"{self.plate_name!r}; give this node another name."
             )
-        _check_room_for_a_plate(distr, parents, type(self).__name__, self.plate_name)
+        if self._chain_tip(parents) is None:  # a chain's next step adds no plate
+            _check_room_for_a_plate(distr, parents, type(self).__name__, self.plate_name)
         try:
             with no_dispatch():
                 samples, plate, others = draw(distr, parents)
@@ -360,15 +369,49 @@ class Method(nn.Module):
         tensor = new_node(self, distr, samples, plate, others)
         plate.weight = self._plate_weight(tensor, plate)
         restore_lazy_plates(distr)  # parameters computed while sampling with dispatch disabled
+        if isinstance(plate, ChainPlate) and plate.ancestor is not None:
+            # the node's distribution without the step it extended, as its samples are
+            node_of(tensor).distribution = without_plate(distr, plate.ancestor)
         if not self.reparameterized and torch.is_grad_enabled() and get_distr_parameters(distr):
             note_sampled(plate)  # its gradient needs a cost that carries its plate (see storch.backward)
         return tensor
 
     def _draw(self, distr: Distribution, parents: PlateLayout) -> tuple[torch.Tensor, Plate, Sequence[Plate]]:
-        """The proposal's samples on a new plate over all the distribution's plates."""
+        """The proposal's samples on a new plate over all the distribution's plates; a single sample
+        starts or extends a single-sample chain (see [`storch.plate.ChainPlate`][storch.plate.ChainPlate])."""
         samples = self.sampling_method(distr, parents.plates, self.reparameterized)
         self._check_samples(distr, samples, parents.sizes)
-        return samples, Plate(self.plate_name, samples.shape[0], parents=parents.plates), parents.plates
+        if samples.shape[0] != 1 or not self._draws_chain_steps():
+            return samples, Plate(self.plate_name, samples.shape[0], parents=parents.plates), parents.plates
+        tip = self._chain_tip(parents)
+        if tip is None:
+            return samples, ChainPlate(self.plate_name, parents=parents.plates), parents.plates
+        others = tuple(p for p in parents.plates if p is not tip)
+        # the new step takes the tip's place: the tip's size-1 dimension is dropped
+        return samples.select(1 + parents.position(tip), 0), ChainPlate(self.plate_name, others, ancestor=tip), others
+
+    def _draws_chain_steps(self) -> bool:
+        """Whether this method's nodes are steps of single-sample chains: one plain Monte Carlo sample,
+        drawn and weighted as `Method` does (a method that overrides `proposal_dist` or
+        `weighting_function` lays out its own evaluation points on its plate)."""
+        cls = type(self)
+        return (
+            self.extends_chains
+            and type(self.sampling_method) is MonteCarlo
+            and self.sampling_method.n_samples == 1
+            and cls.proposal_dist is Method.proposal_dist
+            and cls.weighting_function is Method.weighting_function
+        )
+
+    def _chain_tip(self, parents: PlateLayout) -> Optional[ChainPlate]:
+        """The newest chain step among ``parents`` that a node of this method extends, if any."""
+        if not self._draws_chain_steps():
+            return None
+        tip = None
+        for p in parents.plates:
+            if isinstance(p, ChainPlate) and p.is_tip and (tip is None or p.step_order > tip.step_order):
+                tip = p
+        return tip
 
     def sample(self, distr: Distribution) -> StochasticTensor:
         """Sample ``distr`` with this method: the same as calling it, ``method(distr)``.
