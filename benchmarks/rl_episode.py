@@ -7,8 +7,8 @@ a table of logits, one row per cell. Two ways to write an episode in storch:
 
 * ``per-decision``: one ``ScoreFunction(f"a{t}", n_samples=1)`` node per decision, one cost
   ``r{t}`` per reward; the episodes of a step are a plate. storch credits each decision with the
-  rewards registered after it that depend on it (the reward to go). Every decision is a plate, so
-  the last tensors carry ``T`` plates.
+  rewards registered after it that depend on it (the reward to go). The decisions form one chain
+  of single-sample nodes, so the episodes' tensors carry one plate for them whatever ``T``.
 * ``decoder``: ``ScoreFunctionWOR("episode", k, sampling_method=MCDecoder("episode", k))`` called
   once per decision: ``k`` i.i.d. episodes on one ancestral plate, the reward of step ``t``
   estimated with the log-probability of the first ``t + 1`` actions (the same reward to go).

@@ -15,7 +15,7 @@ from torch.distributions import Bernoulli, Categorical, Normal
 
 import storch
 import storch.inference
-from storch.plate import ChainPlate
+from storch.plate import ChainPlate, PlateClashError
 from storch.testing import assert_unbiased, replicate
 from tests.seeding import manual_seed
 
@@ -206,3 +206,37 @@ def test_a_sibling_gets_its_own_plate():
     storch.add_cost(b + c, "f")
     storch.backward()
     assert torch.isfinite(p.grad)
+
+
+def test_one_policy_method_called_at_every_decision():
+    """The same method called again on a distribution computed from its last sample extends its chain
+    (one plate named after it); its moving average keeps one average per decision's reward to go."""
+    manual_seed(7)
+    T = 40
+    W = torch.randn(4, 4, requires_grad=True)
+    policy = storch.method.ScoreFunction("action", baseline_factory="moving_average")
+    tokens = rollout(W, T, [policy] * T)
+    assert [p.name for p in tokens[-1].plates] == ["action"]
+    first = [int(t._tensor) for t in tokens]
+    storch.backward()
+    returns = [sum(float(a == 2) for a in first[s:]) for s in range(T)]
+    assert {name: v.item() for name, v in policy.baseline.averages.items()} == pytest.approx(
+        {f"r{s}": returns[s] for s in range(T)}
+    )
+    W.grad = None
+    second = [int(t._tensor) for t in rollout(W, T, [policy] * T)]
+    storch.backward()
+    expected = hand_written_reward_to_go(W.detach().requires_grad_(), second, baselines=returns)
+    torch.testing.assert_close(W.grad, expected)
+
+
+def test_a_method_called_again_without_its_chain_is_refused_where_plates_would_clash():
+    """Called again on a distribution that does not carry its last sample, a method starts a second
+    chain with the same name: the two meet with a clash that names the plate."""
+    p = torch.tensor(0.3, requires_grad=True)
+    method = storch.method.ScoreFunction("a")
+    first = method(Bernoulli(p))
+    second = method(Bernoulli(p))
+    with pytest.raises(PlateClashError, match="Two different plates are named 'a'"):
+        first + second
+    storch.reset()

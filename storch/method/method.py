@@ -353,12 +353,13 @@ class Method(nn.Module):
         check_floating_parameters(distr, type(self).__name__, self.plate_name)
         self.check_distribution(distr)
         parents = distribution_layout(distr)
-        if self.plate_name in parents.names:
+        tip = self._chain_tip(parents)
+        if self.plate_name in parents.names and not (tip is not None and tip.name == self.plate_name):
             raise ValueError(
                 f"{type(self).__name__}: the distribution's parameters already carry a plate named "
                 f"{self.plate_name!r}; give this node another name."
             )
-        if self._chain_tip(parents) is None:  # a chain's next step adds no plate
+        if tip is None:  # a chain's next step adds no plate
             _check_room_for_a_plate(distr, parents, type(self).__name__, self.plate_name)
         try:
             with no_dispatch():
