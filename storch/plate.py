@@ -407,6 +407,7 @@ class PlateLayout:
             except ValueError:
                 raise ValueError(
                     f"No plate named {plate!r} on this tensor; its plates are {list(self.names)}."
+                    + _earlier_chain_step(self, plate)
                 ) from None
         for i, p in enumerate(self.plates):
             if p == plate:
@@ -435,6 +436,21 @@ class PlateLayout:
 
     def __repr__(self) -> str:
         return f"PlateLayout({list(self.plates)})"
+
+
+def _earlier_chain_step(layout: PlateLayout, name: str) -> str:
+    """The explanation when ``name`` is an earlier step of a single-sample chain on ``layout``."""
+    for plate in layout.plates:
+        step = plate.ancestor if isinstance(plate, ChainPlate) else None
+        while step is not None:
+            if step.name == name:
+                return (
+                    f" {name!r} is an earlier node of the single-sample chain whose newest node is "
+                    f"{plate.name!r}: its plate was taken over by the chain's later nodes, so reduce "
+                    f"{plate.name!r} instead (one sample: the same value)."
+                )
+            step = step.ancestor
+    return ""
 
 
 EMPTY_LAYOUT = PlateLayout()

@@ -240,3 +240,30 @@ def test_a_method_called_again_without_its_chain_is_refused_where_plates_would_c
     with pytest.raises(PlateClashError, match="Two different plates are named 'a'"):
         first + second
     storch.reset()
+
+
+def test_an_earlier_node_of_a_chain_named_in_a_reduction_is_explained():
+    p = torch.tensor(0.3, requires_grad=True)
+    a = storch.method.ScoreFunction("a")(Bernoulli(p))
+    b = storch.method.ScoreFunction("b")(Bernoulli(0.2 + 0.5 * a))
+    with pytest.raises(ValueError, match="'a' is an earlier node of the single-sample chain whose newest node is 'b'"):
+        storch.reduce_plates(b, "a")
+    storch.reset()
+
+
+def test_a_step_frees_its_chain():
+    """Nothing of a rollout outlives its step, without waiting for the cyclic garbage collector (the
+    chain's plates hold their nodes, the nodes refer back only weakly)."""
+    import gc
+    import weakref
+
+    W = torch.zeros(4, 4, requires_grad=True)
+    gc.disable()
+    try:
+        tokens = rollout(W, 50)
+        first = weakref.ref(tokens[0].plates[0])
+        storch.backward()
+        del tokens
+        assert first() is None
+    finally:
+        gc.enable()
