@@ -12,7 +12,8 @@ C="--data binarized-mnist --batch-size 50 --lr 1e-3 --eval-size 1000 --eval-k 10
    --steps 1000 --eval-every 250 --var-every 250 --var-reps 20 --out $OUT"
 run() {  # model estimator seed budget [options]: skips a finished run
   model=$1; est=$2; seed=$3; budget=$4; extra=${5:-}
-  dir=$OUT/${model}_binarized-mnist_${est}_budget=${budget}_seed${seed}
+  name=$est; case "$extra" in *iwae*) name=${est}_iwae;; esac  # storch-bench names iwae runs so
+  dir=$OUT/${model}_binarized-mnist_${name}_budget=${budget}_seed${seed}
   if [ -f "$dir/summary.json" ]; then return; fi
   lock=$dir.lock
   mkdir -p "$OUT"; mkdir "$lock" 2>/dev/null || return
