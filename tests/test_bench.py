@@ -241,3 +241,34 @@ def test_cuda_without_a_gpu_is_a_clear_error(tmp_path, capsys):
 def test_unknown_device_is_a_clear_error(tmp_path, capsys):
     assert cli.main(["--device", "tpu", "--steps", "2", "--out", str(tmp_path), "--no-progress"]) == 2
     assert "--device 'tpu'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ storch-bench evaluate
+def test_evaluate_a_finished_run_on_the_whole_test_set(tmp_path, digits, capsys):
+    cfg = {**QUICK, "estimator": "disarm", "checkpoint_every": 3}
+    summary = train.run(cfg, tmp_path / "run", progress=False, data=digits, log=lambda *_: None)
+    assert cli.main(["evaluate", str(tmp_path / "run"), "--eval-k", "20"]) == 0
+    record = json.loads((tmp_path / "run" / "test_eval.json").read_text())
+    assert record["eval_size"] == digits.test.shape[0] > cfg["eval_size"]  # all of it, not the run's subset
+    assert (record["step"], record["eval_k"], record["label"]) == (6, 20, summary["label"])
+    assert math.isfinite(record["test_nll"]) and record["test_nll"] <= record["test_nelbo_k"]
+    assert "run " in capsys.readouterr().out
+    from storch.bench.evaluate import evaluate_run
+
+    again = evaluate_run(tmp_path / "run", eval_k=20)  # seeded: the same bound
+    assert again["test_nll"] == record["test_nll"]
+    subset = evaluate_run(tmp_path / "run", eval_size=cfg["eval_size"], eval_k=20)
+    assert subset["eval_size"] == cfg["eval_size"]
+
+
+def test_evaluate_refuses_runs_it_cannot_trust(tmp_path, digits, capsys):
+    train.run({**QUICK, "estimator": "disarm"}, tmp_path / "nockpt", progress=False, data=digits, log=lambda *_: None)
+    train.run({**QUICK, "estimator": "disarm", "checkpoint_every": 3}, tmp_path / "stale", progress=False,
+              data=digits, log=lambda *_: None)
+    summary = json.loads((tmp_path / "stale" / "summary.json").read_text())
+    (tmp_path / "stale" / "summary.json").write_text(json.dumps({**summary, "steps": 9}))  # trained on past it
+    assert cli.main(["evaluate", str(tmp_path / "nockpt"), str(tmp_path / "stale")]) == 1
+    out = capsys.readouterr().out
+    assert "has no checkpoint.pt (train with --checkpoint-every N)" in out
+    assert "its checkpoint is from step 6, but the run ended at step 9" in out
+    assert not (tmp_path / "stale" / "test_eval.json").exists()

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="storch-bench",
         description="Train discrete-latent models on real data with storch's gradient estimators "
-                    "(subcommands: `list`, `compare RUN_DIR...`).",
+                    "(subcommands: `list`, `compare RUN_DIR...`, `evaluate RUN_DIR...`).",
         epilog=catalog_text() + "\n\nexample: storch-bench --model sbn-linear --estimator disarm --steps 500 "
                                 "--seed 0 1 2 --out runs/quick",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -305,6 +305,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if argv and argv[0] == "compare":
         return compare_main(argv[1:])
+    if argv and argv[0] == "evaluate":
+        from storch.bench.evaluate import evaluate_main
+
+        return evaluate_main(argv[1:])
     args = build_parser().parse_args(argv)
     import torch
 
