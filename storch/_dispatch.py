@@ -3,26 +3,50 @@
 Every torch function, method or operator that receives a storch tensor comes through
 `torch_function`. It
 
-1. collects the plate layouts of the storch arguments (top level, inside lists/tuples, and keyword
-   values);
-2. on the *fast path* (every plated argument shares one layout object and one number of dimensions)
-   calls the function directly;
-3. otherwise aligns the arguments: plates are merged into their union (newest first), missing plates
-   become size-1 dimensions, and plated arguments with fewer event dimensions get size-1 event
-   dimensions right after their plates, so that event dimensions broadcast as they would for a single
-   sample. Plain ``torch.Tensor`` arguments and storch tensors without plates are left as they are:
-   they broadcast against the event dimensions, right-aligned, as in PyTorch. Tensors carrying an
-   older step of a sequence than another argument ([`storch.plate.AncestralPlate`][storch.plate.AncestralPlate]) are
+1. looks up how the function treats plates: its [`Treatment`][storch._dispatch.Treatment] in the one
+   table ``_TREATMENTS`` (functions not in the table get ``DEFAULT``, the ``"aligned"`` treatment);
+2. scans the arguments for plate layouts ([`scan_layouts`][storch._dispatch.scan_layouts]): the storch
+   tensors at the top level, inside lists/tuples, and among the keyword values (also inside
+   lists/tuples). A storch tensor with plates is *plated*; plain ``torch.Tensor`` arguments and storch
+   tensors without plates are *plain*, and all their dimensions are event dimensions. The scan finds
+   the first plated tensor, whether every plated tensor has its plates (*same*), and whether some
+   plated tensor has fewer event dimensions than another tensor argument (*ragged*);
+3. on the *fast path* (the same plates, and nothing the treatment asks for: not ragged for an
+   elementwise function, no plain member for a join, equal shapes for a loss) calls the function
+   directly;
+4. otherwise aligns the arguments: plates are merged into their union (newest first), missing plates
+   become size-1 dimensions, and for elementwise functions plated arguments with fewer event
+   dimensions get size-1 event dimensions right after their plates, so that event dimensions
+   broadcast as they would for a single sample. Plain arguments are left as they are: they broadcast
+   against the event dimensions, right-aligned, as in PyTorch. Tensors carrying an older step of a
+   sequence than another argument ([`storch.plate.AncestralPlate`][storch.plate.AncestralPlate]) are
    re-indexed along the beams' ancestry (`reindex_ancestral`; only on this slow path);
-4. wraps tensor outputs as [`storch.Tensor`][storch.Tensor] with the union layout, after checking that the
+5. wraps tensor outputs as [`storch.Tensor`][storch.Tensor] with the union layout, after checking that the
    plate dimensions survived (a reduction or reshape over a plate dimension is an error that names the
    plate; see [`storch.reduce_plates`][storch.reduce_plates] for reducing plates on purpose).
+
+A [`Treatment`][storch._dispatch.Treatment] is one function's whole description:
+
+* ``kind``: ``"aligned"`` (the default: plates aligned, event dimensions untouched), ``"elementwise"``
+  (also pad event dimensions, as in step 4), ``"equal_shapes"`` (elementwise, then every tensor
+  argument expanded to the common shape, for losses), ``"join"`` (``torch.cat``: every member gets
+  the full plate dimensions, plain members too) or ``"passthrough"`` (metadata reads: called on the
+  plain tensors, result returned as is);
+* ``may_drop_plates``: a full reduction to a boolean may lose the plates and returns a plain tensor;
+* ``dim_positions``, ``adds_dim``, ``implicit_dims``: the function takes dimension indices (at these
+  positions of ``args``, or as keywords named ``dim``, ``axis``, …), counted on the result when
+  ``adds_dim``; with none given, ``implicit_dims`` are the dimensions it acts on. An index that falls
+  on a plate is refused with an error that names the plate.
+
+[`register_operation`][storch._dispatch.register_operation] (public as ``storch.extend``) writes one
+entry of the table. ``with no_dispatch():`` runs torch on storch tensors as on plain tensors.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -38,13 +62,62 @@ from storch.plate import (
     reraise_cuda_dimension_error,
 )
 
-_Disable = torch._C.DisableTorchFunctionSubclass
+#: ``with no_dispatch():`` runs operations on storch tensors as plain torch operations (the one way to
+#: turn storch's ``__torch_function__`` off; ``storch.extend`` offers it to estimators).
+no_dispatch = torch._C.DisableTorchFunctionSubclass
 _call_plain = torch._C._disabled_torch_function_impl
 _T = torch.Tensor
 # The C accessors: storch.Tensor overrides ``dim``/``shape`` for its users (see storch.tensor); here,
 # with torch functions already disabled, the C versions are cheaper than a Python method call.
 _dim = _T.dim
 _shape = _T.shape.__get__
+
+# ------------------------------------------------------------------------------------------ treatments
+
+KINDS = ("aligned", "elementwise", "equal_shapes", "join", "passthrough")
+
+
+@dataclass(frozen=True, slots=True)
+class Treatment:
+    """How one function treats plates (see the module docstring).
+
+    Attributes:
+        kind: one of ``KINDS``.
+        may_drop_plates: the result may lose the plates (a full reduction to a boolean); it is then
+            returned as a plain tensor instead of refused.
+        dim_positions: positions in ``args`` of arguments that are dimension indices.
+        adds_dim: the dimension indices refer to the result, which has one more dimension.
+        implicit_dims: the dimensions the function acts on when it is given none (``None``: it has no
+            such default, or takes no dimensions).
+        passthrough: derived: ``kind == "passthrough"``.
+        elementwise: derived: the kind pads event dimensions (``"elementwise"``, ``"equal_shapes"``).
+        special: derived: the kind may need aligning with shared plates (``"equal_shapes"``, ``"join"``).
+        checks_dims: derived: dimension arguments are checked against the plates.
+    """
+
+    kind: str = "aligned"
+    may_drop_plates: bool = False
+    dim_positions: tuple[int, ...] = ()
+    adds_dim: bool = False
+    implicit_dims: tuple[int, ...] | None = None
+    # derived once here, so that the dispatcher reads one flag per question
+    passthrough: bool = field(init=False, repr=False, compare=False)
+    elementwise: bool = field(init=False, repr=False, compare=False)
+    special: bool = field(init=False, repr=False, compare=False)
+    checks_dims: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        derived = {
+            "passthrough": self.kind == "passthrough",
+            "elementwise": self.kind in ("elementwise", "equal_shapes"),
+            "special": self.kind in ("equal_shapes", "join"),
+            "checks_dims": bool(self.dim_positions) or self.adds_dim or self.implicit_dims is not None,
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+
+
+DEFAULT = Treatment()
 
 # Functions whose result never carries storch metadata: attribute access, hooks, size queries.
 _PROPERTIES = (
@@ -53,19 +126,13 @@ _PROPERTIES = (
     "itemsize", "nbytes", "_backward_hooks", "_grad", "_grad_fn", "is_nested", "_post_accumulate_grad_hooks",
     "retains_grad",
 )
-PASSTHROUGH: set = set(
-    [getattr(_T, name).__get__ for name in _PROPERTIES if hasattr(_T, name)]
-    + [getattr(_T, name).__set__ for name in ("requires_grad", "grad", "data", "_grad", "names",
-                                               "_backward_hooks") if hasattr(_T, name)]
-    + [
-        _T.dim, _T.size, _T.numel, _T.register_hook, _T.backward, _T.requires_grad_, _T.retain_grad,
-        _T.data_ptr, _T.element_size, _T.is_contiguous, _T.stride, _T.__len__, _T.storage_offset,
-        _T.untyped_storage, _T.is_floating_point, _T.is_complex, _T.get_device, _T.numpy,
-        _T.__array__, _T.nelement, _T.ndimension, _T.is_shared, _T.is_pinned,
-        _T.register_post_accumulate_grad_hook, _T.__reduce_ex__, _T.__setstate__, _T.storage,
-        _T.__dlpack__, _T.__dlpack_device__,
-    ]
-)
+_SETTERS = ("requires_grad", "grad", "data", "_grad", "names", "_backward_hooks")
+_PASSTHROUGH_METHODS = (
+    "dim size numel register_hook backward requires_grad_ retain_grad data_ptr element_size is_contiguous "
+    "stride __len__ storage_offset untyped_storage is_floating_point is_complex get_device numpy __array__ "
+    "nelement ndimension is_shared is_pinned register_post_accumulate_grad_hook __reduce_ex__ __setstate__ "
+    "storage __dlpack__ __dlpack_device__"
+).split()
 
 # Operators below the Python API (``torch.ops.aten.*``, ``torch.ops.prims.*``) are called from inside
 # torch: kernels, decompositions and derivative formulas written in Python, such as the meta kernels
@@ -76,19 +143,15 @@ _OPERATOR_TYPES: frozenset = frozenset([torch._ops.OpOverload, torch._ops.OpOver
 
 # Full reductions to a boolean are harmless (no gradient) and torch.distributions uses them for
 # argument validation: they may drop plates and then return a plain tensor.
-_MAY_DROP_PLATES: set = set(
-    [torch.all, _T.all, torch.any, _T.any, torch._is_all_true, torch._is_any_true]
-)
+_MAY_DROP_PLATES = (torch.all, _T.all, torch.any, _T.any, torch._is_all_true, torch._is_any_true)
 
 # Functions that need their arguments to have exactly the same shape: expand to a common shape.
-_BROADCAST_FIRST: set = set(
-    [
-        F.binary_cross_entropy, F.binary_cross_entropy_with_logits, F.mse_loss, F.l1_loss,
-        F.smooth_l1_loss, F.huber_loss, F.kl_div, F.poisson_nll_loss, F.soft_margin_loss,
-    ]
+_EQUAL_SHAPES = (
+    F.binary_cross_entropy, F.binary_cross_entropy_with_logits, F.mse_loss, F.l1_loss,
+    F.smooth_l1_loss, F.huber_loss, F.kl_div, F.poisson_nll_loss, F.soft_margin_loss,
 )
 # Functions that join a sequence of tensors: every member gets the full plate dimensions.
-_EXPAND_PLATES: set = set([torch.cat, torch.concat, torch.concatenate, torch.stack])
+_JOINS = (torch.cat, torch.concat, torch.concatenate, torch.stack)
 # Elementwise functions act per sample: plated arguments get size-1 event dimensions after their
 # plates until they have as many event dimensions as every other argument, plain tensors included.
 # Every other function sees the plates aligned but its arguments' event dimensions untouched.
@@ -103,55 +166,68 @@ _OPERATORS = (
     "add radd iadd sub rsub isub mul rmul imul truediv rtruediv itruediv div rdiv floordiv "
     "rfloordiv mod rmod pow rpow ipow eq ne lt le gt ge and rand iand or ror ior xor rxor ixor"
 ).split()
-_ELEMENTWISE: set = set(
-    [getattr(torch, n) for n in _ELEMENTWISE_NAMES if hasattr(torch, n)]
-    + [getattr(_T, n) for n in _ELEMENTWISE_NAMES if hasattr(_T, n)]
-    + [getattr(_T, n + "_") for n in _ELEMENTWISE_NAMES if hasattr(_T, n + "_")]
-    + [getattr(_T, f"__{n}__") for n in _OPERATORS if hasattr(_T, f"__{n}__")]
-) | _BROADCAST_FIRST
-_SPECIAL = _BROADCAST_FIRST | _EXPAND_PLATES
 
 # Functions that take dimension indices. An index that falls on a plate is an error even when the
 # result happens to have the plates' sizes (a 3-sample node over a 3-valued variable: ``t.sum(0)``
-# sums the samples). Spec: the positions of dimension arguments in ``args`` (keywords are found by
-# name), and whether they index the result, which has one more dimension (``stack``, ``unsqueeze``).
+# sums the samples). Keys: the positions of dimension arguments in ``args`` (keywords are found by
+# name); ``stack`` and ``unsqueeze`` index the result, which has one more dimension.
 _DIM_KEYWORDS = ("dim", "axis", "dims", "dim0", "dim1", "source", "destination", "start_dim", "end_dim")
 _DIM_AT = {
-    1: (
+    (1,): (
         "sum nansum mean nanmean prod std var std_mean var_mean amax amin max min argmax argmin "
         "logsumexp softmax log_softmax softmin cumsum cumprod cummax cummin logcumsumexp all any median "
         "nanmedian mode sort argsort unbind squeeze count_nonzero flip select index_select narrow "
         "gather scatter scatter_add scatter_reduce index_add index_copy index_fill unflatten "
         "cat concat concatenate glu"
     ),
-    2: "topk kthvalue split chunk tensor_split norm renorm roll repeat_interleave diff normalize",
+    (2,): "topk kthvalue split chunk tensor_split norm renorm roll repeat_interleave diff normalize",
     (1, 2): "transpose swapaxes swapdims movedim moveaxis flatten",
 }
 _NEW_DIM = ("stack", "unsqueeze")
-
-
-def _dim_specs() -> dict[Callable, tuple[tuple[int, ...], int]]:
-    specs: dict[Callable, tuple[tuple[int, ...], int]] = {}
-    groups = [((pos,) if isinstance(pos, int) else pos, names.split(), 0) for pos, names in _DIM_AT.items()]
-    groups.append(((1,), list(_NEW_DIM), 1))
-    for positions, names, extra in groups:
-        for name in names:
-            for owner in (torch, _T, F):
-                func = getattr(owner, name, None)
-                if callable(func):
-                    specs[func] = (positions, extra)
-    return specs
-
-
-_DIM_SPECS = _dim_specs()
 # Functions whose default (no dimension given) falls on dimension 0, or that always swap dimensions.
-_IMPLICIT_DIMS: dict[Callable, tuple[int, ...]] = {
-    f: (0,) for f in (torch.stack, torch.cat, torch.concat, torch.concatenate, torch.unbind, _T.unbind)
-}
-_IMPLICIT_DIMS.update({torch.t: (0, -1), _T.t: (0, -1), _T.T.__get__: (0, -1), _T.mT.__get__: (-2, -1)})
-_DIM_SPECS.update({f: _DIM_SPECS.get(f, ((), 0)) for f in _IMPLICIT_DIMS})
+_IMPLICIT_DIMS: tuple[tuple[tuple[Callable, ...], tuple[int, ...]], ...] = (
+    ((torch.stack, torch.cat, torch.concat, torch.concatenate, torch.unbind, _T.unbind), (0,)),
+    ((torch.t, _T.t, _T.T.__get__), (0, -1)),
+    ((_T.mT.__get__,), (-2, -1)),
+)
 
-_TREATMENTS = ("aligned", "elementwise", "equal_shapes", "join", "passthrough")
+
+def _named(names: Sequence[str], owners: Sequence[Any]) -> list[Callable]:
+    """The callables called ``names`` on each of ``owners`` (those that exist)."""
+    return [f for owner in owners for name in names if callable(f := getattr(owner, name, None))]
+
+
+def _build_treatments() -> dict[Callable, Treatment]:
+    """The table of every function storch treats other than ``DEFAULT``, from the lists above."""
+    fields: dict[Callable, dict[str, Any]] = {}
+
+    def mark(funcs: Sequence[Callable], **values: Any) -> None:
+        for func in funcs:
+            fields.setdefault(func, {}).update(values)
+
+    mark(_named(_ELEMENTWISE_NAMES, (torch, _T)), kind="elementwise")
+    mark(_named([n + "_" for n in _ELEMENTWISE_NAMES], (_T,)), kind="elementwise")
+    mark(_named([f"__{n}__" for n in _OPERATORS], (_T,)), kind="elementwise")
+    mark(_EQUAL_SHAPES, kind="equal_shapes")
+    mark(_JOINS, kind="join")
+    mark(_MAY_DROP_PLATES, may_drop_plates=True)
+    for positions, names in _DIM_AT.items():
+        mark(_named(names.split(), (torch, _T, F)), dim_positions=positions)
+    mark(_named(_NEW_DIM, (torch, _T, F)), dim_positions=(1,), adds_dim=True)
+    for funcs, dims in _IMPLICIT_DIMS:
+        mark(funcs, implicit_dims=dims)
+    getters = [getattr(_T, name).__get__ for name in _PROPERTIES if hasattr(_T, name)]
+    setters = [getattr(_T, name).__set__ for name in _SETTERS if hasattr(_T, name)]
+    mark(getters + setters + _named(_PASSTHROUGH_METHODS, (_T,)), kind="passthrough")
+    return {func: Treatment(**values) for func, values in fields.items()}
+
+
+_TREATMENTS: dict[Callable, Treatment] = _build_treatments()
+
+
+def treatment_of(func: Callable) -> Treatment:
+    """How ``func`` treats plates: its entry of the table, or ``DEFAULT``."""
+    return _TREATMENTS.get(func, DEFAULT)
 
 
 def register_operation(
@@ -196,11 +272,10 @@ def register_operation(
         ...
         ValueError: scaled_sum got dimension 0, which is plate 'data' (size 3) of a tensor of shape (3, 4) ...
     """
-    global _SPECIAL
     if not callable(func):
         raise TypeError(f"register_operation: func must be callable, got {type(func).__name__}.")
-    if treat not in _TREATMENTS:
-        raise ValueError(f"register_operation({_func_name(func)}): treat must be one of {_TREATMENTS}, got {treat!r}.")
+    if treat not in KINDS:
+        raise ValueError(f"register_operation({_func_name(func)}): treat must be one of {KINDS}, got {treat!r}.")
     positions = tuple(dim_args)
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in positions):
         raise ValueError(
@@ -212,22 +287,21 @@ def register_operation(
             f"register_operation({_func_name(func)}): a passthrough function returns no plated "
             "result, so dim_args and adds_dim do not apply."
         )
-    for table in (PASSTHROUGH, _ELEMENTWISE, _BROADCAST_FIRST, _EXPAND_PLATES):
-        table.discard(func)
-    if treat == "passthrough":
-        PASSTHROUGH.add(func)
-    elif treat in ("elementwise", "equal_shapes"):
-        _ELEMENTWISE.add(func)
-        if treat == "equal_shapes":
-            _BROADCAST_FIRST.add(func)
-    elif treat == "join":
-        _EXPAND_PLATES.add(func)
-    _SPECIAL = _BROADCAST_FIRST | _EXPAND_PLATES
-    if positions or adds_dim:
-        _DIM_SPECS[func] = (positions, 1 if adds_dim else 0)
-    elif func not in _IMPLICIT_DIMS:
-        _DIM_SPECS.pop(func, None)
+    _TREATMENTS[func] = _registered(treatment_of(func), treat, positions, adds_dim)
     return func
+
+
+def _registered(old: Treatment, kind: str, positions: tuple[int, ...], adds_dim: bool) -> Treatment:
+    """``old`` with a new kind and dimension arguments.
+
+    A function's own defaults are kept: whether it may drop plates, and, for a function that acts on
+    an implicit dimension (``torch.cat``, ``Tensor.T``), its dimension arguments when none are given.
+    """
+    if positions or adds_dim:
+        return replace(old, kind=kind, dim_positions=positions, adds_dim=adds_dim)
+    if old.implicit_dims is not None:
+        return replace(old, kind=kind)
+    return replace(old, kind=kind, dim_positions=(), adds_dim=False)
 
 
 # storch.Tensor, set by storch.tensor once the class exists (it imports this module).
@@ -238,80 +312,175 @@ def torch_function(cls: type, func: Callable, types: tuple, args: tuple = (), kw
     """``storch.Tensor.__torch_function__``: align plates, call ``func``, wrap the result.
 
     This runs for every operation on a storch tensor, so the common case (one plate layout shared by
-    all plated arguments, one tensor returned) is kept short.
+    all plated arguments, one tensor returned) is kept short: one lookup of the function's
+    [`Treatment`][storch._dispatch.Treatment], and an inlined scan of the arguments that only
+    recognises that case. At anything the case excludes (other plates, another number of dimensions,
+    a plain member of a list or tuple, a tensor keyword) it hands the whole scan to
+    [`scan_layouts`][storch._dispatch.scan_layouts], so the rules stay those of `scan_layouts`.
     """
-    if func in PASSTHROUGH or type(func) in _OPERATOR_TYPES:
+    treat = _TREATMENTS.get(func, DEFAULT)
+    if treat.passthrough or type(func) in _OPERATOR_TYPES:
         # in C: func(*args, **kwargs) with subclasses off (getters take no keywords, not even {})
         return _call_plain(func, types, args, kwargs) if kwargs else _call_plain(func, types, args)
     if func is _GETITEM and isinstance(args[0], Tensor) and args[0]._layout.sizes:
         _check_plated_indexing(args[0], args[1])
-    with _Disable():
-        layout = None
-        first = None
-        same = True  # every plated argument has the same plates
-        ragged = False  # ... but not the same number of event dimensions as all others
-        plain_ndim = 0
+    with no_dispatch():
+        # The common case, inline: every plated argument, at the top level or in a list or tuple, has
+        # the plates and the number of dimensions of the first; no list member is plain; no keyword
+        # holds a tensor. At anything else, scan_layouts scans the arguments again, by its rules.
+        first = None  # the first plated argument
+        layout = EMPTY_LAYOUT  # its layout
+        plain_ndim = 0  # the most dimensions of a plain top-level tensor
+        scan = None  # the result of scan_layouts, where the common case does not hold
         for a in args:
             if isinstance(a, Tensor):
                 lay = a._layout
-                if lay.sizes:
-                    if layout is None:
-                        layout, first = lay, a
-                    elif lay is not layout and lay.plates != layout.plates:
-                        same = False
-                    elif _dim(a) != _dim(first):
-                        ragged = True
+                if not lay.sizes:
+                    plain_ndim = max(plain_ndim, _dim(a))
+                elif first is None:
+                    first, layout = a, lay
+                elif (lay is not layout and lay.plates != layout.plates) or _dim(a) != _dim(first):
+                    scan = scan_layouts(args, kwargs)
+                    break
             elif isinstance(a, _T):
-                if _dim(a) > plain_ndim:
-                    plain_ndim = _dim(a)
+                n = _dim(a)
+                if n > plain_ndim:
+                    plain_ndim = n
             elif type(a) is list or type(a) is tuple:
                 for b in a:
-                    if isinstance(b, Tensor) and b._layout.sizes:
-                        if layout is None:
-                            layout, first = b._layout, b
-                        elif b._layout is not layout and b._layout.plates != layout.plates:
-                            same = False
+                    if isinstance(b, _T):
+                        if first is None and isinstance(b, Tensor) and b._layout.sizes:
+                            first, layout = b, b._layout
+                        elif not (
+                            isinstance(b, Tensor) and b._layout.sizes and _dim(b) == _dim(first)
+                            and (b._layout is layout or b._layout.plates == layout.plates)
+                        ):
+                            scan = scan_layouts(args, kwargs)
+                            break
+                if scan is not None:
+                    break
         if kwargs:
-            for a in kwargs.values():
-                if isinstance(a, Tensor) and a._layout.sizes:
-                    if layout is None:
-                        layout, first = a._layout, a
-                    elif a._layout is not layout and a._layout.plates != layout.plates:
-                        same = False
-                    elif _dim(a) != _dim(first):
-                        ragged = True
-                elif isinstance(a, _T) and _dim(a) > plain_ndim:
-                    plain_ndim = _dim(a)
+            if scan is None:
+                for a in kwargs.values():
+                    if isinstance(a, _T) or ((type(a) is list or type(a) is tuple) and _holds_tensor(a)):
+                        scan = scan_layouts(args, kwargs)
+                        break
         else:
             kwargs = {}
-        if layout is None:
-            layout = EMPTY_LAYOUT
+        if scan is None:
+            same = True
+            ragged = plain_ndim > 0 and first is not None and plain_ndim > _dim(first) - len(layout.sizes)
         else:
-            spec = _DIM_SPECS.get(func)
-            if spec is not None:
-                _check_dim_args(func, spec, args, kwargs)
-            if plain_ndim > _dim(first) - len(layout.sizes):
-                ragged = True
-            if not same or (ragged and func in _ELEMENTWISE) or (func in _SPECIAL and _needs_special(func, args, kwargs)):
-                args, kwargs, layout = _align_call(func, args, kwargs)
+            first, layout, same, ragged = scan.first, scan.layout, scan.same, scan.ragged
+        if first is not None:
+            if treat.checks_dims:
+                _check_dim_args(func, treat, args, kwargs)
+            if not same or (ragged and treat.elementwise) or (treat.special and _needs_special(treat, args, kwargs)):
+                args, kwargs, layout = _align_call(treat, args, kwargs, scan)
         try:
             out = func(*args, **kwargs)
         except RuntimeError as error:
             reraise_cuda_dimension_error(error, layout.plates, _func_name(func))
             raise
         if type(out) is _T:
-            return _wrap_tensor(out, layout, func, args)
-        return _wrap_output(out, layout, func, args)
+            return _wrap_tensor(out, layout, func, treat, args)
+        return _wrap_output(out, layout, func, treat, args)
 
 
-def _needs_special(func: Callable, args: tuple, kwargs: dict) -> bool:
-    """Whether a function of ``_SPECIAL`` needs aligning although its plated arguments share plates.
+def _holds_tensor(values: Sequence) -> bool:
+    """Whether a list or tuple argument holds a tensor."""
+    for v in values:
+        if isinstance(v, _T):
+            return True
+    return False
+
+
+class Scan(NamedTuple):
+    """The plate layouts among the arguments of one call (see [`scan_layouts`][storch._dispatch.scan_layouts]).
+
+    Attributes:
+        first: the first plated storch tensor, or ``None`` if no argument has plates.
+        layout: its layout (``EMPTY_LAYOUT`` without plates).
+        same: every plated tensor has the plates of ``layout``.
+        ragged: some plated tensor has fewer event dimensions than ``event_ndim``.
+        event_ndim: the most event dimensions of a tensor argument (a plain tensor's dimensions are
+            all event dimensions).
+        layouts: the layouts of the plated tensors, in argument order.
+    """
+
+    first: torch.Tensor | None
+    layout: PlateLayout
+    same: bool
+    ragged: bool
+    event_ndim: int
+    layouts: list[PlateLayout]
+
+
+_new_scan = tuple.__new__  # builds a Scan without NamedTuple's generated __new__ (a tenth of a µs per call)
+
+
+def scan_layouts(args: Sequence, kwargs: dict | None = None) -> Scan:
+    """The plate layouts among ``args`` and ``kwargs``, and how the arguments' dimensions compare.
+
+    It looks at the top-level arguments, the members of list and tuple arguments, and the keyword
+    values (also the members of list and tuple values). A storch tensor with plates is plated; a
+    plain tensor or a storch tensor without plates is plain, and all its dimensions are event
+    dimensions (one sample's worth). Must run with torch functions disabled.
+
+    Examples:
+        >>> import torch, storch
+        >>> from storch._dispatch import no_dispatch, scan_layouts
+        >>> a = storch.denote_independent(torch.ones(3), 0, "data")
+        >>> b = storch.denote_independent(torch.ones(3, 5), 0, "data")
+        >>> with no_dispatch():
+        ...     scan = scan_layouts(([a, b], -1), {})
+        >>> scan.first is a, scan.same, scan.ragged, scan.event_ndim
+        (True, True, True, 1)
+    """
+    first = None
+    layout = EMPTY_LAYOUT
+    same = True
+    layouts: list[PlateLayout] = []
+    event_ndim = 0
+    fewest = -1  # the fewest event dimensions of a plated tensor (-1: none seen yet)
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        for b in a if (type(a) is list or type(a) is tuple) else (a,):
+            if isinstance(b, Tensor) and b._layout.sizes:
+                lay = b._layout
+                event = _dim(b) - len(lay.sizes)
+                if first is None:
+                    first, layout = b, lay
+                elif lay is not layout and lay.plates != layout.plates:
+                    same = False
+                layouts.append(lay)
+                if fewest < 0 or event < fewest:
+                    fewest = event
+            elif isinstance(b, _T):
+                event = _dim(b)
+            else:
+                continue
+            if event > event_ndim:
+                event_ndim = event
+    return _new_scan(Scan, (first, layout, same, 0 <= fewest < event_ndim, event_ndim, layouts))
+
+
+def _keyword_subject(kwargs: dict) -> Any:
+    """The argument whose dimensions dimension arguments count, in a call with keywords only.
+
+    That is the first argument (``args[0]``, or its first plated member for a join) when there are
+    positional arguments; with keywords only, it is ``input`` (or ``tensors`` for a join).
+    """
+    return kwargs.get("input", kwargs.get("tensors"))
+
+
+def _needs_special(treat: Treatment, args: tuple, kwargs: dict) -> bool:
+    """Whether a function of the special kinds needs aligning although its plated arguments share plates.
 
     Losses that want equal shapes need it unless their tensor arguments already have one shape (as
     in ``Distribution.log_prob`` after ``broadcast_all``); joins need it unless every member is a
-    storch tensor (a plain member gets the plates expanded).
+    storch tensor with plates (a plain member gets the plates expanded).
     """
-    if func in _BROADCAST_FIRST:
+    if treat.kind == "equal_shapes":
         shape = None
         for a in (args + tuple(kwargs.values())) if kwargs else args:
             if isinstance(a, _T) and _dim(a) > 0:
@@ -320,13 +489,18 @@ def _needs_special(func: Callable, args: tuple, kwargs: dict) -> bool:
                 elif _shape(a) != shape:
                     return True
         return False
-    members = args[0] if args and (type(args[0]) is list or type(args[0]) is tuple) else args
-    return not all(isinstance(b, Tensor) and b._layout.sizes for b in members)
+    members = args[0] if args else _keyword_subject(kwargs)
+    if not (type(members) is list or type(members) is tuple):
+        members = args
+    for b in members:
+        if not (isinstance(b, Tensor) and b._layout.sizes):
+            return True
+    return False
 
 
 def _dim_values(value: Any) -> list[int]:
     """The dimension indices in one argument: an int or a sequence of ints (bools are flags)."""
-    if isinstance(value, int) and not isinstance(value, bool):
+    if type(value) is int or (isinstance(value, int) and not isinstance(value, bool)):
         return [value]
     if isinstance(value, (tuple, list)) and value and all(
         isinstance(v, int) and not isinstance(v, bool) for v in value
@@ -335,21 +509,30 @@ def _dim_values(value: Any) -> list[int]:
     return []
 
 
-def _check_dim_args(func: Callable, spec: tuple[tuple[int, ...], int], args: tuple, kwargs: dict) -> None:
+def _check_dim_args(func: Callable, treat: Treatment, args: tuple, kwargs: dict) -> None:
     """Refuse a dimension argument that indexes a plate of the (first) input tensor."""
-    subject = args[0] if args else None
+    subject = args[0] if args else _keyword_subject(kwargs)
     if type(subject) is list or type(subject) is tuple:  # cat / stack: the first plated member
-        subject = next((b for b in subject if isinstance(b, Tensor) and b._layout.sizes), None)
+        for b in subject:
+            if isinstance(b, Tensor) and b._layout.sizes:
+                subject = b
+                break
+        else:
+            return
     if not isinstance(subject, Tensor) or not subject._layout.sizes:
         return  # dimensions of a plain tensor (e.g. the table of a gather with a plated index)
-    positions, extra = spec
-    values = [v for i in positions if i < len(args) for v in _dim_values(args[i])]
-    for key in _DIM_KEYWORDS:
-        if key in kwargs:
-            values += _dim_values(kwargs[key])
-    ndim = _dim(subject) + extra
-    if not values and func in _IMPLICIT_DIMS and ndim >= 2:
-        values = list(_IMPLICIT_DIMS[func])
+    values: list[int] = []
+    n_args = len(args)
+    for i in treat.dim_positions:
+        if i < n_args:
+            values += _dim_values(args[i])
+    if kwargs:
+        for key in _DIM_KEYWORDS:
+            if key in kwargs:
+                values += _dim_values(kwargs[key])
+    ndim = _dim(subject) + (1 if treat.adds_dim else 0)
+    if not values and treat.implicit_dims is not None and ndim >= 2:
+        values = list(treat.implicit_dims)
     n_plates = len(subject._layout.sizes)
     for d in values:
         if -ndim <= d < ndim and d % ndim < n_plates:
@@ -407,11 +590,11 @@ def plate_index_error(func: Callable, dim: int, position: int, t: torch.Tensor) 
     )
 
 
-def _wrap_tensor(out: torch.Tensor, layout: PlateLayout, func: Callable, args: tuple) -> Any:
+def _wrap_tensor(out: torch.Tensor, layout: PlateLayout, func: Callable, treat: Treatment, args: tuple) -> Any:
     """Make a fresh plain result a storch tensor with ``layout``, after checking its plate dims."""
     sizes = layout.sizes
     if sizes and out.shape[: len(sizes)] != sizes:
-        if func in _MAY_DROP_PLATES:
+        if treat.may_drop_plates:
             return out
         raise plate_dimension_error(func, out.shape, layout)
     for a in args:
@@ -423,14 +606,14 @@ def _wrap_tensor(out: torch.Tensor, layout: PlateLayout, func: Callable, args: t
     return out
 
 
-def _wrap_output(out: Any, layout: PlateLayout, func: Callable, args: tuple) -> Any:
+def _wrap_output(out: Any, layout: PlateLayout, func: Callable, treat: Treatment, args: tuple) -> Any:
     """Wrap the tensors in a non-tensor result (tuples, named tuples, lists); pass others through."""
     if type(out) is _T:
-        return _wrap_tensor(out, layout, func, args)
+        return _wrap_tensor(out, layout, func, treat, args)
     if isinstance(out, Tensor):
         return out  # in-place operation or identity on a storch tensor: keeps its own layout
     if isinstance(out, (tuple, list)):
-        return type(out)([_wrap_output(o, layout, func, args) for o in out])  # also torch.return_types
+        return type(out)([_wrap_output(o, layout, func, treat, args) for o in out])  # also torch.return_types
     return out
 
 
@@ -472,43 +655,31 @@ def plate_dimension_error(func: Callable, shape: torch.Size, layout: PlateLayout
     )
 
 
-def _align_call(func: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict, PlateLayout]:
-    """Align all storch arguments of one call to the union of their plates."""
-    layouts: list[PlateLayout] = []
-    event_ndim = 0
-    for a in (args + tuple(kwargs.values())) if kwargs else args:
-        if isinstance(a, Tensor) and a._layout.sizes:
-            layouts.append(a._layout)
-            event = _dim(a) - len(a._layout.sizes)
-        elif isinstance(a, _T):
-            event = _dim(a)  # a plain tensor is one sample's worth of event dimensions
-        elif type(a) is list or type(a) is tuple:
-            for b in a:
-                if isinstance(b, Tensor) and b._layout.sizes:
-                    layouts.append(b._layout)
-            continue
-        else:
-            continue
-        if event > event_ndim:
-            event_ndim = event
-    union = union_of_layouts(layouts)
-    expand = func in _EXPAND_PLATES
-    pad_to = event_ndim if func in _ELEMENTWISE else None
-    new_args = tuple(
-        type(a)([_convert(b, union, pad_to, expand) for b in a])
-        if (type(a) is list or type(a) is tuple)
-        else _convert(a, union, pad_to, expand)
-        for a in args
-    )
+def _align_call(treat: Treatment, args: tuple, kwargs: dict, scan: Scan | None) -> tuple[tuple, dict, PlateLayout]:
+    """All storch arguments of one call (``scan``: their layouts, ``None`` to scan them here) aligned
+    to the union of their plates, and that union."""
+    if scan is None:
+        scan = scan_layouts(args, kwargs)
+    union = union_of_layouts(scan.layouts)
+    expand = treat.kind == "join"
+    pad_to = scan.event_ndim if treat.elementwise else None
+    new_args = tuple(_convert_argument(a, union, pad_to, expand) for a in args)
     if kwargs:
-        kwargs = {k: _convert(v, union, pad_to, expand) for k, v in kwargs.items()}
-    if func in _BROADCAST_FIRST:
+        kwargs = {k: _convert_argument(v, union, pad_to, expand) for k, v in kwargs.items()}
+    if treat.kind == "equal_shapes":
         new_args, kwargs = _broadcast_tensor_args(new_args, kwargs)
     return new_args, kwargs, union
 
 
+def _convert_argument(a: Any, union: PlateLayout, pad_to: int | None, expand: bool) -> Any:
+    """One argument laid out for ``union``: a tensor, or each member of a list or tuple."""
+    if type(a) is list or type(a) is tuple:
+        return type(a)([_convert(b, union, pad_to, expand) for b in a])
+    return _convert(a, union, pad_to, expand)
+
+
 def _convert(a: Any, union: PlateLayout, pad_to: int | None, expand: bool) -> Any:
-    """One argument laid out for ``union`` (see [`align_tensor`][storch._dispatch.align_tensor])."""
+    """One value laid out for ``union`` (see [`align_tensor`][storch._dispatch.align_tensor])."""
     if isinstance(a, Tensor) and a._layout.sizes:
         return align_tensor(a, union, pad_to, expand)
     if expand and isinstance(a, _T):
@@ -551,7 +722,7 @@ class _LayoutCache:
 
 
 _union_cache = _LayoutCache()  # layouts -> weak reference to their union
-_plan_cache = _LayoutCache()  # (source layout, union) -> (permutation, index)
+_plan_cache = _LayoutCache()  # (source layout, union) -> Plan
 
 
 def union_of_layouts(layouts: list[PlateLayout]) -> PlateLayout:
@@ -569,7 +740,28 @@ def union_of_layouts(layouts: list[PlateLayout]) -> PlateLayout:
     return union
 
 
-def _plan(src: PlateLayout, union: PlateLayout) -> tuple[tuple | None, tuple]:
+class Plan(NamedTuple):
+    """How to lay out a tensor with one layout for a larger one (see [`_plan`][storch._dispatch._plan]).
+
+    Attributes:
+        permutation: the order in which to permute the tensor's plate dimensions, or ``None`` if
+            they are in order already.
+        index: the index that inserts size-1 dimensions for the plates the tensor lacks (``None``
+            when ``ancestral``).
+        ancestral: the tensor carries older steps of a sequence than the union: re-index it along
+            the ancestry first ([`reindex_ancestral`][storch._dispatch.reindex_ancestral]), then plan
+            again.
+    """
+
+    permutation: tuple[int, ...] | None
+    index: tuple | None
+    ancestral: bool = False
+
+
+_REINDEX_FIRST = Plan(None, None, True)
+
+
+def _plan(src: PlateLayout, union: PlateLayout) -> Plan:
     """How to lay out a tensor with plates ``src`` for ``union``: a permutation and an index."""
     hit = _plan_cache.get((src, union))
     if hit is not None:
@@ -580,17 +772,15 @@ def _plan(src: PlateLayout, union: PlateLayout) -> tuple[tuple | None, tuple]:
     present = [p for p in positions if p is not None]
     if len(present) != len(src.plates):
         missing = [p for p in src.plates if not any(p == u for u in union.plates)]
-        if all(_has_descendant(p, union) for p in missing):  # older steps of a sequence
-            perm, index = ANCESTRAL, None
-        else:
+        if not all(_has_descendant(p, union) for p in missing):  # only older steps of a sequence may be missing
             names = [p.name for p in missing]
             raise RuntimeError(f"internal error: plates {names} are missing from the union {union}")
-        _plan_cache.put((src, union), (perm, index))
-        return perm, index
-    perm = tuple(present) if present != sorted(present) else None
-    index = tuple(slice(None) if p is not None else None for p in positions)
-    _plan_cache.put((src, union), (perm, index))
-    return perm, index
+        plan = _REINDEX_FIRST
+    else:
+        perm = tuple(present) if present != sorted(present) else None
+        plan = Plan(perm, tuple(slice(None) if p is not None else None for p in positions))
+    _plan_cache.put((src, union), plan)
+    return plan
 
 
 def align_tensor(
@@ -609,23 +799,22 @@ def align_tensor(
         if pad:
             t = t[(slice(None),) * n_src + (None,) * pad]
     else:
-        perm, index = _plan(src, union)
-        if perm is ANCESTRAL:  # t carries older steps of a sequence than union: re-index it first
+        plan = _plan(src, union)
+        if plan.ancestral:  # t carries older steps of a sequence than union: re-index it first
             t, src = reindex_ancestral(t, src, union)
             n_src = len(src.sizes)
-            perm, index = _plan(src, union)
-        if perm is not None:
-            t = t.permute(*perm, *range(n_src, _dim(t)))
-        t = t[index + (None,) * pad] if pad else t[index]
+            plan = _plan(src, union)
+        if plan.permutation is not None:
+            t = t.permute(*plan.permutation, *range(n_src, _dim(t)))
+        t = t[plan.index + (None,) * pad] if pad else t[plan.index]
     if expand:
         t = t.expand(*union.sizes, *_shape(t)[len(union.sizes):])
     return t
 
 
 # ------------------------------------------------------------------ ancestral plates (sequences)
-# ``_plan`` answers ANCESTRAL when a tensor carries an older step of a sequence than the union it is
-# aligned to (see storch.plate.AncestralPlate); only then does ``align_tensor`` re-index it.
-ANCESTRAL = ("ancestral",)
+# ``_plan`` answers ``ancestral`` when a tensor carries an older step of a sequence than the union it
+# is aligned to (see storch.plate.AncestralPlate); only then does ``align_tensor`` re-index it.
 
 
 def _has_descendant(plate: Plate, union: PlateLayout) -> bool:

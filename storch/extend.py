@@ -97,7 +97,7 @@ from typing import Any
 import torch
 
 from storch._dispatch import align_tensor as align_to
-from storch._dispatch import expand_plain, register_operation, union_of_layouts
+from storch._dispatch import expand_plain, no_dispatch, register_operation, union_of_layouts
 from storch._step import note_sampled
 from storch._tracing import active as is_tracing
 from storch._tracing import state_declared_for
@@ -207,8 +207,6 @@ __all__ = [
     "register_relaxed_wor_value",
 ]
 
-#: ``with no_dispatch():`` runs operations on storch tensors as plain torch operations.
-no_dispatch = torch._C.DisableTorchFunctionSubclass
 
 # Registries that live with their estimators, imported on first access (see the module docstring).
 _LAZY_REGISTRIES = {

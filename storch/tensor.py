@@ -27,7 +27,7 @@ import torch
 from torch.distributions import Distribution
 
 from storch import _dispatch
-from storch._dispatch import torch_function
+from storch._dispatch import no_dispatch, torch_function
 from storch.exceptions import IllegalStorchExposeError
 from storch.plate import EMPTY_LAYOUT, Plate, PlateLayout, layout_of_plates
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["Tensor", "StochasticTensor", "CostTensor", "IndependentTensor", "StochasticNode", "is_storch"]
 
-_Disable = torch._C.DisableTorchFunctionSubclass
+_Disable = no_dispatch  # the one way to turn storch's dispatch off (storch._dispatch.no_dispatch)
 _T = torch.Tensor
 # ``func(*args)`` with torch functions of subclasses disabled, in C (no context manager)
 _call_plain = torch._C._disabled_torch_function_impl

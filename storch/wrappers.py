@@ -30,10 +30,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from storch._dispatch import align_tensor, expand_plain, plate_dimension_error
+from storch._dispatch import align_tensor, expand_plain, no_dispatch, plate_dimension_error
 from storch.exceptions import IllegalStorchExposeError
 from storch.plate import EMPTY_LAYOUT, PlateLayout, merge_layouts
-from storch.tensor import Tensor, _Disable, layout_of, wrap_new
+from storch.tensor import Tensor, layout_of, wrap_new
 
 __all__ = [
     "deterministic", "reduce", "make_left_broadcastable", "LeftBroadcastable", "stochastic", "ignore_wrapping",
@@ -129,7 +129,7 @@ def _align(t: torch.Tensor, union: PlateLayout, expand: bool, unwrap: bool) -> t
     fresh view).
     """
     plated = _is_plated(t)
-    with _Disable():
+    with no_dispatch():
         if plated:
             t = align_tensor(t, union, expand=expand)
         t = _fresh_view(t)
@@ -142,7 +142,7 @@ def _align(t: torch.Tensor, union: PlateLayout, expand: bool, unwrap: bool) -> t
 def _flatten_plates(t: torch.Tensor, union: PlateLayout) -> torch.Tensor:
     """One argument expanded over every plate of ``union`` (plain tensors too), with those plates
     flattened into one first dimension: ``(*plate sizes, *rest)`` -> ``(prod(plate sizes), *rest)``."""
-    with _Disable():
+    with no_dispatch():
         t = align_tensor(t, union, expand=True) if _is_plated(t) else expand_plain(t, union)
         return t.reshape((math.prod(union.sizes),) + tuple(t.shape[len(union.sizes):]))
 
@@ -166,7 +166,7 @@ def _batch_shape(fn: Callable, tensors: Iterable[torch.Tensor], union: PlateLayo
         ValueError: if a tensor has too few dimensions or another batch shape than the ones before it.
     """
     batch = None
-    with _Disable():
+    with no_dispatch():
         for t in tensors:
             shape = tuple(t.shape[1:1 + batch_dims])
             if t.dim() < 1 + batch_dims or (batch is not None and shape != batch):
@@ -177,7 +177,7 @@ def _batch_shape(fn: Callable, tensors: Iterable[torch.Tensor], union: PlateLayo
 
 def _merge_batch(t: torch.Tensor, batch: tuple[int, ...]) -> torch.Tensor:
     """``(flat, *batch, *rest)`` -> ``(flat·prod(batch), *rest)``."""
-    with _Disable():
+    with no_dispatch():
         return t.reshape((t.shape[0] * math.prod(batch),) + tuple(t.shape[1 + len(batch):]))
 
 
@@ -205,7 +205,7 @@ def _with_plate_keywords(kwargs: dict, union: PlateLayout, keywords: _PlateKeywo
 
 def _invoke(fn: Callable, args: tuple, kwargs: dict) -> Any:
     """``fn(*args, **kwargs)`` with storch's torch function disabled."""
-    with _Disable():
+    with no_dispatch():
         return fn(*args, **kwargs)
 
 
@@ -225,7 +225,7 @@ def _unflatten(t: torch.Tensor, fn: Callable, union: PlateLayout, batch: tuple[i
             f"{_name(fn)} returned shape {tuple(t.shape)} after the plates {list(union.names)}{merged} were "
             f"flattened into a first dimension of size {lead}; it must keep that dimension."
         )
-    with _Disable():
+    with no_dispatch():
         return t.reshape(union.sizes + batch + tuple(t.shape[1:]))
 
 
@@ -241,7 +241,7 @@ def _restore_plates(t: torch.Tensor, fn: Callable, layout: PlateLayout) -> Tenso
         ValueError: if the first dimensions of ``t`` are not the plates of ``layout``.
     """
     if type(t) is not torch.Tensor:
-        with _Disable():
+        with no_dispatch():
             t = t.view_as(t)
     sizes = layout.sizes
     if sizes and tuple(t.shape[: len(sizes)]) != sizes:

@@ -22,8 +22,7 @@ from torch import nn
 from storch import distributed
 from storch.reductions import reduce_plates
 from storch.reductions import sum as plate_sum
-from storch.extend import CostTensor, StochasticTensor, no_dispatch, plain, state_declared_for
-from storch.plate import uniform_weight
+from storch.extend import CostTensor, StochasticTensor, layout_of, no_dispatch, plain, state_declared_for
 
 __all__ = [
     "Baseline", "MovingAverageBaseline", "BatchAverageBaseline", "BatchAverage", "make_baseline", "BaselineFactory",
@@ -221,7 +220,7 @@ def _weighted_mean(cost: CostTensor) -> torch.Tensor:
     """The detached mean of ``cost`` over its plates, each weighted by its plate weights (a plain
     0-dim tensor). With uniform weights only (plain Monte Carlo and minibatches, the common case) it
     is the plain mean of the values, one operation."""
-    if all(p.weight is uniform_weight(p.size) for p in cost._layout.plates):
+    if all(p.has_uniform_weight for p in layout_of(cost).plates):
         with no_dispatch():
             return cost.detach().mean()
     return plain(reduce_plates(cost.detach()))
