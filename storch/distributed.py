@@ -246,11 +246,9 @@ def exclude_methods_from_ddp(model: nn.Module) -> list[str]:
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    from storch.method.method import Method
-
     names: list[str] = []
     for prefix, module in model.named_modules():
-        if isinstance(module, Method):
+        if getattr(type(module), "is_storch_method", False):  # storch.method.Method (a higher layer)
             dotted = f"{prefix}." if prefix else ""
             names += [dotted + name for name, _ in module.named_parameters()]
             names += [dotted + name for name, _ in module.named_buffers()]

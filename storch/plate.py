@@ -44,6 +44,14 @@ class PlateClashError(ValueError):
     """Two different plates with the same name meet in one operation."""
 
 
+def _not_ready(t: torch.Tensor, layout: "PlateLayout") -> torch.Tensor:  # pragma: no cover
+    raise RuntimeError("storch.tensor has not been imported")
+
+
+#: a storch view of a plain tensor with a layout: `storch.tensor.wrap`, set by `storch.tensor` when it
+#: is imported (it imports this module, so this module cannot import it)
+_as_storch = _not_ready
+
 _uniform_weights: dict[int, torch.Tensor] = {}
 
 
@@ -130,9 +138,7 @@ class Plate:
         plates = self._weight_plates
         if plates is None:
             return self._weight
-        from storch.tensor import wrap  # storch.tensor imports this module
-
-        return wrap(self._weight, layout_of_plates(tuple(self if p is None else p for p in plates)))
+        return _as_storch(self._weight, layout_of_plates(tuple(self if p is None else p for p in plates)))
 
     @weight.setter
     def weight(self, value: "torch.Tensor | float") -> None:

@@ -29,6 +29,7 @@ from torch.distributions import Distribution
 from storch import _dispatch
 from storch._dispatch import no_dispatch, torch_function
 from storch.exceptions import IllegalStorchExposeError
+from storch import plate as plate_module
 from storch.plate import EMPTY_LAYOUT, Plate, PlateLayout, layout_of_plates
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -459,4 +460,7 @@ def wrap(t: torch.Tensor, layout: PlateLayout, cls: type = Tensor) -> Tensor:
 def wrap_new(t: torch.Tensor, layout: PlateLayout, cls: type = Tensor) -> Tensor:
     """Wrap a plain tensor that nobody else holds (no view is taken)."""
     return _retype(t, cls, layout)
+
+
+plate_module._as_storch = wrap  # Plate.weight gives weights that carry other plates back as storch tensors
 

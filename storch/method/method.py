@@ -291,6 +291,9 @@ class Method(nn.Module):
         (True, True)
     """
 
+    #: marks storch's estimators for the layers below that cannot import this class
+    #: ([`storch.distributed.exclude_methods_from_ddp`][storch.distributed.exclude_methods_from_ddp])
+    is_storch_method: bool = True
     #: whether the samples carry pathwise gradients (``rsample``)
     reparameterized: bool = False
     #: whether [`update_parameters`][storch.method.method.Method.update_parameters] differentiates through the
