@@ -496,9 +496,10 @@ class TooManyPlatesError(ValueError):
         super().__init__(
             f"{head}torch handles tensors of at most {MAX_PLATES} dimensions and every plate is one. Every "
             "stochastic node adds its plate to everything computed from it, so a chain of N nodes gives "
-            "its last values N plates. Draw several variables in one node (a distribution with a batch "
-            "dimension), or decode a sequence with one ancestral plate per chain (storch.sampling's "
-            "decoders), which does not grow with its length."
+            "its last values N plates (only single-sample nodes drawn one from the other share one). "
+            "Draw several variables in one node (a distribution with a batch dimension), or decode a "
+            "sequence with one ancestral plate per chain (storch.sampling's decoders), which does not "
+            "grow with its length."
         )
 
 
