@@ -11,7 +11,9 @@ graph and hands it to [`storch.compiled_step`][storch.compiled_step] instead, wh
 * code that would choose a faster branch by reading a tensor on the host (the zero-weight test of
   [`storch.reductions.reduce_plate`][storch.reductions.reduce_plate], the device-copy cache of plate weights) takes
   the general
-  branch when [`active`][storch._tracing.active].
+  branch when [`active`][storch._tracing.active];
+* code that must build state at its first use (a critic's network) raises
+  [`EagerStepNeeded`][storch._tracing.EagerStepNeeded]: that call runs eagerly, and the next one is traced.
 
 Kept per context (thread, asyncio task) like the cost registry, so an eager step on another thread
 is not affected by a trace on this one.
@@ -25,7 +27,18 @@ from typing import Optional
 
 import torch
 
-__all__ = ["TraceState", "active", "current", "state_declared_for"]
+__all__ = ["EagerStepNeeded", "TraceState", "active", "current", "state_declared_for"]
+
+
+class EagerStepNeeded(Exception):
+    """Raised within the trace of a step, before anything is applied, by storch code that must build
+    state at its first use from values it sees only then (a critic's network, sized by its first input).
+
+    A module built inside a trace would enter the graph as constants, not as the module's parameters.
+    [`storch.compile_step`][storch.compile_step] catches it, puts back the random generators and buffers as they
+    were before the trace, and runs that call as an eager step (which builds the state); the next call is
+    traced with the new state as inputs. Raise it before the step registers anything that outlives it.
+    """
 
 
 @dataclass

@@ -13,35 +13,47 @@ handed to ``torch.compile`` (``backend="inductor"``).
 Semantics (see [`compile_step`][storch.compiled_step.compile_step] for the API):
 
 * **The first call is an eager step** (the trace runs the step for real): its values, gradients,
-  warnings and errors are those of eager mode. Each later call with arguments of the same shapes
+  warnings and errors are those of eager mode. A step in which a module builds state at its first use
+  (a critic's network, sized by its first input: `storch._tracing.EagerStepNeeded`) runs eagerly,
+  without a trace, and the next call is traced. Each later call with arguments of the same shapes
   replays the graph: the same operations, random draws included, so with ``backend="eager"`` a
   compiled training run follows the eager run for the same seed, up to float rounding where the
   trace records an operation in decomposed form (``tests/test_compiled_step.py``).
 * **Gradients**: ``.grad`` of the given modules' parameters ends as the eager step leaves it (the
   incoming ``.grad`` is an input of the graph, so a step that does not zero it accumulates).
-  Buffers are inputs too: updates in place (running statistics) reach the module's buffers on
-  every call.
+  Buffers are inputs too: updates in place (running statistics, a moving average, an annealed
+  temperature, an optimizer's moments) reach the module's buffers on every call, and so do updates
+  in place of parameters (the control-variate step of RELAX, REBAR and LAX, made by the method's own
+  optimizer within ``storch.backward``).
+* **State protocol of a module**: a module (a storch method) whose state changes from step to step
+  keeps it in buffers and parameters that it updates in place with tensor operations, reading no
+  value on the host. A module may define ``prepare_compiled_step() -> tuple``: it is called before
+  every call of the compiled step, builds what the module builds lazily (an optimizer), so that the
+  trace finds it, and returns further Python settings that a trace bakes in (hashable; an
+  optimizer's learning rate), which join the module's attributes below.
 * **Checks are kept.** ``torch.distributions`` argument validation and ``F.one_hot``'s range check
   are assertions in the graph on the CPU (off the CPU, outputs read after the step), and storch's
   check that the surrogate loss is finite is read after each replay (one host read per step, as in
   eager mode): a failure raises the error eager mode raises (``ValueError`` naming the parameter
   and the constraint; [`storch.exceptions.NonFiniteCostError`][storch.exceptions.NonFiniteCostError] naming the costs)
   and the
-  step's gradients are not applied.
+  step's gradients are not applied, nor its updates of parameters and buffers (a replay that fails
+  its checks leaves them as they were before it).
 * **What cannot be replayed is refused**, with
 [`storch.exceptions.CompileStepError`][storch.exceptions.CompileStepError] naming
   it, instead of being baked in silently: a value read on the host during the step (an ``if`` on a
-  tensor, ``.item()``), an estimator that keeps state between steps outside tensors it updates in
-  place (an annealed temperature, a trained control variate, a critic: see
+  tensor, ``.item()``, an optimizer that reads its step count), an estimator that keeps state
+  between steps outside tensors it updates in place (see
   `storch.method.Method.keeps_state_between_steps`), a tensor that requires grad but is not
   a parameter of the given modules, a storch tensor in the arguments or the result, costs left
   registered without ``storch.backward()``, a step that changes its modules' Python settings or
-  updates in place a tensor that is not a buffer of a given module.
-  After tracing, the graph is replayed once from the state before the trace and must reproduce
-  the traced step (its results and the random generator's state).
+  updates in place a tensor that is not a buffer or parameter of a given module (or one of its
+  arguments). After tracing, the graph is replayed once from the state before the trace and must
+  reproduce the traced step (its results, parameters, buffers and the random generator's state).
 * A new trace is made when the shapes, dtypes or devices of the arguments or of the modules'
-  state change, when a non-tensor argument changes value (it is part of the graph), or when a
-  module's Python setting changes (``training``, numbers and strings kept as attributes). Python
+  state change (a buffer made by the first step: two traces), when a non-tensor argument changes
+  value (it is part of the graph), or when a module's Python setting changes (``training``, numbers
+  and strings kept as attributes, what ``prepare_compiled_step`` returns). Python
   values read from elsewhere (globals, closures) are baked in by the trace.
 
 Not available from a replayed step: ``StochasticTensor.param_grads`` and the plates of the step's
@@ -178,6 +190,7 @@ class _Trace:
     grad_positions: list[int]  # which trainable parameters have a gradient after the step
     check_messages: list[str]  # validations read after the step (off the CPU)
     writes_grads: bool  # the graph writes into the incoming .grad in place: replays get copies
+    written_state: list[int]  # parameters and buffers (in _Inputs.state() order) updated in place
     cost_names: list[list[tuple[str, list[str]]]]  # per storch.backward: (cost name, plate names)
 
 
@@ -193,6 +206,17 @@ class _Inputs:
 
     def as_args(self) -> tuple[list, ...]:
         return self.trainable, self.incoming_grads, self.frozen, self.buffers, self.arguments
+
+    def state(self) -> list[torch.Tensor]:
+        """The modules' tensors a step may update in place: parameters, then buffers."""
+        return self.trainable + self.frozen + self.buffers
+
+    def placeholder_kinds(self) -> list[tuple[str, int]]:
+        """``(kind, index)`` of each graph input, in the graph's order; kind ``"state"`` indexes `state`."""
+        n_trainable, n_frozen = len(self.trainable), len(self.frozen)
+        return ([("state", i) for i in range(n_trainable)] + [("grad", i) for i in range(len(self.incoming_grads))]
+                + [("state", n_trainable + i) for i in range(n_frozen + len(self.buffers))]
+                + [("argument", i) for i in range(len(self.arguments))])
 
 
 class CompiledStep:
@@ -243,16 +267,40 @@ class CompiledStep:
         if trace is None:
             _refuse_registered_costs(_COSTS_BEFORE)
             before = self._settings()
-            trace, flat = self._trace(leaves, spec, params, buffers, inputs)
+            traced = self._trace(leaves, spec, params, buffers, inputs)
+            if traced is None:  # a module builds state at its first use: this call runs eagerly
+                return self._eager_step(leaves, spec)
+            trace, flat = traced
             self._refuse_changed_settings(before)
             self._cache[key] = trace
             self._warn_if_retracing()
         else:
             if trace.writes_grads:  # a step that fails its checks must leave .grad as it was
                 inputs.incoming_grads = [g.clone() for g in inputs.incoming_grads]
+            return self._replay(trace, inputs)
+        return self._finish(trace, flat, inputs.trainable)
+
+    def _eager_step(self, leaves: list, spec: Any) -> Any:
+        """Run the step eagerly (nothing is traced): for a step in which a module builds its state."""
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        result = self.step(*args, **kwargs)
+        _refuse_registered_costs(_COSTS_AFTER)
+        _result_tensors(pytree.tree_leaves(result))  # no storch tensor in the result, as for a trace
+        return result
+
+    def _replay(self, trace: _Trace, inputs: _Inputs) -> Any:
+        """Run the graph; a replay that fails its checks restores the parameters and buffers it updated."""
+        state = inputs.state()
+        saved = [(state[i], state[i].detach().clone()) for i in trace.written_state]
+        try:
             with torch.no_grad(), _validation_errors():
                 flat = trace.run(*inputs.as_args())
-        return self._finish(trace, flat, inputs.trainable)
+            return self._finish(trace, flat, inputs.trainable)
+        except BaseException:
+            with torch.no_grad():
+                for tensor, value in saved:
+                    tensor.copy_(value)
+            raise
 
     def _warn_if_retracing(self) -> None:
         if len(self._cache) > MAX_TRACES and not self._warned:
@@ -345,18 +393,24 @@ class CompiledStep:
 
     def _settings(self) -> tuple:
         """The modules' Python settings a trace bakes in: ``training`` (``.eval()`` changes dropout and
-        batch norm) and every attribute that holds a number, a string or ``None`` (a temperature, a
-        number of samples, a KL weight kept on the model)."""
+        batch norm), every attribute that holds a number, a string or ``None`` (a temperature, a
+        number of samples, a KL weight kept on the model), and what a module's
+        ``prepare_compiled_step()`` returns (called first: it may build the module's lazy state)."""
         settings = []
         for module in self.modules:
             for owner in module.modules():
-                settings.append(tuple((k, v) for k, v in vars(owner).items() if type(v) in _SETTING_TYPES))
+                prepare = getattr(owner, "prepare_compiled_step", None)
+                extra = tuple(prepare()) if callable(prepare) else ()
+                settings.append(tuple((k, v) for k, v in vars(owner).items() if type(v) in _SETTING_TYPES) + extra)
         return tuple(settings)
 
     # ------------------------------------------------------------------ tracing
-    def _trace(self, leaves: list, spec: Any, params: list, buffers: list, inputs: _Inputs) -> tuple[_Trace, list]:
+    def _trace(
+        self, leaves: list, spec: Any, params: list, buffers: list, inputs: _Inputs
+    ) -> Optional[tuple[_Trace, list]]:
         """Run the step once under ``make_fx`` (a real step), check that its graph replays it, and
-        return the graph with the step's outputs."""
+        return the graph with the step's outputs; ``None`` when a module asked for an eager step
+        (`storch._tracing.EagerStepNeeded`: the random generators and the state are put back first)."""
         from torch.fx.experimental.proxy_tensor import make_fx  # imported on first use (slow)
 
         trainable = [(slots, p) for slots, p in params if p.requires_grad]
@@ -405,6 +459,11 @@ class CompiledStep:
         token = _tracing.start(state)
         try:
             graph = make_fx(traced, tracing_mode="real")(*graph_inputs.as_args())
+        except _tracing.EagerStepNeeded:
+            before.restore(inputs)
+            return None
+        except CompileStepError:  # a refusal by name, from within the step
+            raise
         except RuntimeError as error:
             if "get value out of a tracing tensor" in str(error) or "data-dependent" in str(error):
                 raise CompileStepError(_host_read_message(error)) from error
@@ -414,6 +473,8 @@ class CompiledStep:
             reset()
         _refuse_captured_grad_tensors(graph)
         _refuse_updated_constants(graph)
+        written = _written_inputs(graph, inputs.placeholder_kinds())
+        _refuse_updated_arguments(written, inputs)
         replay = replay_function(graph)  # simplifies the graph in place
         _check_replay(replay, before, inputs, info["flat"])
         if self.backend == "eager":
@@ -428,6 +489,7 @@ class CompiledStep:
             grad_positions=info["grad_positions"],
             check_messages=[message for _, message in state.checks],
             writes_grads=any(g._version != v for g, v in zip(graph_inputs.incoming_grads, grad_versions)),
+            written_state=sorted(i for kind, i in written if kind == "state"),
             cost_names=[[(name, plates) for name, _, plates in named] for _, named in state.losses],
         )
         return trace, info["flat"]
@@ -629,14 +691,43 @@ def _refuse_captured_grad_tensors(graph: torch.fx.GraphModule) -> None:
 def _written_arguments(node: torch.fx.Node) -> list[Any]:
     """The arguments an operation writes into (``add_``'s self, ``copy_``'s destination, ``out=``)."""
     schema = node.target._schema
-    written = []
+    written: list[Any] = []
     for i, argument in enumerate(schema.arguments):
         if argument.alias_info is not None and argument.alias_info.is_write:
-            if i < len(node.args):
-                written.append(node.args[i])
-            elif argument.name in node.kwargs:
-                written.append(node.kwargs[argument.name])
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            written.extend(value if isinstance(value, (list, tuple)) else [value])  # _foreach_add_'s lists
     return written
+
+
+def _written_inputs(graph: torch.fx.GraphModule, kinds: list[tuple[str, int]]) -> set[tuple[str, int]]:
+    """The graph's inputs (``(kind, index)`` from `_Inputs.placeholder_kinds`) that an operation updates
+    in place, directly or through a view of them."""
+    sources: dict[torch.fx.Node, tuple[str, int]] = {}
+    placeholders = iter(kinds)
+    written = set()
+    for node in graph.graph.nodes:
+        if node.op == "placeholder":
+            sources[node] = next(placeholders)
+        elif node.op != "call_function":
+            continue
+        elif _is_mutation(node):
+            targets = _written_arguments(node)
+            written.update(sources[t] for t in targets if isinstance(t, torch.fx.Node) and t in sources)
+        elif _is_view(node) and node.args and node.args[0] in sources:
+            sources[node] = sources[node.args[0]]
+    return written
+
+
+def _refuse_updated_arguments(written: set[tuple[str, int]], inputs: _Inputs) -> None:
+    """Refuse a step that updates one of its tensor arguments in place: the caller's data would change
+    on every replay."""
+    changed = sorted(i for kind, i in written if kind == "argument")
+    if changed:
+        raise CompileStepError(
+            f"storch.compile_step: the step changes {len(changed)} of its arguments in place (shapes "
+            f"{[tuple(inputs.arguments[i].shape) for i in changed]}; an in-place operation on the data). "
+            "Work on a copy (x = x.clone()) or keep such updates outside the compiled step."
+        )
 
 
 def _refuse_updated_constants(graph: torch.fx.GraphModule) -> None:
@@ -710,20 +801,33 @@ def _set_rng_states(states: list[torch.Tensor]) -> None:
 
 @dataclass
 class _Snapshot:
-    """What a step may change, taken before its trace: the random generators, the buffers, and the
-    versions of the tensors that it must not change in place."""
+    """What a step may change, taken before its trace: the random generators, copies of the
+    parameters and buffers (which it may update in place), and the versions of its arguments."""
 
     rng: list[torch.Tensor]
+    trainable: list[torch.Tensor]
+    frozen: list[torch.Tensor]
     buffers: list[torch.Tensor]
     versions: list[int]
 
     @classmethod
     def take(cls, inputs: _Inputs) -> "_Snapshot":
-        return cls(
-            rng=_rng_states(),
-            buffers=[b.clone() for b in inputs.buffers],
-            versions=[t._version for t in inputs.trainable + inputs.frozen + inputs.arguments],
-        )
+        with torch.no_grad():
+            return cls(
+                rng=_rng_states(),
+                trainable=[p.detach().clone() for p in inputs.trainable],
+                frozen=[p.detach().clone() for p in inputs.frozen],
+                buffers=[b.clone() for b in inputs.buffers],
+                versions=[t._version for t in inputs.arguments],
+            )
+
+    def restore(self, inputs: _Inputs) -> None:
+        """Put back the random generators, parameters and buffers of ``inputs`` as they were."""
+        _set_rng_states(self.rng)
+        with torch.no_grad():
+            for tensor, value in zip(inputs.state(), self.trainable + self.frozen + self.buffers):
+                if not torch.equal(tensor, value):
+                    tensor.copy_(value)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -748,22 +852,21 @@ def _check_replay(replay: Callable[..., list], before: _Snapshot, inputs: _Input
     state, as SPSA's common random numbers do; it mutates its own inputs) would be replayed
     differently from eager mode, silently; this finds it once, when the step is traced.
     """
-    changed = [t for t, v in zip(inputs.trainable + inputs.frozen + inputs.arguments, before.versions)
-               if t._version != v]
+    changed = [t for t, v in zip(inputs.arguments, before.versions) if t._version != v]
     if changed:
         raise CompileStepError(
-            f"storch.compile_step: the step changes {len(changed)} of its parameters or arguments in place "
-            f"(shapes {[tuple(t.shape) for t in changed]}; an optimizer step, clipping, or an in-place "
-            "operation on the data). Keep such updates outside the compiled step."
+            f"storch.compile_step: the step changes {len(changed)} of its arguments in place "
+            f"(shapes {[tuple(t.shape) for t in changed]}; an in-place operation on the data). "
+            "Work on a copy (x = x.clone()) or keep such updates outside the compiled step."
         )
     after = _rng_states()
     _set_rng_states(before.rng)
     try:
-        replay_inputs = _Inputs(
-            trainable=[p.detach() for p in inputs.trainable],
+        replay_inputs = _Inputs(  # the copies taken before the trace: the replay may update them
+            trainable=before.trainable,
             incoming_grads=[g.clone() for g in inputs.incoming_grads],
-            frozen=inputs.frozen,
-            buffers=[b.clone() for b in before.buffers],
+            frozen=before.frozen,
+            buffers=before.buffers,
             arguments=inputs.arguments,
         )
         with torch.no_grad(), _validation_errors():
@@ -772,9 +875,11 @@ def _check_replay(replay: Callable[..., list], before: _Snapshot, inputs: _Input
     finally:
         _set_rng_states(after)
     outputs = [i for i, (a, b) in enumerate(zip(traced, replayed)) if not _same(a, b)]
-    buffers = [i for i, (a, b) in enumerate(zip(inputs.buffers, replay_inputs.buffers)) if not _same(a, b)]
-    differences = [f"{what} {_some(indices)}" for what, indices in (("outputs", outputs), ("buffers", buffers))
-                   if indices]
+    state = [i for i, (a, b) in enumerate(zip(inputs.state(), replay_inputs.state())) if not _same(a.detach(), b)]
+    n_params = len(inputs.trainable) + len(inputs.frozen)
+    params, buffers = [i for i in state if i < n_params], [i - n_params for i in state if i >= n_params]
+    differences = [f"{what} {_some(indices)}" for what, indices in
+                   (("outputs", outputs), ("parameters", params), ("buffers", buffers)) if indices]
     if len(replay_rng) != len(after) or not all(torch.equal(a, b) for a, b in zip(replay_rng, after)):
         differences.append("the state of the random number generator after the step")
     if differences:
@@ -808,6 +913,11 @@ def _is_identity(node: torch.fx.Node) -> bool:
         meta = _shape_and_stride(node)
         return meta is not None and meta == _shape_and_stride(source)
     return False
+
+
+def _is_profiler_range(node: torch.fx.Node) -> bool:
+    """``record_function``'s entry and exit (an optimizer's ``step`` opens one): nothing to replay."""
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "profiler"
 
 
 def _is_mutation(node: torch.fx.Node) -> bool:
@@ -847,9 +957,12 @@ def _hashable(arg: Any) -> Any:
 
 
 def _simplify(graph: torch.fx.Graph) -> None:
-    """Drop renaming nodes (``detach``, views to the same shape and strides), repeated pure
-    operations (a ``log_prob`` the step and an estimator both compute), and dead code."""
+    """Drop profiler ranges, renaming nodes (``detach``, views to the same shape and strides),
+    repeated pure operations (a ``log_prob`` the step and an estimator both compute), and dead code."""
     seen: dict[Any, torch.fx.Node] = {}
+    for node in reversed(list(graph.nodes)):  # a profiler range's exit before its entry
+        if node.op == "call_function" and _is_profiler_range(node) and not node.users:
+            graph.erase_node(node)
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue

@@ -99,6 +99,7 @@ import torch
 from storch._dispatch import align_tensor as align_to
 from storch._dispatch import expand_plain, no_dispatch, register_operation, union_of_layouts
 from storch._step import note_sampled
+from storch._tracing import EagerStepNeeded
 from storch._tracing import active as is_tracing
 from storch._tracing import state_declared_for
 from storch.distributions.measure_valued import register_measure_valued
@@ -186,6 +187,7 @@ __all__ = [
     "rsample_gumbel_softmax",
     # storch.compile_step
     "is_tracing",
+    "EagerStepNeeded",
     "state_declared_for",
     # operations
     "register_operation",

@@ -477,18 +477,17 @@ def non_finite_error(
 def _refuse_state_between_steps(record: _Record) -> None:
     """In a trace of [`storch.compile_step`][storch.compile_step]: refuse methods whose state changes after each step.
 
-    The compiled step replays the traced operations only; a method that updates a baseline, a
-    temperature or a learned control variate in ``update_parameters`` would be frozen at its state
-    of the traced step, silently.
+    The compiled step replays the traced operations only; a method that updates its state in
+    ``update_parameters`` other than in place on its buffers and parameters would be frozen at its
+    state of the traced step, silently.
     """
     for method, _ in record.triples.values():
         if method.keeps_state_between_steps:
             raise CompileStepError(
                 f"storch.compile_step: {type(method).__name__}({method.plate_name!r}) keeps state between "
-                "steps (it updates a baseline, a temperature schedule or learned parameters after each "
-                "storch.backward), and a compiled step replays the traced operations only, so that state "
-                "would stay frozen. Run this step eagerly, or choose a configuration without such state "
-                "(e.g. annealing_rate=0, a baseline without learned parameters)."
+                "steps outside tensors it updates in place (or decides on the host how to use its state), "
+                "and a compiled step replays the traced operations only, so that state would stay frozen. "
+                "Run this step eagerly."
             )
 
 

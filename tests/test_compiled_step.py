@@ -8,6 +8,9 @@
   eager errors, and the step's gradients are not applied.
 * What a replay cannot reproduce is refused by name: host reads (with the line), stateful
   estimators, tensors that require grad outside the given modules, storch tensors in or out.
+* Estimators whose state lives in buffers and parameters updated in place within the step (annealed
+  temperatures; RELAX, REBAR and LAX with their optimizer's step; the learned critics) are replayed;
+  their own tests are ``tests/test_compiled_state_*.py``.
 """
 
 from __future__ import annotations
@@ -57,13 +60,17 @@ DATA = (torch.rand(4, 8, generator=torch.Generator().manual_seed(1)) < 0.5).floa
 
 
 def _steps(model: nn.Module, step, steps: int = 3, zero_grad: bool = True, data: torch.Tensor = DATA) -> list:
+    """Per step (seeded): the estimate, the gradients that exist, and the parameters and buffers after it
+    (an estimator's own optimizer updates its parameters and its state buffers within the step)."""
     out = []
     for i in range(steps):
         if zero_grad:
             model.zero_grad()
         torch.manual_seed(100 + i)
         estimate = step(data)
-        out.append([estimate.clone()] + [p.grad.clone() for p in model.parameters()])
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        state = [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
+        out.append([estimate.clone()] + grads + state)
     return out
 
 
@@ -184,9 +191,9 @@ METHOD_CLASSES = {
     "Reparameterization": (lambda: Reparameterization("z", n_samples=2), "normal"),
     "Expect": (lambda: Expect("z"), "bernoulli"),
     "Infer": (lambda: M.Infer("z", n_samples=2), "bernoulli"),
-    "GumbelSoftmax": (lambda: M.GumbelSoftmax("z", n_samples=2), "one_hot"),
-    "GumbelSparseMax": (lambda: M.GumbelSparseMax("z", n_samples=2), "one_hot"),
-    "GumbelEntmax": (lambda: M.GumbelEntmax("z", n_samples=2), "bernoulli"),
+    "GumbelSoftmax": (lambda: M.GumbelSoftmax("z", n_samples=2, annealing_rate=0.1), "one_hot"),
+    "GumbelSparseMax": (lambda: M.GumbelSparseMax("z", n_samples=2, annealing_rate=0.1), "one_hot"),
+    "GumbelEntmax": (lambda: M.GumbelEntmax("z", n_samples=2, annealing_rate=0.1), "bernoulli"),
     "ARM": (lambda: ARM("z", n_samples=2), "bernoulli"),
     "DisARM": (lambda: DisARM("z", n_samples=2), "bernoulli"),
     "DoubleControlVariate": (lambda: M.DoubleControlVariate("z", n_samples=2), "bernoulli"),
@@ -208,7 +215,7 @@ METHOD_CLASSES = {
     "RaoBlackwellSF": (lambda: M.RaoBlackwellSF("z", k=2), "one_hot"),
     "LAX": (lambda: M.LAX("z", control_variate=_cv(), n_samples=2), "normal"),
     "RELAX": (lambda: M.RELAX("z", control_variate=_cv(), n_samples=2,
-                              optimizer_factory=functools.partial(torch.optim.Adam, lr=1e-2)), "bernoulli"),
+                              optimizer_factory=functools.partial(torch.optim.Adam, lr=1e-2, fused=True)), "bernoulli"),
     "REBAR": (lambda: M.REBAR("z", n_samples=2), "bernoulli"),
     "UnorderedSetEstimator": (lambda: M.UnorderedSetEstimator("z", k=2), "one_hot"),
     "UnorderedSetGumbelSoftmax": (lambda: M.UnorderedSetGumbelSoftmax("z", k=2), "one_hot"),
@@ -219,11 +226,9 @@ METHOD_CLASSES = {
 #: the method classes compile_step refuses, and the words of the reason it gives
 REFUSED = {
     "SPSA": "does not reproduce the traced step",  # resets the generator: common random numbers
-    "LAX": "keeps state between steps",  # trains its control variate after each step
-    "RELAX": "keeps state between steps",
-    "REBAR": "keeps state between steps",
     "UnorderedSetGumbelSoftmax": "keeps state between steps",  # anneals its temperature by default
-    "MAPO": "keeps state between steps|reads a tensor's value",  # its memory of high-reward samples
+    # its plate's size, its memory's growth and its sampling path are read from its memory on the host
+    "MAPO": r"MAPO\('z'\) keeps state between steps that a replay cannot follow: its plate holds the longest",
 }
 
 
@@ -271,8 +276,8 @@ def test_every_method_class_is_replayed_exactly_or_refused(name):
             compiled_step(target)
         return
     eager_model = MethodModel(build, family)
-    _assert_identical(_steps(eager_model, eager_model.step, data=target),
-                      _steps(compiled_model, compiled_step, data=target))
+    _assert_identical(_steps(eager_model, eager_model.step, steps=4, data=target),
+                      _steps(compiled_model, compiled_step, steps=4, data=target))
 
 
 # ----------------------------------------------------------------------------- checks at replay
@@ -327,12 +332,24 @@ def test_a_host_read_in_the_step_is_refused_with_its_line():
     assert storch.registered_costs() == ()
 
 
+class Counting(ScoreFunction):
+    """A method with an update of its own, which keeps a Python counter: stateful."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.counts = [0]
+
+    def update_parameters(self, result_triples):
+        super().update_parameters(result_triples)
+        self.counts[0] += 1
+
+
 def test_a_stateful_estimator_is_refused_before_anything_is_applied():
-    model = MethodModel(lambda: M.GumbelSoftmax("z", n_samples=2, annealing_rate=1e-2), "one_hot")
-    with pytest.raises(CompileStepError, match=r"GumbelSoftmax\('z'\) keeps state between steps"):
+    model = MethodModel(lambda: Counting("z", n_samples=2), "bernoulli")
+    with pytest.raises(CompileStepError, match=r"Counting\('z'\) keeps state between steps"):
         storch.compile_step(model.step, model)(torch.tensor([0.1, 0.6, 0.3, 0.9]))
     assert all(p.grad is None for p in model.parameters())
-    assert model.method.steps == 0 and float(model.method.temperature) == 1.0  # not annealed
+    assert model.method.counts == [0]  # not updated
 
 
 def test_a_moving_average_baseline_is_replayed_with_its_updates():
@@ -350,16 +367,14 @@ def test_a_moving_average_baseline_is_replayed_with_its_updates():
     assert not torch.equal(average, after_one.method.baseline.averages["neg_elbo"])  # replays moved it
 
 
-def test_an_annealed_gumbel_softmax_is_refused_and_a_fixed_one_is_not():
-    assert M.GumbelSoftmax("z", annealing_rate=1e-2).keeps_state_between_steps
+def test_annealed_temperatures_and_trained_control_variates_keep_no_state_outside_buffers():
+    assert not M.GumbelSoftmax("z", annealing_rate=1e-2).keeps_state_between_steps
     assert not M.GumbelSoftmax("z").keeps_state_between_steps
+    assert not M.REBAR("z").keeps_state_between_steps
+    assert not M.LAX("z", control_variate=_cv()).keeps_state_between_steps
 
 
 def test_a_subclass_with_its_own_update_counts_as_stateful():
-    class Counting(ScoreFunction):
-        def update_parameters(self, result_triples):
-            super().update_parameters(result_triples)
-
     assert Counting("z", n_samples=2).keeps_state_between_steps
     assert not ScoreFunction("z", n_samples=2).keeps_state_between_steps
 
@@ -698,3 +713,38 @@ def test_a_tensor_updated_in_place_outside_the_given_modules_is_refused():
                                                r"that is not an input"):
         storch.compile_step(model.step, model)(torch.tensor([1.0, 0.0]))
 
+
+
+class Clipped(nn.Module):
+    """A step that clips its parameter in place after the backward pass (a projection step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mu = nn.Parameter(torch.tensor([0.3, -0.2]))
+
+    def step(self, target: torch.Tensor) -> torch.Tensor:
+        x = Reparameterization("x", n_samples=2)(Normal(self.mu, 1.0))
+        storch.add_cost(((x - target) ** 2).sum(-1), "f")
+        estimate = storch.backward()
+        with torch.no_grad():
+            self.mu.sub_(0.1 * self.mu.grad).clamp_(-0.25, 0.25)
+        return estimate
+
+
+def test_a_parameter_updated_in_place_within_the_step_is_updated_by_every_replay():
+    eager, compiled = Clipped(), Clipped()
+    step = storch.compile_step(compiled.step, compiled)
+    _assert_identical(_steps(eager, eager.step, steps=4, data=torch.tensor([1.0, -1.0])),
+                      _steps(compiled, step, steps=4, data=torch.tensor([1.0, -1.0])))
+    assert step.traces == 1 and compiled.mu.abs().max() <= 0.25
+
+
+def test_an_argument_updated_in_place_is_refused():
+    model = SBN(ScoreFunction("z", n_samples=2))
+
+    def step(x):
+        x.mul_(1.0)  # the caller's data
+        return model.step(x)
+
+    with pytest.raises(CompileStepError, match=r"changes 1 of its arguments in place \(shapes \[\(4, 8\)\]"):
+        storch.compile_step(step, model)(DATA.clone())

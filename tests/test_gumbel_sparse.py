@@ -158,7 +158,7 @@ def test_unsupported_distributions_and_temperatures_are_refused(make):
 @pytest.mark.parametrize("make", METHODS)
 def test_temperature_annealing_after_backward(make):
     method = make("g", n_samples=2, initial_temperature=2.0, min_temperature=0.5, annealing_rate=0.3)
-    assert method.keeps_state_between_steps and not make("h").keeps_state_between_steps
+    assert not method.keeps_state_between_steps and not make("h").keeps_state_between_steps
     for step in range(1, 7):
         z = method(OneHotCategorical(logits=torch.zeros(3, requires_grad=True)))
         storch.add_cost((z * torch.arange(3.0)).sum(-1), "c")

@@ -42,6 +42,17 @@ downstream of a node, each gets its own ``V_c`` and the control variates add up 
 
 Training targets are normalised: the critic predicts ``μ + σ · net(ŝ)``, with ``μ``, ``σ`` running
 averages (decay ``β``) of the mean and standard deviation of the targets seen in *earlier* steps.
+
+State protocol ([`storch.compile_step`][storch.compile_step]): each cost's head holds its network's parameters,
+the target statistics (buffers ``first_moment``, ``second_moment``, ``updates``), the last training loss
+(buffer ``last_loss``) and its optimizer's state (buffers ``_optimizer_state_<i>_<key>``, as in
+`storch.method.learned_control_variate`); ``update`` changes them in place with tensor operations
+only (a non-finite target is skipped by ``torch.where``, not by a branch), and the optimizer is bound
+to the tensors in the head's slots before each step, so a replayed step trains the critic as an eager
+one does. A head is built at the first step that uses its cost, which a compiled step runs eagerly
+(`storch._tracing.EagerStepNeeded`); the next call is traced. The default optimizer is
+`storch.method.learned_control_variate.default_optimizer` (fused Adam); one that reads on the host is
+refused by a compiled step with its name.
 """
 
 from __future__ import annotations
@@ -57,7 +68,18 @@ from torch import nn
 from torch.distributions import Bernoulli, Categorical, Distribution, OneHotCategorical
 
 from storch import distributed
+from storch.exceptions import CompileStepError
 from storch.method.baseline import Baseline
+from storch.method.learned_control_variate import (
+    adopt_optimizer_state,
+    bind_optimizer,
+    default_optimizer,
+    drop_optimizer_state,
+    hyperparameters,
+    optimizer_parameter_names,
+    replay_refusal,
+    step_optimizer,
+)
 from storch.method.local_expectation import coordinates_for
 from storch.extend import (
     ChainPlate,
@@ -67,6 +89,8 @@ from storch.extend import (
     StochasticTensor,
     TypeRegistry,
     get_distr_parameters,
+    EagerStepNeeded,
+    is_tracing,
     layout_of,
     layout_of_plates,
     node_of,
@@ -332,9 +356,49 @@ class Critic(Baseline):
         self.heads = nn.ModuleDict()
         self._names: dict[str, str] = {}  # cost name -> module key
         self._optimizers: dict[str, torch.optim.Optimizer] = {}
+        self._optimizer_names: dict[str, list[list[Any]]] = {}  # cost name -> its optimizer's parameter names
         self._broadcast: set[str] = set()
         self._pending: dict[tuple[str, int], _Pending] = {}
-        self.last_losses: dict[str, torch.Tensor] = {}
+
+    @property
+    def last_losses(self) -> dict[str, torch.Tensor]:
+        """Cost name → the critic's last training loss (normalised squared error; a buffer of its head,
+        updated in place)."""
+        found = {}
+        for name, key in self._names.items():
+            loss = self.heads[key]._buffers.get("last_loss")
+            if loss is not None:
+                found[name] = loss
+        return found
+
+    @property
+    def keeps_state_between_steps(self) -> bool:
+        """The networks, their optimizers' state and the target statistics are parameters and buffers of
+        the heads, updated in place within the step (see the module's state protocol): a compiled step
+        replays the critic's training."""
+        return False
+
+    def prepare_compiled_step(self) -> tuple:
+        """Called by [`storch.compile_step`][storch.compile_step] before each call: the optimizers'
+        hyperparameters, which a trace bakes in."""
+        if not self.train_critic:
+            return ()
+        return tuple((name, type(opt).__name__, hyperparameters(self.optimizer(name)))
+                     for name, opt in sorted(self._optimizers.items()))
+
+    def _refuse_unreplayable_training(self, name: str) -> None:
+        """In the trace of a compiled step, before anything is applied: refuse training that a replay
+        could not carry out (an optimizer that reads on the host, statistics averaged across ranks)."""
+        if not self.train_critic or self.head(name) is None:
+            return
+        reason = replay_refusal(self.optimizer(name))
+        if reason is None and self.sync and distributed.syncing():
+            reason = "it averages its gradients and statistics across ranks (collectives are not traced)"
+        if reason is not None:
+            raise CompileStepError(
+                f"storch.compile_step: the {type(self).__name__} of cost {name!r} trains within the step, and "
+                f"{reason}. Run this step eagerly, or pass train_critic=False."
+            )
 
     # ------------------------------------------------------------------ inputs
     def input_features(self, tensor: StochasticTensor) -> tuple[torch.Tensor, PlateLayout]:
@@ -407,6 +471,9 @@ class Critic(Baseline):
         in_features = features.shape[-1]
         out_features = self.out_features(tensor)
         head = self.head(name)
+        if head is None and is_tracing():  # a network made in a trace would be a constant of it
+            self._forget_step()
+            raise EagerStepNeeded(f"the {type(self).__name__} builds its network for cost {name!r}")
         if head is None:
             head = self._make_head(name, _key(name), in_features, out_features)
             head.to(device=features.device, dtype=features.dtype if features.is_floating_point() else None)
@@ -420,18 +487,21 @@ class Critic(Baseline):
         return head
 
     def optimizer(self, name: str) -> torch.optim.Optimizer:
-        """The optimizer of cost ``name``'s network (made at first use)."""
+        """The optimizer of cost ``name``'s network (made at first use), bound to the tensors in its head's
+        slots (parameters, ``_optimizer_state_*`` buffers)."""
         opt = self._optimizers.get(name)
+        head = self.head(name)
+        if head is None:
+            raise KeyError(f"{type(self).__name__}: no network for cost {name!r} yet.")
         if opt is None:
-            head = self.head(name)
-            if head is None:
-                raise KeyError(f"{type(self).__name__}: no network for cost {name!r} yet.")
             params = [p for p in head.parameters() if p.requires_grad]
             if self.optimizer_factory is None:
-                opt = torch.optim.Adam(params, lr=self.lr)
+                opt = default_optimizer(params, self.lr)
             else:
                 opt = self.optimizer_factory(params)
             self._optimizers[name] = opt
+            self._optimizer_names[name] = optimizer_parameter_names(head, opt)
+        bind_optimizer(head, opt, self._optimizer_names[name])
         return opt
 
     def _evaluate(self, head: _Head, features: torch.Tensor, tensor: StochasticTensor) -> torch.Tensor:
@@ -454,6 +524,8 @@ class Critic(Baseline):
     def compute_baseline(self, tensor: StochasticTensor, cost_node: CostTensor) -> torch.Tensor:
         features, layout = self.input_features(tensor)
         head = self._head_for(tensor, cost_node.name, features)
+        if is_tracing():
+            self._refuse_unreplayable_training(cost_node.name)
         out = self._evaluate(head, features, tensor)[..., 0]
         self._remember(tensor, cost_node, head, wrap(out, layout) if layout.plates else out)
         prediction = (head.offset + head.scale * out).detach()
@@ -475,6 +547,10 @@ class Critic(Baseline):
         entry = _Pending(weakref.ref(plate), tensor.name, cost_node.name, loss, mean, mean_square)
         self._pending[(cost_node.name, id(plate))] = entry
         return entry
+
+    def _forget_step(self) -> None:
+        """Drop what this step noted (a trace that stops for an eager step leaves nothing behind)."""
+        self._pending = {}
 
     def _prune(self) -> None:
         """Forget what nodes that no longer exist contributed (steps that never reached ``update``)."""
@@ -515,7 +591,7 @@ class Critic(Baseline):
             p.grad = None
         if losses:
             loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
-            self.last_losses[name] = loss.detach()
+            _note_loss(head, loss.detach())
             grads = torch.autograd.grad(loss, params, allow_unused=True)
             for p, g in zip(params, grads):
                 p.grad = g
@@ -524,27 +600,27 @@ class Critic(Baseline):
                 distributed.synchronise_replicas_(params, first=name not in self._broadcast)
                 self._broadcast.add(name)
             if any(p.grad is not None for p in params):
-                self.optimizer(name).step()
+                step_optimizer(head, self.optimizer(name), f"the {type(self).__name__} of cost {name!r}")
         finally:
             for p in params:
                 p.grad = None
 
     def _update_statistics(self, head: _Head, entries: list[_Pending], syncing: bool) -> None:
+        """``μ ← m`` and ``E[S²] ← m₂`` at the first update, ``μ ← β μ + (1 − β) m`` after; a step whose
+        target mean ``m`` or mean square ``m₂`` is not finite is skipped. Tensor operations only (no
+        value read on the host), in place on the head's buffers."""
         with torch.no_grad():
             mean = torch.stack([e.mean.to(head.first_moment) for e in entries]).mean()
             mean_square = torch.stack([e.mean_square.to(head.first_moment) for e in entries]).mean()
             if syncing:
                 mean, mean_square = distributed.all_reduce_mean_([mean.clone(), mean_square.clone()])
-            if not (torch.isfinite(mean) and torch.isfinite(mean_square)):
-                return
-            if int(head.updates) == 0:
-                head.first_moment.copy_(mean)
-                head.second_moment.copy_(mean_square)
-            else:
-                beta = self.decay
-                head.first_moment.mul_(beta).add_((1 - beta) * mean)
-                head.second_moment.mul_(beta).add_((1 - beta) * mean_square)
-            head.updates.add_(1)
+            finite = torch.isfinite(mean) & torch.isfinite(mean_square)
+            first = head.updates == 0
+            beta = self.decay
+            for moment, value in ((head.first_moment, mean), (head.second_moment, mean_square)):
+                averaged = moment * beta + (1 - beta) * value
+                moment.copy_(torch.where(finite, torch.where(first, value, averaged), moment))
+            head.updates.add_(finite.to(head.updates.dtype))
 
     # ------------------------------------------------------------------ state
     def get_extra_state(self) -> dict:
@@ -557,7 +633,7 @@ class Critic(Baseline):
             heads[name] = {
                 "key": key, "in_features": head.in_features, "out_features": head.out_features, "dtype": dtype,
             }
-        optimizers = {name: copy.deepcopy(opt.state_dict()) for name, opt in self._optimizers.items()}
+        optimizers = {name: copy.deepcopy(self.optimizer(name).state_dict()) for name in self._optimizers}
         return {"heads": heads, "optimizers": optimizers}
 
     def set_extra_state(self, state: Any) -> None:
@@ -582,9 +658,13 @@ class Critic(Baseline):
                     f"{head.in_features} inputs and {head.out_features} outputs, the checkpoint "
                     f"{spec['in_features']} and {spec['out_features']}."
                 )
-        self._optimizers = {}
+        self._optimizers, self._optimizer_names = {}, {}
+        for key in self._names.values():
+            drop_optimizer_state(self.heads[key])
         for name, opt_state in state["optimizers"].items():
-            self.optimizer(name).load_state_dict(opt_state)
+            optimizer = self.optimizer(name)
+            optimizer.load_state_dict(opt_state)
+            adopt_optimizer_state(self.heads[self._names[name]], optimizer, f"the {type(self).__name__} of {name!r}")
         self._pending = {}
 
     def __getstate__(self) -> dict:
@@ -592,6 +672,19 @@ class Critic(Baseline):
         state = super().__getstate__()
         state["_pending"] = {}
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickle, also a critic pickled before its losses and optimizer state lived in buffers."""
+        old_losses = state.pop("last_losses", None) or {}
+        super().__setstate__(state)
+        if "_optimizer_names" not in self.__dict__:
+            self._optimizer_names = {}
+            for name, opt in self._optimizers.items():
+                head = self.heads[self._names[name]]
+                self._optimizer_names[name] = optimizer_parameter_names(head, opt)
+                adopt_optimizer_state(head, opt, f"the {type(self).__name__} of {name!r}")
+            for name, loss in old_losses.items():
+                _note_loss(self.heads[self._names[name]], loss)
 
     def extra_repr(self) -> str:
         parts = [f"lr={self.lr}"] if self.optimizer_factory is None else []
@@ -675,6 +768,8 @@ class QCritic(Critic):
         coordinates = self._coordinates(tensor)
         features, layout = self.input_features(tensor)
         head = self._head_for(tensor, cost_node.name, features)
+        if is_tracing():
+            self._refuse_unreplayable_training(cost_node.name)
         values = coordinates.values(node.distribution)  # (K, *event)
         k = values.shape[0]
         var_shape = self._var_shape(tensor)
@@ -716,6 +811,10 @@ class QCritic(Critic):
         term = expectation - expectation.detach()
         return wrap_new(term, layout) if layout.plates else term
 
+    def _forget_step(self) -> None:
+        super()._forget_step()
+        self._expectations = {}
+
     def _check_pending(self, pending: list[_Pending]) -> None:
         self._expectations = {}
         uncorrected = sorted({e.plate_name for e in pending if not e.corrected})
@@ -732,3 +831,13 @@ class QCritic(Critic):
         state = super().__getstate__()
         state["_expectations"] = {}
         return state
+
+
+def _note_loss(head: _Head, loss: torch.Tensor) -> None:
+    """Keep the last training loss in the head's ``last_loss`` buffer (made at the first, then in place)."""
+    current = head._buffers.get("last_loss")
+    if current is None or (current.dtype, current.device) != (loss.dtype, loss.device):
+        head.register_buffer("last_loss", loss.detach().clone(), persistent=False)
+    else:
+        with torch.no_grad():
+            current.copy_(loss)

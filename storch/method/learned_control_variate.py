@@ -35,26 +35,201 @@ rank 0, so that every replica holds the same ``φ`` and optimizer state. ``sync=
 Checkpoints: `LearnedControlVariate.state_dict` holds ``φ`` and, under the key
 ``_extra_state``, the state of the method's own optimizer (made lazily at the first step), so
 ``load_state_dict`` into a freshly built method resumes training exactly.
+
+State protocol ([`storch.compile_step`][storch.compile_step]): every tensor the variance step changes is a
+parameter or a buffer of the method, updated in place. ``φ`` are parameters; the optimizer's state
+tensors (Adam's moments and step count, SGD's momentum) are non-persistent buffers named
+``_optimizer_state_<i>_<key>`` (``i`` the parameter's position in the optimizer), made by its first
+step; ``Σ‖ĝ‖²`` of the last step is the buffer behind `LearnedControlVariate.last_squared_gradient_norm`.
+Before each step the optimizer is bound to the tensors that fill these slots (by parameter name), so a
+traced step records its update on the graph's inputs and every replay carries it out. The optimizer
+must read nothing on the host: the default is Adam with ``fused=True`` (its step count stays a tensor),
+SGD reads nothing either, and any optimizer built with ``fused=True`` or ``capturable=True`` qualifies;
+others are refused by a compiled step with a message naming the optimizer (eager steps take any).
 """
 
 from __future__ import annotations
 
 import copy
 import weakref
+from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from storch import distributed
+from storch.exceptions import CompileStepError
 from storch.method.method import Method
 from storch.reductions import reduce_plates
-from storch.extend import StochasticTensor, Tensor, layout_of, node_of, plain
+from storch.extend import StochasticTensor, Tensor, is_tracing, layout_of, node_of, plain
 
-__all__ = ["LearnedControlVariate", "Draw", "OptimizerFactory", "sum_event_dims"]
+__all__ = [
+    "LearnedControlVariate", "Draw", "OptimizerFactory", "default_optimizer", "replay_refusal", "hyperparameters",
+    "optimizer_parameter_names", "bind_optimizer", "adopt_optimizer_state", "drop_optimizer_state", "step_optimizer",
+    "sum_event_dims",
+]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+#: prefix of the buffers that hold the method's optimizer state
+_STATE_PREFIX = "_optimizer_state_"
+#: the buffer of ``Σ_nodes ‖ĝ‖²`` of the last variance step
+_NORM_BUFFER = "_last_squared_gradient_norm"
+#: devices with fused Adam kernels (``torch.optim.Adam(fused=True)``)
+_FUSED_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps"})
+_SIMPLE_TYPES = (bool, int, float, str, type(None))
+
+
+def default_optimizer(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """Adam with learning rate ``lr``, fused where torch has the kernels (floating-point parameters on
+    the CPU or a GPU): one kernel per step, and a step count kept as a tensor, so that
+    [`storch.compile_step`][storch.compile_step] can replay the step."""
+    fused = bool(params) and all(p.is_floating_point() and p.device.type in _FUSED_DEVICES for p in params)
+    return torch.optim.Adam(params, lr=lr, fused=True) if fused else torch.optim.Adam(params, lr=lr)
+
+
+def replay_refusal(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """Why a replayed step could not carry out ``optimizer.step()``, or ``None`` when it can.
+
+    SGD reads no state on the host; an optimizer whose groups are all ``fused`` or ``capturable`` keeps
+    its step count a tensor. Any other (Adam without either flag reads its step count with ``.item()``)
+    is refused rather than guessed.
+    """
+    if isinstance(optimizer, torch.optim.SGD):
+        return None
+    if all(group.get("fused") or group.get("capturable") for group in optimizer.param_groups):
+        return None
+    return (
+        f"its optimizer {type(optimizer).__name__} is built with neither fused=True nor capturable=True, so "
+        "its step reads its step count on the host (.item()) and a replay could not carry it out. Build it "
+        "with fused=True (e.g. optimizer_factory=lambda params: torch.optim.Adam(params, lr=1e-3, "
+        "fused=True)), with capturable=True on a GPU, or use SGD"
+    )
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> tuple:
+    """The Python settings of each parameter group (learning rate, betas, ...), hashable."""
+    def simple(value: Any) -> bool:
+        return type(value) in _SIMPLE_TYPES or (type(value) is tuple and all(type(v) in _SIMPLE_TYPES for v in value))
+
+    return tuple(tuple(sorted((k, v) for k, v in group.items() if k != "params" and simple(v)))
+                 for group in optimizer.param_groups)
+
+
+# ---------------------------------------------------------------------------- optimizer state in buffers
+def optimizer_parameter_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[Any]]:
+    """Per parameter group of ``optimizer``, the names of its parameters in ``module`` (the tensor
+    itself for one that is not ``module``'s): what `bind_optimizer` binds by."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    return [[names.get(id(p), p) for p in group["params"]] for group in optimizer.param_groups]
+
+
+def bind_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, names: list[list[Any]]) -> None:
+    """Point ``optimizer`` at the tensors in ``module``'s slots: each group's parameters by name
+    (``names`` from `optimizer_parameter_names`), each parameter's state tensors at its
+    ``_optimizer_state_<i>_<key>`` buffers of ``module`` (other state entries are kept). Eagerly these
+    are the module's own tensors; in the trace of a compiled step, the graph's inputs."""
+    named = dict(module.named_parameters())
+    old = [p for group in optimizer.param_groups for p in group["params"]]
+    for group, group_names in zip(optimizer.param_groups, names):
+        group["params"] = [named.get(n, p) if isinstance(n, str) else n for n, p in zip(group_names, group["params"])]
+    new = [p for group in optimizer.param_groups for p in group["params"]]
+    buffers = _state_buffers(module)
+    if all(a is b for a, b in zip(old, new)) and not _state_buffers_changed(optimizer, new, buffers):
+        return
+    state: defaultdict = defaultdict(dict)
+    for i, (was, param) in enumerate(zip(old, new)):
+        entry = {k: v for k, v in optimizer.state.get(was, {}).items() if not isinstance(v, torch.Tensor)}
+        entry.update(buffers.get(i, {}))
+        if entry:
+            state[param] = entry
+    optimizer.state = state
+
+
+def _state_buffers(module: nn.Module) -> dict[int, dict[str, torch.Tensor]]:
+    """``module``'s optimizer state buffers, by parameter position and state key."""
+    found: dict[int, dict[str, torch.Tensor]] = {}
+    for name, value in module._buffers.items():
+        if name.startswith(_STATE_PREFIX) and value is not None:
+            index, key = name[len(_STATE_PREFIX):].split("_", 1)
+            found.setdefault(int(index), {})[key] = value
+    return found
+
+
+def _state_buffers_changed(
+    optimizer: torch.optim.Optimizer, params: list[torch.Tensor], buffers: dict[int, dict[str, torch.Tensor]]
+) -> bool:
+    """Whether a state buffer is not the tensor the optimizer holds (moved by ``.to()``, or swapped for
+    a graph input by a trace)."""
+    for i, entries in buffers.items():
+        held = optimizer.state.get(params[i], {}) if i < len(params) else {}
+        if any(held.get(key) is not value for key, value in entries.items()):
+            return True
+    return False
+
+
+def adopt_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, owner: str) -> None:
+    """Make every state tensor of ``optimizer`` a buffer of ``module`` (after a step or a load).
+
+    A tensor the optimizer made (its first step) becomes a new buffer (not saved by ``state_dict``:
+    the optimizer's own state dict is). One that replaces an existing buffer is copied into it within a
+    trace, so that the graph updates the buffer in place; eagerly it takes the buffer's place.
+    """
+    tracing = is_tracing()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for i, param in enumerate(params):
+        entry = optimizer.state.get(param, {})
+        for key, value in list(entry.items()):
+            name = f"{_STATE_PREFIX}{i}_{key}"
+            current = module._buffers.get(name)
+            if not isinstance(value, torch.Tensor) or current is value:
+                continue
+            if current is None:
+                module.register_buffer(name, value, persistent=False)
+            elif not tracing:
+                module._buffers[name] = value
+            elif (current.shape, current.dtype, current.device) == (value.shape, value.dtype, value.device):
+                with torch.no_grad():
+                    current.copy_(value)
+                entry[key] = current
+            else:
+                raise CompileStepError(
+                    f"storch.compile_step: {owner}'s optimizer replaced its state {key!r} by a tensor of another "
+                    f"shape, dtype or device ({tuple(value.shape)}, {value.dtype}, {value.device}); a replay can "
+                    "only update it in place."
+                )
+
+
+def drop_optimizer_state(module: nn.Module) -> None:
+    """Remove ``module``'s optimizer state buffers."""
+    for name in [n for n in module._buffers if n.startswith(_STATE_PREFIX)]:
+        del module._buffers[name]
+
+
+def step_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, owner: str) -> None:
+    """``optimizer.step()`` (bound to ``module``'s slots), then its state into ``module``'s buffers.
+
+    Within a trace the step must leave the optimizer's Python values (non-tensor state, settings) as
+    they were: a replay runs no Python.
+    """
+    settings = _python_state(optimizer) if is_tracing() else None
+    optimizer.step()
+    if settings is not None and _python_state(optimizer) != settings:
+        raise CompileStepError(
+            f"storch.compile_step: {owner}'s optimizer {type(optimizer).__name__} changes Python values in its "
+            "state or settings when it steps (a counter, a schedule); a replay runs no Python, so they would stay "
+            "as the trace left them. Use an optimizer that keeps its state in tensors."
+        )
+    adopt_optimizer_state(module, optimizer, owner)
+
+
+def _python_state(optimizer: torch.optim.Optimizer) -> tuple:
+    """The optimizer's non-tensor state entries and hyperparameters (a trace must leave them unchanged)."""
+    entries = tuple(sorted((i, str(k), repr(v)) for i, (_, st) in enumerate(optimizer.state.items())
+                           for k, v in st.items() if not isinstance(v, torch.Tensor)))
+    return entries, hyperparameters(optimizer)
 
 
 @dataclass
@@ -128,10 +303,16 @@ class LearnedControlVariate(Method):
         self._broadcast_done = False
         self.needs_graph_after_backward = self.train_control_variate
         self._optimizer: Optional[torch.optim.Optimizer] = None
+        #: per parameter group, the names of its parameters (or the tensor, for one not of the method)
+        self._optimizer_names: list[list[Union[str, torch.Tensor]]] = []
         self._draws: dict[int, tuple[weakref.ref, Draw]] = {}
         self._snapshots: list[tuple[torch.Tensor, weakref.ref]] = []
-        #: ``Σ_nodes ‖ĝ‖²`` of the last training step (a detached scalar), for monitoring
-        self.last_squared_gradient_norm: Optional[torch.Tensor] = None
+
+    @property
+    def last_squared_gradient_norm(self) -> Optional[torch.Tensor]:
+        """``Σ_nodes ‖ĝ‖²`` of the last training step (a scalar buffer, updated in place), for monitoring;
+        ``None`` before the first."""
+        return self._buffers.get(_NORM_BUFFER)
 
     # ------------------------------------------------------------------ draws
     def keep_draw(self, samples: torch.Tensor, draw: Draw) -> None:
@@ -145,6 +326,8 @@ class LearnedControlVariate(Method):
                 f"{type(self).__name__}({self.plate_name!r}): a Draw must not hold the samples tensor itself "
                 "(it would never be freed); read the samples back from the node (node_of(tensor).samples)."
             )
+        if is_tracing():
+            self._refuse_unreplayable_training()
         key = id(samples)
         self._draws[key] = (weakref.ref(samples), draw)
         weakref.finalize(samples, self._draws.pop, key, None)
@@ -207,14 +390,52 @@ class LearnedControlVariate(Method):
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer of ``φ`` (made at first use from ``optimizer_factory``)."""
+        """The optimizer of ``φ`` (made at first use from ``optimizer_factory``; default:
+        `default_optimizer`), bound to the tensors that now fill the method's parameter and
+        state slots (see the module's state protocol)."""
         if self._optimizer is None:
-            params = self.control_variate_parameters()
+            named = [(name, p) for name, p in self.named_parameters() if p.requires_grad]
+            params = [p for _, p in named]
             if self.optimizer_factory is None:
-                self._optimizer = torch.optim.Adam(params, lr=self.lr)
+                optimizer = default_optimizer(params, self.lr)
             else:
-                self._optimizer = self.optimizer_factory(params)
+                optimizer = self.optimizer_factory(params)
+            self._optimizer_names = optimizer_parameter_names(self, optimizer)
+            self._optimizer = optimizer
+        bind_optimizer(self, self._optimizer, self._optimizer_names)
         return self._optimizer
+
+    def _drop_optimizer(self) -> None:
+        """Forget the optimizer and its state buffers (built afresh at the next training step)."""
+        self._optimizer = None
+        self._optimizer_names = []
+        drop_optimizer_state(self)
+
+    def prepare_compiled_step(self) -> tuple:
+        """Called by [`storch.compile_step`][storch.compile_step] before each call: build the optimizer (outside
+        the trace) and return its hyperparameters, which the trace bakes in (a new learning rate is a new
+        trace)."""
+        if not self.train_control_variate or not self.control_variate_parameters():
+            return ()
+        optimizer = self.optimizer
+        return (("optimizer", type(optimizer).__name__, hyperparameters(optimizer)),)
+
+    def _owner(self) -> str:
+        return f"{type(self).__name__}({self.plate_name!r})"
+
+    def _refuse_unreplayable_training(self) -> None:
+        """In the trace of a compiled step, before anything is applied: refuse a variance step that a
+        replay could not carry out (an optimizer that reads on the host, gradients averaged across ranks)."""
+        if not self.train_control_variate or not self.control_variate_parameters():
+            return
+        reason = replay_refusal(self.optimizer)
+        if reason is None and self.sync and distributed.syncing():
+            reason = "it averages its control-variate gradients across ranks (collectives are not traced)"
+        if reason is not None:
+            raise CompileStepError(
+                f"storch.compile_step: {self._owner()} trains its control variate within the step, and {reason}. "
+                "Run this step eagerly, or pass train_control_variate=False."
+            )
 
     def squared_gradient_norm(self, result_triples: Sequence[tuple[Any, ...]]) -> Optional[torch.Tensor]:
         """``Σ_nodes ‖ĝ‖²`` with its graph, from the ``(tensor, cost, term)`` triples of a backward."""
@@ -236,8 +457,11 @@ class LearnedControlVariate(Method):
 
     @property
     def keeps_state_between_steps(self) -> bool:
-        """The control variate is trained after each step (``train_control_variate``)."""
-        return super().keeps_state_between_steps or bool(self.train_control_variate)
+        """The variance step changes only tensors of the method in place (``φ``, the optimizer's state
+        buffers, the last norm; see the module's state protocol), so a compiled step replays it: only
+        the proposal's state counts. (An optimizer that reads on the host is refused by name in the
+        trace.)"""
+        return super().keeps_state_between_steps
 
     def update_parameters(self, result_triples: Sequence[tuple[Any, ...]]) -> None:
         super().update_parameters(result_triples)
@@ -263,14 +487,18 @@ class LearnedControlVariate(Method):
             self._broadcast_done = True
         if all(p.grad is None for p in params):
             return
-        self.optimizer.step()
+        self._optimizer_step()
+
+    def _optimizer_step(self) -> None:
+        """``optimizer.step()`` on the tensors in the method's slots; its state then lives in buffers."""
+        step_optimizer(self, self.optimizer, self._owner())
 
     def _local_variance_gradients(self, result_triples: Sequence[tuple[Any, ...]], params: list[nn.Parameter]) -> None:
         """``φ.grad ← ∇_φ Σ_nodes ‖ĝ‖²`` from this process's own samples (left ``None`` where none)."""
         loss = self.squared_gradient_norm(result_triples)
         if loss is None:
             return
-        self.last_squared_gradient_norm = loss.detach()
+        self._note_norm(loss.detach())
         if not loss.requires_grad:
             return
         self._prune_snapshots()
@@ -282,6 +510,15 @@ class LearnedControlVariate(Method):
         for (param, _), g in zip(live, grads):
             if g is not None:
                 param.grad = g.detach() if param.grad is None else param.grad + g.detach()
+
+    def _note_norm(self, value: torch.Tensor) -> None:
+        """Keep ``Σ‖ĝ‖²`` in its buffer (in place once it exists)."""
+        current = self._buffers.get(_NORM_BUFFER)
+        if current is None or (current.dtype, current.device) != (value.dtype, value.device):
+            self.register_buffer(_NORM_BUFFER, value.clone(), persistent=False)
+        else:
+            with torch.no_grad():
+                current.copy_(value)
 
     # ------------------------------------------------------------- checkpoints
     def get_extra_state(self) -> dict:
@@ -305,10 +542,23 @@ class LearnedControlVariate(Method):
                 f"a dict with key 'optimizer' (written by get_extra_state), got {type(state).__name__}."
             )
         if state["optimizer"] is None:
-            self._optimizer = None  # built afresh at the next training step
+            self._drop_optimizer()  # built afresh at the next training step
         else:
-            self.optimizer.load_state_dict(state["optimizer"])
+            optimizer = self.optimizer
+            optimizer.load_state_dict(state["optimizer"])
+            adopt_optimizer_state(self, optimizer, self._owner())
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickle, also a method pickled before its optimizer state lived in buffers."""
+        state.pop("last_squared_gradient_norm", None)
+        super().__setstate__(state)
+        if "_optimizer_names" not in self.__dict__:
+            self._optimizer_names = []
+            if self._optimizer is not None:
+                self._optimizer_names = optimizer_parameter_names(self, self._optimizer)
+                adopt_optimizer_state(self, self._optimizer, self._owner())
 
     def extra_repr(self) -> str:
         sync = "" if self.sync else ", sync=False"
         return f"{super().extra_repr()}, train_control_variate={self.train_control_variate}{sync}"
+

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.distributions import Categorical, Distribution, Independent
 
+from storch.exceptions import CompileStepError
 from storch.extend import (
     AncestralPlate,
     CostTensor,
@@ -52,6 +53,7 @@ from storch.extend import (
     distribution_layout,
     floating_dtype,
     get_distr_parameters,
+    is_tracing,
     layout_of,
     layout_of_plates,
     magic_box,
@@ -685,6 +687,26 @@ class MAPO(Method):
             self.store.load({"var_shape": list(var_shape) if var_shape is not None else [-1], "n_values": n_values,
                              **old}, f"MAPO({self.plate_name!r})")
 
+    @property
+    def keeps_state_between_steps(self) -> bool:
+        """MAPO's memory is tensors (`MAPOMemory`'s buffers), but what a step does with it is decided on
+        the host: the plate holds the longest buffer's values plus the samples (a size read from the
+        memory), the memory grows to the largest datum id, the draw from outside an empty memory takes a
+        shorter path, and systematic exploration stores as many values as it finds new. A compiled
+        step would replay the first step's choices, so MAPO keeps state between steps (a traced step
+        is refused by name: `_refuse_trace`)."""
+        return True
+
+    def _refuse_trace(self) -> None:
+        """In the trace of a compiled step (before anything is drawn): refuse, naming the host decisions."""
+        raise CompileStepError(
+            f"storch.compile_step: MAPO({self.plate_name!r}) keeps state between steps that a replay cannot "
+            "follow: its plate holds the longest memory buffer's values plus the samples, a size read from the "
+            "memory on the host (it grows from 0 to buffer_size as values are found), its memory grows to the "
+            "largest datum id, the draw from outside an empty memory takes another path, and systematic "
+            "exploration stores as many values as it finds new. Run MAPO's steps eagerly."
+        )
+
     # ------------------------------------------------------------------ sampling
     def check_distribution(self, distr: Distribution) -> None:
         _sequence_support(distr, f"MAPO({self.plate_name!r})")
@@ -695,6 +717,8 @@ class MAPO(Method):
         if not isinstance(distr, Distribution):
             return super().forward(distr)  # raises the common error
         self.check_distribution(distr)
+        if is_tracing():
+            self._refuse_trace()
         parents = distribution_layout(distr)
         if self.plate_name in parents.names:
             raise _plate_taken_error(owner, parents.plates[parents.names.index(self.plate_name)], self)

@@ -515,12 +515,14 @@ class Method(nn.Module):
     @property
     def keeps_state_between_steps(self) -> bool:
         """Whether [`update_parameters`][storch.method.method.Method.update_parameters] changes what later steps
-        compute (a baseline's running
-        average, a temperature schedule, learned control-variate parameters).
+        compute other than in place on the method's buffers and parameters (a Python counter, a memory
+        whose use is decided on the host, as MAPO's).
 
         [`storch.compile_step`][storch.compile_step] refuses such methods: a compiled step replays the traced
-        operations only, so the state would stay frozen. A subclass that overrides
-        ``update_parameters`` counts as keeping state unless it overrides this property too.
+        operations only, so the state would stay frozen. Buffers and parameters updated in place (a
+        moving average, an annealed temperature, a control variate trained by a fused optimizer) do not
+        count: the replay carries the updates out. A subclass that overrides ``update_parameters``
+        counts as keeping state unless it overrides this property too.
         """
         if not state_declared_for(self, "update_parameters"):
             return True
