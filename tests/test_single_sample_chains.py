@@ -230,6 +230,29 @@ def test_one_policy_method_called_at_every_decision():
     torch.testing.assert_close(W.grad, expected)
 
 
+def test_a_thousand_decisions_train_with_per_decision_baselines_as_hand_written_reinforce():
+    """T = 1000, a reward after each decision, one policy method with a moving average per decision:
+    two steps, each equal to hand-written reward-to-go REINFORCE with the same baselines."""
+    manual_seed(8)
+    T = 1000
+    W = torch.randn(4, 4, requires_grad=True)
+    optimizer = torch.optim.SGD([W], lr=0.01)
+    policy = storch.method.ScoreFunction("action", baseline_factory="moving_average")
+    baselines = None
+    for _ in range(2):
+        optimizer.zero_grad()
+        draws = [int(t._tensor) for t in rollout(W, T, [policy] * T)]
+        storch.backward()
+        expected = hand_written_reward_to_go(W.detach().requires_grad_(), draws, baselines=baselines)
+        torch.testing.assert_close(W.grad, expected, rtol=1e-5, atol=1e-4)
+        optimizer.step()
+        returns = [0.0] * T
+        for s in reversed(range(T)):
+            returns[s] = float(draws[s] == 2) + (returns[s + 1] if s + 1 < T else 0.0)
+        baselines = returns if baselines is None else [0.95 * b + 0.05 * r for b, r in zip(baselines, returns)]
+    assert len(policy.baseline.averages) == T
+
+
 def test_a_method_called_again_without_its_chain_is_refused_where_plates_would_clash():
     """Called again on a distribution that does not carry its last sample, a method starts a second
     chain with the same name: the two meet with a clash that names the plate."""
