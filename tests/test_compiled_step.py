@@ -226,7 +226,6 @@ METHOD_CLASSES = {
 #: the method classes compile_step refuses, and the words of the reason it gives
 REFUSED = {
     "SPSA": "does not reproduce the traced step",  # resets the generator: common random numbers
-    "UnorderedSetGumbelSoftmax": "keeps state between steps",  # anneals its temperature by default
     # its plate's size, its memory's growth and its sampling path are read from its memory on the host
     "MAPO": r"MAPO\('z'\) keeps state between steps that a replay cannot follow: its plate holds the longest",
 }

@@ -19,7 +19,6 @@ the relaxed conditional sample
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -231,12 +230,18 @@ def conditional_gumbel_rsample(
 class AnnealedTemperature:
     """Mixin for an ``nn.Module`` whose relaxation temperature anneals once per backward pass.
 
-    ``τ_t = max(τ_min, τ_0 · exp(−r · t))`` after ``t`` calls of `anneal`. The temperature is
-    a buffer (it moves with ``.to()`` and is saved); the step count ``t`` is the module's extra
-    state, so a loaded ``state_dict`` resumes the schedule where it was.
+    ``τ_t = max(τ_min, τ_0 · exp(−r · t))`` after ``t`` calls of `anneal`. State protocol: the step
+    count ``t`` (``annealing_steps``, an ``int64`` buffer, not saved as a buffer) and ``temperature``
+    (a saved buffer) are updated in place by tensor operations, with no value read back on the
+    host, so that [`storch.compile_step`][storch.compile_step] records the update in the traced step and
+    every replay carries it out (as `storch.method.baseline.MovingAverageBaseline` does with its
+    averages). ``τ_t`` is computed in ``float64`` where the device has it. The step count is read on
+    the host only by `steps` and by ``state_dict`` (key ``_extra_state``), so a loaded
+    ``state_dict`` resumes the schedule where it was.
     """
 
     temperature: torch.Tensor
+    annealing_steps: torch.Tensor
 
     def init_temperature(self, owner: str, initial: float, minimum: float, rate: float) -> None:
         """Set the schedule; ``owner`` names the method in errors (e.g. ``"GumbelSoftmax('z')"``)."""
@@ -249,22 +254,46 @@ class AnnealedTemperature:
         self.min_temperature = float(minimum)
         self.annealing_rate = float(rate)
         self.register_buffer("temperature", torch.tensor(float(initial)))  # type: ignore[attr-defined]
-        self.steps = 0
+        steps = torch.zeros((), dtype=torch.long)
+        self.register_buffer("annealing_steps", steps, persistent=False)  # type: ignore[attr-defined]
+
+    @property
+    def steps(self) -> int:
+        """``t``, the number of annealing steps so far (read on the host: for display and checkpoints)."""
+        return int(self.annealing_steps)
 
     def anneal(self, steps: Optional[int] = None) -> None:
-        """Advance the schedule by one step (or set it to ``steps``) and update ``temperature``.
+        """Advance the schedule by one step (or set it to ``steps``) and update ``temperature`` in place.
 
-        At ``annealing_rate = 0`` the schedule is constant and a step changes nothing (no count
-        either: such a method keeps no state between steps, see ``storch.compile_step``)."""
-        if steps is None and self.annealing_rate == 0:
-            return
-        self.steps = self.steps + 1 if steps is None else int(steps)
-        tau = max(self.min_temperature, self.initial_temperature * math.exp(-self.annealing_rate * self.steps))
-        self.temperature.fill_(tau)
+        At ``annealing_rate = 0`` the schedule is constant and a step changes nothing (no count either).
+        """
+        with torch.no_grad():
+            if steps is not None:
+                self.annealing_steps.fill_(int(steps))
+            elif self.annealing_rate == 0:
+                return
+            else:
+                self.annealing_steps.add_(1)
+            self.temperature.copy_(self._scheduled_temperature())
+
+    def _scheduled_temperature(self) -> torch.Tensor:
+        """``max(τ_min, τ_0 · exp(−r · t))`` from the ``annealing_steps`` buffer, as a tensor."""
+        wide = torch.float32 if self.temperature.device.type == "mps" else torch.float64
+        t = self.annealing_steps.to(wide)
+        return (t * -self.annealing_rate).exp().mul(self.initial_temperature).clamp(min=self.min_temperature)
 
     def get_extra_state(self) -> dict:
         """The annealing step count (the temperature itself is a buffer), for ``state_dict``."""
         return {"steps": self.steps}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle, also a method pickled when the step count was a Python attribute."""
+        old_steps = state.pop("steps", None)
+        super().__setstate__(state)  # type: ignore[misc]
+        if "annealing_steps" not in self._buffers:  # type: ignore[attr-defined]
+            steps = torch.zeros((), dtype=torch.long, device=self.temperature.device)
+            self.register_buffer("annealing_steps", steps, persistent=False)  # type: ignore[attr-defined]
+            self.anneal(int(old_steps or 0))
 
     def set_extra_state(self, state: Any) -> None:
         """Restore the step count saved by `get_extra_state`, so annealing resumes where it was."""

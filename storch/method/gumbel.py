@@ -9,7 +9,7 @@ variance grows. Relaxations are registered per distribution type in
 
 Components: n i.i.d. relaxed ``rsample`` draws, weight ``1/n``, no gradient function, no control
 variate. The temperature follows ``τ_t = max(τ_min, τ_0 · exp(−r · t))`` after ``t`` backward passes;
-``t`` and ``τ_t`` are buffers updated in place by tensor operations (`BufferedTemperature`), so a
+``t`` and ``τ_t`` are buffers updated in place by tensor operations (`AnnealedTemperature`), so a
 step replayed by [`storch.compile_step`][storch.compile_step] anneals exactly as an eager one.
 """
 
@@ -28,72 +28,12 @@ from storch.extend import rsample_gumbel_softmax
 __all__ = ["GumbelSoftmax", "BufferedTemperature"]
 
 
-class BufferedTemperature(AnnealedTemperature):
-    """A temperature schedule kept in two buffers and advanced by tensor operations only.
-
-    State protocol: ``annealing_steps`` (an ``int64`` buffer, not saved as a buffer) counts the
-    backward passes ``t``; ``temperature`` (a saved buffer) holds ``τ_t = max(τ_min, τ_0 · exp(−r · t))``.
-    `anneal` updates both in place, with no value read back on the host, so that
-    [`storch.compile_step`][storch.compile_step] records the update in the traced step and every replay carries
-    it out (as `storch.method.baseline.MovingAverageBaseline` does with its averages). ``τ_t`` is
-    computed in ``float64`` where the device has it, as the Python schedule it replaces was. The step
-    count is read on the host only by `steps` and by ``state_dict`` (key ``_extra_state``).
-    """
-
-    def init_temperature(self, owner: str, initial: float, minimum: float, rate: float) -> None:
-        """Set the schedule; ``owner`` names the method in errors (e.g. ``"GumbelSoftmax('z')"``)."""
-        if initial <= 0 or minimum <= 0:
-            raise ValueError(
-                f"{owner}: temperatures must be positive, got initial_temperature={initial}, "
-                f"min_temperature={minimum}."
-            )
-        self.initial_temperature = float(initial)
-        self.min_temperature = float(minimum)
-        self.annealing_rate = float(rate)
-        self.register_buffer("temperature", torch.tensor(float(initial)))  # type: ignore[attr-defined]
-        steps = torch.zeros((), dtype=torch.long)
-        self.register_buffer("annealing_steps", steps, persistent=False)  # type: ignore[attr-defined]
-
-    @property
-    def steps(self) -> int:
-        """``t``, the number of annealing steps so far (read on the host: for display and checkpoints)."""
-        return int(self.annealing_steps)
-
-    def anneal(self, steps: Optional[int] = None) -> None:
-        """Advance the schedule by one step (or set it to ``steps``) and update ``temperature`` in place.
-
-        At ``annealing_rate = 0`` the schedule is constant and a step changes nothing (no count either).
-        """
-        with torch.no_grad():
-            if steps is not None:
-                self.annealing_steps.fill_(int(steps))
-            elif self.annealing_rate == 0:
-                return
-            else:
-                self.annealing_steps.add_(1)
-            self.temperature.copy_(self._scheduled_temperature())
-
-    def _scheduled_temperature(self) -> torch.Tensor:
-        """``max(τ_min, τ_0 · exp(−r · t))`` from the ``annealing_steps`` buffer, as a tensor."""
-        wide = torch.float32 if self.temperature.device.type == "mps" else torch.float64
-        t = self.annealing_steps.to(wide)
-        return (t * -self.annealing_rate).exp().mul(self.initial_temperature).clamp(min=self.min_temperature)
-
-    def get_extra_state(self) -> dict:
-        """The annealing step count (the temperature itself is a buffer), for ``state_dict``."""
-        return {"steps": self.steps}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickle, also a method pickled when the step count was a Python attribute."""
-        old_steps = state.pop("steps", None)
-        super().__setstate__(state)  # type: ignore[misc]
-        if "annealing_steps" not in self._buffers:  # type: ignore[attr-defined]
-            steps = torch.zeros((), dtype=torch.long, device=self.temperature.device)
-            self.register_buffer("annealing_steps", steps, persistent=False)  # type: ignore[attr-defined]
-            self.anneal(int(old_steps or 0))
+#: The schedule of `GumbelSoftmax` (the same class as `storch.distributions.relaxation.AnnealedTemperature`,
+#: whose buffers `storch.compile_step` replays).
+BufferedTemperature = AnnealedTemperature
 
 
-class GumbelSoftmax(BufferedTemperature, Method):
+class GumbelSoftmax(AnnealedTemperature, Method):
     """Relaxed (optionally straight-through) samples of ``OneHotCategorical`` or ``Bernoulli`` nodes.
 
     Args:

@@ -437,8 +437,8 @@ class GumbelSoftmaxWOR(AnnealedTemperature, UnorderedSet):
 
     @property
     def keeps_state_between_steps(self) -> bool:
-        """Only an annealed temperature changes between steps (``annealing_rate > 0``)."""
-        return super().keeps_state_between_steps or self.annealing_rate != 0
+        """The annealed temperature is a buffer updated in place (replayed by ``storch.compile_step``)."""
+        return super().keeps_state_between_steps
 
     def extra_repr(self) -> str:
         return (
