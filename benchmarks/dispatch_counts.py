@@ -69,11 +69,10 @@ class Counter:
             self.phase = previous
 
 
-def count_sbn(name: str, counter: Counter, batch: torch.Tensor) -> None:
-    """One ``sbn_step.storch_grad`` step, phases marked."""
-    model, _ = sbn_step.make_model(0)
-    method = sbn_step.make_method(name)
-    sbn_step.storch_grad(model, batch, method)  # warm caches, as a training loop does
+def _count_step(counter: Counter, method: storch.method.Method, step) -> None:
+    """Run ``step()`` once to warm caches (as a training loop does), then once counted, with the
+    method's sampling and ``storch.backward`` marked as their phases."""
+    step()
     original_forward = type(method).forward
     original_backward = storch.backward
 
@@ -89,10 +88,17 @@ def count_sbn(name: str, counter: Counter, batch: torch.Tensor) -> None:
     storch.backward = backward
     try:
         with counter.installed():
-            sbn_step.storch_grad(model, batch, method)
+            step()
     finally:
         type(method).forward = original_forward
         storch.backward = original_backward
+
+
+def count_sbn(name: str, counter: Counter, batch: torch.Tensor) -> None:
+    """One ``sbn_step.storch_grad`` step, phases marked."""
+    model, _ = sbn_step.make_model(0)
+    method = sbn_step.make_method(name)
+    _count_step(counter, method, lambda: sbn_step.storch_grad(model, batch, method))
 
 
 def count_rl(counter: Counter, length: int = 20) -> None:
@@ -100,26 +106,7 @@ def count_rl(counter: Counter, length: int = 20) -> None:
     policy, targets = rl_rollout._setup(length)
     cell = storch.make_left_broadcastable(policy.cell)
     method = storch.method.ScoreFunction("action", baseline_factory="moving_average")
-    rl_rollout.storch_step(policy, cell, method, targets)
-    original_forward = type(method).forward
-    original_backward = storch.backward
-
-    def forward(self, distr):
-        with counter.during("sample"):
-            return original_forward(self, distr)
-
-    def backward(*args, **kwargs):
-        with counter.during("backward"):
-            return original_backward(*args, **kwargs)
-
-    type(method).forward = forward
-    storch.backward = backward
-    try:
-        with counter.installed():
-            rl_rollout.storch_step(policy, cell, method, targets)
-    finally:
-        type(method).forward = original_forward
-        storch.backward = original_backward
+    _count_step(counter, method, lambda: rl_rollout.storch_step(policy, cell, method, targets))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -133,6 +133,7 @@ from storch.tensor import (
     wrap_new,
 )
 from storch.util import (
+    copy_distribution,
     distribution_layout,
     floating_dtype,
     get_distr_parameters,
@@ -176,6 +177,7 @@ __all__ = [
     "floating_dtype",
     "restore_lazy_plates",
     "log_prob_of_own_samples",
+    "copy_distribution",
     "with_nested",
     "without_plate",
     "note_sampled",

@@ -170,7 +170,7 @@ def without_plate(d: Distribution, plate: Plate) -> Distribution:
     """
     if plate.size != 1:
         raise ValueError(f"without_plate: plate {plate.name!r} has size {plate.size}; only a size-1 plate can be dropped.")
-    copy = _copy_distribution(d)
+    copy = copy_distribution(d)
     for dist in with_nested(copy):
         position = None
         layout = distribution_layout(dist)
@@ -189,12 +189,12 @@ def without_plate(d: Distribution, plate: Plate) -> Distribution:
     return copy
 
 
-def _copy_distribution(d: Distribution) -> Distribution:
+def copy_distribution(d: Distribution) -> Distribution:
     """A shallow copy of ``d`` and of the distributions nested in it (their tensors are shared)."""
     c = copy.copy(d)
     for name, value in c.__dict__.items():
         if isinstance(value, Distribution):
-            c.__dict__[name] = _copy_distribution(value)
+            c.__dict__[name] = copy_distribution(value)
     return c
 
 

@@ -17,7 +17,6 @@ points that would not fit
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import weakref
@@ -33,6 +32,7 @@ from storch.extend import (
     StochasticTensor,
     Tensor,
     align_to,
+    copy_distribution,
     layout_of,
     layout_of_plates,
     merge_layouts,
@@ -178,15 +178,6 @@ def move_to_plate(distr: Distribution, plate: LocalExpectationPlate) -> None:
             moved = True
         if moved:
             dist._batch_shape = torch.Size((plate.size,) + tuple(dist._batch_shape)[1:])
-
-
-def _copy_distribution(d: Distribution) -> Distribution:
-    """A copy of ``d`` and of the distributions nested in it that shares their tensors."""
-    c = copy.copy(d)
-    for name, value in c.__dict__.items():
-        if isinstance(value, Distribution):
-            c.__dict__[name] = _copy_distribution(value)
-    return c
 
 
 def explicit_chain(who: str, joint_with: Optional[StochasticTensor], method: "LocalExpectation") -> Optional[LocalExpectationPlate]:
@@ -345,7 +336,7 @@ def extended_points(distr: Distribution, plates: Sequence[Plate], tip: "LocalExp
     probs = _probs_of(distr, who)
     check_fits(who, size, (n * size,) + other + (n_vars,) + event, probs.dtype, probs.device, [])
     source = None if carried is None else _index_between(tip, carried)
-    drawn_from = None if carried is None else _copy_distribution(distr)  # before it moves to the new plate
+    drawn_from = None if carried is None else copy_distribution(distr)  # before it moves to the new plate
     group = PointGroup(n, size, upstream, n_vars, k, drawn_from=drawn_from, source=source)
     probs = probs_at_upstream(distr, group, coordinates, len(plates) - first)
     u = torch.rand((n, 1) + other + (n_vars, 1), dtype=probs.dtype, device=probs.device)
