@@ -262,6 +262,12 @@ def test_evaluate_a_finished_run_on_the_whole_test_set(tmp_path, digits, capsys)
     assert again["test_nll"] == record["test_nll"]
     subset = evaluate_run(tmp_path / "run", eval_size=cfg["eval_size"], eval_k=20)
     assert subset["eval_size"] == cfg["eval_size"]
+    capsys.readouterr()
+    assert cli.main(["evaluate", str(tmp_path / "run"), "--eval-k", "20", "--skip-done"]) == 0  # a subset is
+    assert "run " in capsys.readouterr().out.splitlines()[-1]  # not the whole test set: evaluated again
+    assert json.loads((tmp_path / "run" / "test_eval.json").read_text())["eval_size"] == digits.test.shape[0]
+    assert cli.main(["evaluate", str(tmp_path / "run"), "--eval-k", "20", "--skip-done"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1  # the header only: done
 
 
 def test_evaluate_refuses_runs_it_cannot_trust(tmp_path, digits, capsys):

@@ -62,7 +62,8 @@ def evaluate_run(run_dir: Path | str, eval_size: int | None = None, eval_k: int 
     start = time.perf_counter()
     with torch.no_grad():
         nelbo, nll = evaluate_bounds(model, test.to(device), eval_k)
-    record = {"step": state["step"], "eval_size": int(test.shape[0]), "eval_k": eval_k, "test_nelbo_k": nelbo,
+    record = {"step": state["step"], "eval_size": int(test.shape[0]), "requested_eval_size": eval_size,
+              "eval_k": eval_k, "test_nelbo_k": nelbo,
               "test_nll": nll, "seconds": round(time.perf_counter() - start, 2), "label": summary.get("label")}
     (run_dir / EVAL_FILE).write_text(json.dumps(record, indent=1) + "\n")
     return record
@@ -85,8 +86,8 @@ def _done(run_dir: Path, eval_size: int | None, eval_k: int) -> bool:
     path = run_dir / EVAL_FILE
     if not path.is_file():
         return False
-    old = json.loads(path.read_text())
-    return old.get("eval_k") == eval_k and (eval_size is None or old.get("eval_size") == eval_size)
+    old = json.loads(path.read_text())  # the same request (None: the whole test set), not the same count
+    return old.get("eval_k") == eval_k and "requested_eval_size" in old and old["requested_eval_size"] == eval_size
 
 
 def evaluate_main(argv: Sequence[str]) -> int:
