@@ -65,8 +65,8 @@ def value(row, key):
 def full_test(ss):
     """−log p(x) on the whole test set (``storch-bench evaluate``), when every seed has it."""
     records = [s["full_test"] for s in ss]
-    if any(r is None for r in records):
-        return "–"
+    if any(r is None or r.get("requested_eval_size", 0) is not None for r in records):
+        return "–"  # not evaluated, or on a subset only
     return mean_std([r["test_nll"] for r in records])
 
 
