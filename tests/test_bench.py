@@ -281,3 +281,17 @@ def test_evaluate_refuses_runs_it_cannot_trust(tmp_path, digits, capsys):
     assert "has no checkpoint.pt (train with --checkpoint-every N)" in out
     assert "its checkpoint is from step 6, but the run ended at step 9" in out
     assert not (tmp_path / "stale" / "test_eval.json").exists()
+
+
+def test_ms_per_step_of_a_compiled_run_leaves_out_its_traces(tmp_path, digits):
+    """The steps in which storch.compile_step traced (seconds each) are reported apart, so that a short
+    compiled run's ms/step is its replays' cost; an eager run has none."""
+    cfg = {**QUICK, "estimator": "disarm", "budget": 4}
+    eager = train.run(cfg, tmp_path / "eager", progress=False, data=digits, log=lambda *_: None)
+    assert eager["trace_seconds"] == 0
+    assert eager["ms_per_step"] == pytest.approx(1000 * eager["train_seconds"] / eager["steps"])
+    compiled = train.run({**cfg, "compile_step": True}, tmp_path / "compiled", progress=False, data=digits,
+                         log=lambda *_: None)
+    assert 0 < compiled["trace_seconds"] < compiled["train_seconds"]
+    steady = (compiled["train_seconds"] - compiled["trace_seconds"]) / compiled["steps"]
+    assert 1000 * steady < compiled["ms_per_step"] < 1000 * compiled["train_seconds"] / compiled["steps"]

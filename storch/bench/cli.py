@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
            "datum times the batch size times the model's activations per point) exceeds the memory available")
     a("--compile-step", action="store_true",
       help="train with storch.compile_step: the step is traced once and replayed as a graph of torch "
-           "operations (no storch Python per step; estimators that keep state between steps are refused)")
+           "operations (no storch Python per step; MAPO and SPSA are refused); ms/step leaves out the "
+           "steps that traced (summary.json's trace_seconds)")
     a("--distributed", action="store_true",
       help="data parallel: join the process group that torchrun sets up (gloo), wrap the model in DDP, give "
            "each rank its slice of every minibatch; start with `torchrun --standalone --nproc-per-node N "

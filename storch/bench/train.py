@@ -189,6 +189,9 @@ class Run:
         self.batches = Batches(self.data.train.shape[0], cfg["batch_size"], cfg["seed"] + 1)
         self.bin_gen = torch.Generator().manual_seed(cfg["seed"] + 2)
         self.step, self.train_time, self.rows = 0, 0.0, []
+        # the steps in which storch.compile_step traced (their seconds are in train_time): ms/step leaves
+        # them out, so that a short compiled run reports what its replays cost
+        self.trace_steps, self.trace_time = 0, 0.0
         self._acc, self._acc_n, self._acc_time = 0.0, 0, 0.0
         # fixed evaluation subsets (dynamic data: binarised once) and the variance minibatch
         k = cfg["eval_size"]
@@ -343,6 +346,7 @@ class Run:
             return
         state = {
             "step": self.step, "train_time": self.train_time, "rows": self.rows,
+            "traces": (self.trace_steps, self.trace_time),
             "acc": (self._acc, self._acc_n, self._acc_time),
             "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
             "world_size": self.world, "ranks": ranks,
@@ -363,6 +367,7 @@ class Run:
                              f"with as many (this run has {self.world}: torchrun --nproc-per-node "
                              f"{state['world_size']} ... --distributed)")
         self.step, self.train_time, self.rows = state["step"], state["train_time"], state["rows"]
+        self.trace_steps, self.trace_time = state.get("traces", (0, 0.0))  # absent before trace timing
         self._acc, self._acc_n, self._acc_time = state["acc"]
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
@@ -389,9 +394,13 @@ class Run:
         if self.main and self.step == 0 and not self.rows:
             self.record()
         while self.step < steps:
+            traces = self.compiled_step.traces if self.compiled_step is not None else 0
             t0 = time.perf_counter()
             loss = self.train_step()
             dt = time.perf_counter() - t0
+            if self.compiled_step is not None and self.compiled_step.traces > traces:
+                self.trace_steps += 1
+                self.trace_time += dt
             self.step += 1
             self.train_time += dt
             self._acc += loss
@@ -441,11 +450,19 @@ class Run:
             "test_nelbo": final["test_nelbo_k"], "test_nll": final["test_nll"], "eval_k": cfg["eval_k"],
             "eval_size": len(self.eval_sets["test"]),
             "grad_logvar": last_var[-1] if last_var else None,
-            "ms_per_step": 1000.0 * self.train_time / self.step if self.step else None,
-            "train_seconds": self.train_time, "device": str(self.device), "threads": torch.get_num_threads(),
+            "ms_per_step": self._ms_per_step(),
+            "train_seconds": self.train_time, "trace_seconds": self.trace_time, "device": str(self.device), "threads": torch.get_num_threads(),
             "peak_memory_mb": peak_memory_mb(self.device),
             "estimated_memory_mb": self.memory.needed_bytes / 2**20,
         }
+
+    def _ms_per_step(self) -> float | None:
+        """Mean training time per step, without the steps in which `storch.compile_step` traced (all
+        steps when every one of them traced)."""
+        steady = self.step - self.trace_steps
+        if steady > 0:
+            return 1000.0 * (self.train_time - self.trace_time) / steady
+        return 1000.0 * self.train_time / self.step if self.step else None
 
     def _progress_bar(self):
         """A tqdm bar from the current step on (``None`` without progress or without tqdm)."""
