@@ -324,6 +324,8 @@ def torch_function(cls: type, func: Callable, types: tuple, args: tuple = (), kw
         return _call_plain(func, types, args, kwargs) if kwargs else _call_plain(func, types, args)
     if func is _GETITEM and isinstance(args[0], Tensor) and args[0]._layout.sizes:
         _check_plated_indexing(args[0], args[1])
+    elif func is _EINSUM:
+        args = _einsum_per_sample(args)
     with no_dispatch():
         # The common case, inline: every plated argument, at the top level or in a list or tuple, has
         # the plates and the number of dimensions of the first; no list member is plain; no keyword
@@ -540,6 +542,36 @@ def _check_dim_args(func: Callable, treat: Treatment, args: tuple, kwargs: dict)
 
 
 _GETITEM = torch.Tensor.__getitem__
+_EINSUM = torch.einsum
+
+
+def _einsum_per_sample(args: tuple) -> tuple:
+    """``torch.einsum``'s arguments with an ellipsis for the plates, so that it acts per sample.
+
+    An equation without ``...`` names every dimension of its operands, and a plated operand has its
+    plates besides (torch would refuse it: "the number of subscripts ... does not match"). Each
+    operand's subscripts and the output get a leading ``...``, which the plates fill (the operands'
+    plates are aligned first, as for every function); a plain operand's ellipsis is empty. An implicit
+    output (no ``->``) is made explicit first: the letters that appear once, in alphabetical order.
+    An equation that already has ``...`` is left as it is (its ellipsis covers the plates).
+
+    Examples:
+        >>> _einsum_per_sample(("ij,jk", "A", "B"))[0]  # no plated operand: unchanged
+        'ij,jk'
+    """
+    if not args or not isinstance(args[0], str) or "..." in args[0]:
+        return args
+    operands = args[1:]
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    if not any(isinstance(o, Tensor) and o._layout.sizes for o in operands):
+        return args
+    lhs, arrow, out = args[0].replace(" ", "").partition("->")
+    terms = lhs.split(",")
+    if not arrow:
+        letters = "".join(terms)
+        out = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    return (",".join("..." + t for t in terms) + "->..." + out,) + args[1:]
 
 
 def _check_plated_indexing(t: Tensor, index: Any) -> None:

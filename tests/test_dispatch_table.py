@@ -308,3 +308,33 @@ def test_one_way_to_turn_dispatch_off() -> None:
     x = _plated([1.0, 2.0])
     with extend.no_dispatch():
         assert type(x + 1) is torch.Tensor
+
+
+# ------------------------------------------------------------------ einsum acts per sample
+def test_einsum_without_ellipsis_acts_per_sample():
+    from torch.distributions import Normal
+
+    a = storch.method.Reparameterization("z", n_samples=3)(Normal(torch.zeros(2, 4), 1.0))  # (3, 2, 4)
+    b = torch.randn(4, 5)
+    v = torch.randn(4)
+    out = torch.einsum("ij,jk->ik", a, b)
+    assert out.plate_names == ["z"] and tuple(out.shape) == (3, 2, 5)
+    torch.testing.assert_close(out._tensor, a._tensor @ b)
+    implicit = torch.einsum("ij,jk", a, b)  # implicit output: i and k, alphabetical
+    torch.testing.assert_close(implicit._tensor, out._tensor)
+    dot = torch.einsum("ij,j->i", a, v)
+    torch.testing.assert_close(dot._tensor, a._tensor @ v)
+    in_a_list = torch.einsum("ij,jk->ik", [a, b])
+    torch.testing.assert_close(in_a_list._tensor, out._tensor)
+    storch.reset()
+
+
+def test_einsum_of_two_plated_operands_gives_the_joint_grid():
+    from torch.distributions import Normal
+
+    a = storch.method.Reparameterization("a", n_samples=2)(Normal(torch.zeros(4), 1.0))
+    c = storch.method.Reparameterization("c", n_samples=3)(Normal(torch.zeros(4), 1.0))
+    out = torch.einsum("i,i->", a, c)
+    assert sorted(out.plate_names) == ["a", "c"] and out.dim() == 2
+    torch.testing.assert_close(out._tensor, (c._tensor[:, None, :] * a._tensor[None, :, :]).sum(-1))
+    storch.reset()
