@@ -290,3 +290,15 @@ def test_a_step_frees_its_chain():
         assert first() is None
     finally:
         gc.enable()
+
+
+def test_a_node_drawn_from_two_chains_extends_the_newer():
+    p = torch.tensor(0.4, requires_grad=True)
+    a = storch.method.ScoreFunction("a")(Bernoulli(p))
+    b = storch.method.ScoreFunction("b")(Bernoulli(p))  # independent of a: a chain of its own
+    c = storch.method.ScoreFunction("c")(Bernoulli(0.1 + 0.4 * (a + b)))
+    assert sorted(q.name for q in c.plates) == ["a", "c"]  # c took b's place, a stays
+    assert c.plates[0].ancestor is b.plates[0]
+    storch.add_cost(c, "f")
+    storch.backward()
+    assert torch.isfinite(p.grad)

@@ -413,7 +413,7 @@ class Method(nn.Module):
             return None
         tip = None
         for p in parents.plates:
-            if isinstance(p, ChainPlate) and p.is_tip and (tip is None or p.step_order > tip.step_order):
+            if isinstance(p, ChainPlate) and p.is_tip and (tip is None or p.order > tip.order):
                 tip = p
         return tip
 
