@@ -170,8 +170,8 @@ def without_plate(d: Distribution, plate: Plate) -> Distribution:
     """
     if plate.size != 1:
         raise ValueError(f"without_plate: plate {plate.name!r} has size {plate.size}; only a size-1 plate can be dropped.")
-    copy = copy_distribution(d)
-    for dist in with_nested(copy):
+    result = copy_distribution(d)
+    for dist in with_nested(result):
         position = None
         layout = distribution_layout(dist)
         for i, p in enumerate(layout.plates):
@@ -186,7 +186,7 @@ def without_plate(d: Distribution, plate: Plate) -> Distribution:
         if position is not None and len(dist._batch_shape) > position:
             shape = tuple(dist._batch_shape)
             dist._batch_shape = torch.Size(shape[:position] + shape[position + 1:])
-    return copy
+    return result
 
 
 def copy_distribution(d: Distribution) -> Distribution:
