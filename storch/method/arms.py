@@ -70,7 +70,7 @@ from storch.method.antithetic import (
     on_every_point,
 )
 from storch.method.arm import bernoulli_logits
-from storch.method.method import Method
+from storch.method.method import JointBoundRecords, Method
 
 __all__ = ["ARMS", "ARMSMultiSample", "COPULAS", "Copula", "arms_iwae_bound", "arms_logit_gradient", "check_copula"]
 
@@ -284,7 +284,7 @@ class _Bound:
     costs: Tensor  # per point; on the copula's points Σ_k −L(b_{−k}, b̃_j), detached
 
 
-class ARMSMultiSample(_ARMSBase):
+class ARMSMultiSample(JointBoundRecords, _ARMSBase):
     """ARMS for multi-sample bounds ``L = log (1/K) Σ_k w(b_k)`` of ``K`` i.i.d. Bernoulli samples.
 
     The plate holds ``2K`` points: the ``K`` i.i.d. samples ``b_k`` of the bound, then the ``K``
@@ -311,8 +311,6 @@ class ARMSMultiSample(_ARMSBase):
         >>> bool(torch.isclose(storch.backward(), -bound)), phi.grad.shape
         (True, torch.Size([2]))
     """
-
-    handles_joint_bound = True
 
     def __init__(self, plate_name: str, n_samples: int = 2, copula: str = "dirichlet") -> None:
         super().__init__(plate_name, n_samples, copula)
@@ -342,18 +340,6 @@ class ARMSMultiSample(_ARMSBase):
                 return cost.detach()
             return align_to(bound.costs, layout_of(cost), expand=True)
 
-    def update_parameters(self, result_triples: Sequence[tuple]) -> None:
-        super().update_parameters(result_triples)
-        self._bounds.clear()
-
-    @property
-    def keeps_state_between_steps(self) -> bool:
-        """The bounds noted in a step are cleared after it: nothing carries over."""
-        return super().keeps_state_between_steps
-
-    def reset(self) -> None:
-        super().reset()
-        self._bounds.clear()
 
 
 def _leave_one_in_costs(iid: torch.Tensor, copula: torch.Tensor, k: int) -> torch.Tensor:

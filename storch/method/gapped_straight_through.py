@@ -42,7 +42,7 @@ from typing import Union
 import torch
 
 from storch.method.method import DEFAULT_N_SAMPLES
-from storch.method.straight_through import StraightThroughFamily, hard_forward
+from storch.method.straight_through import StraightThroughFamily, check_temperature, hard_forward
 from storch.sampling.method import SamplingMethod
 
 __all__ = ["GappedStraightThrough", "gapped_straight_through", "gapped_perturbation", "expected_gumbel_gap"]
@@ -125,12 +125,6 @@ def _checked_gap(owner: str, gap: Gap) -> Gap:
     return float(gap)
 
 
-def _checked_temperature(owner: str, temperature: float) -> float:
-    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)) or not temperature > 0:
-        raise ValueError(f"{owner}: the temperature must be positive (a number), got {temperature!r}.")
-    return float(temperature)
-
-
 class GappedStraightThrough(StraightThroughFamily):
     """Gapped straight-through: the hard sample forward, a deterministic gapped relaxation backward.
 
@@ -200,7 +194,7 @@ class GappedStraightThrough(StraightThroughFamily):
     ) -> None:
         super().__init__(plate_name, sampling_method, n_samples)
         owner = f"GappedStraightThrough({plate_name!r})"
-        self.temperature = _checked_temperature(owner, temperature)
+        self.temperature = check_temperature(owner, temperature)
         self.gap = _checked_gap(owner, gap)
 
     def backward_pass(self, logits: torch.Tensor, hard: torch.Tensor) -> torch.Tensor:

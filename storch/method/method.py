@@ -80,7 +80,9 @@ from storch.extend import (
 )
 from storch.sampling.method import MonteCarlo, SamplingMethod, check_count, describe_argument
 
-__all__ = ["Method", "log_prob", "DEFAULT_N_SAMPLES", "proposal_arguments", "check_floating_parameters"]
+__all__ = [
+    "Method", "log_prob", "DEFAULT_N_SAMPLES", "proposal_arguments", "check_floating_parameters", "JointBoundRecords",
+]
 
 
 class _DefaultCount(int):
@@ -533,3 +535,26 @@ class Method(nn.Module):
 
     def extra_repr(self) -> str:
         return f"plate_name={self.plate_name!r}, n_samples={self.n_samples}"
+
+
+class JointBoundRecords:
+    """Mixin for methods that estimate a joint bound over their samples (``handles_joint_bound``):
+    the bounds that `Method.on_joint_bound` notes in ``self._bounds`` during a step (by cost name)
+    are forgotten after it, so nothing carries over between steps. List it before the ``Method`` base.
+    """
+
+    handles_joint_bound = True
+    _bounds: dict
+
+    def update_parameters(self, result_triples: Sequence[tuple]) -> None:
+        super().update_parameters(result_triples)  # type: ignore[misc]
+        self._bounds.clear()
+
+    @property
+    def keeps_state_between_steps(self) -> bool:
+        """The bounds noted in a step are cleared after it: nothing carries over."""
+        return super().keeps_state_between_steps  # type: ignore[misc]
+
+    def reset(self) -> None:
+        super().reset()  # type: ignore[misc]
+        self._bounds.clear()

@@ -226,9 +226,10 @@ class StraightThroughFamily(Method, ABC):
         """The sample whose forward value is ``hard`` and whose gradient is the family member's."""
 
 
-def _check_temperature(name: str, temperature: float) -> float:
-    if not temperature > 0:
-        raise ValueError(f"{name}: the temperature must be positive, got {temperature}.")
+def check_temperature(name: str, temperature: float) -> float:
+    """``temperature`` as a float, refused unless it is a positive number; ``name`` names the method."""
+    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)) or not temperature > 0:
+        raise ValueError(f"{name}: the temperature must be positive (a number), got {temperature!r}.")
     return float(temperature)
 
 
@@ -311,7 +312,7 @@ class GumbelRao(StraightThroughFamily):
         n_relaxed: int = 10,
     ) -> None:
         super().__init__(plate_name, sampling_method, n_samples)
-        self.temperature = _check_temperature(f"GumbelRao({plate_name!r})", temperature)
+        self.temperature = check_temperature(f"GumbelRao({plate_name!r})", temperature)
         self.n_relaxed = check_count(n_relaxed, "n_relaxed", f"GumbelRao({plate_name!r})")
 
     def backward_pass(self, logits: torch.Tensor, hard: torch.Tensor) -> torch.Tensor:
@@ -357,7 +358,7 @@ class ReinMax(StraightThroughFamily):
         temperature: float = 1.0,
     ) -> None:
         super().__init__(plate_name, sampling_method, n_samples)
-        self.temperature = _check_temperature(f"ReinMax({plate_name!r})", temperature)
+        self.temperature = check_temperature(f"ReinMax({plate_name!r})", temperature)
 
     def backward_pass(self, logits: torch.Tensor, hard: torch.Tensor) -> torch.Tensor:
         return reinmax(logits, hard, self.temperature)

@@ -35,7 +35,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from storch.inference import add_cost
-from storch.method.method import Method, log_prob
+from storch.method.method import JointBoundRecords, Method, log_prob
 from storch.extend import (
     CostTensor,
     Plate,
@@ -81,7 +81,7 @@ class _Bound:
     baseline: Tensor  # −L_{−k}, detached, in the units of the registered cost −L
 
 
-class VIMCO(Method):
+class VIMCO(JointBoundRecords, Method):
     """Score-function estimator of multi-sample bounds with VIMCO's leave-one-out baselines.
 
     Use it with [`iwae_bound`][storch.method.vimco.iwae_bound], which registers the bound as a cost and gives this
@@ -120,8 +120,6 @@ class VIMCO(Method):
         self.baseline = bool(baseline)
         self._bounds: dict[str, _Bound] = {}
 
-    handles_joint_bound = True
-
     def on_joint_bound(self, cost_name: str, plate: Plate, log_w: Tensor, later: Sequence[Plate] = ()) -> None:
         self.register_bound(cost_name, plate, log_w, later)
 
@@ -157,18 +155,6 @@ class VIMCO(Method):
             return joint, None
         return joint, tensor.n * (1.0 - magic_box(log_q)) * bound.baseline
 
-    def update_parameters(self, result_triples) -> None:
-        super().update_parameters(result_triples)
-        self._bounds.clear()
-
-    @property
-    def keeps_state_between_steps(self) -> bool:
-        """The bounds noted in a step are cleared after it: nothing carries over."""
-        return super().keeps_state_between_steps
-
-    def reset(self) -> None:
-        super().reset()
-        self._bounds.clear()
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, baseline={self.baseline}"
