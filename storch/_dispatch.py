@@ -89,6 +89,8 @@ class Treatment:
         adds_dim: the dimension indices refer to the result, which has one more dimension.
         implicit_dims: the dimensions the function acts on when it is given none (``None``: it has no
             such default, or takes no dimensions).
+        prepare: checks or rewrites the arguments before they are scanned (``None``: nothing): indexing
+            refuses an index that would mix samples, ``torch.einsum`` gets an ellipsis for the plates.
         passthrough: derived: ``kind == "passthrough"``.
         elementwise: derived: the kind pads event dimensions (``"elementwise"``, ``"equal_shapes"``).
         special: derived: the kind may need aligning with shared plates (``"equal_shapes"``, ``"join"``).
@@ -100,6 +102,7 @@ class Treatment:
     dim_positions: tuple[int, ...] = ()
     adds_dim: bool = False
     implicit_dims: tuple[int, ...] | None = None
+    prepare: Callable[[tuple], tuple] | None = None
     # derived once here, so that the dispatcher reads one flag per question
     passthrough: bool = field(init=False, repr=False, compare=False)
     elementwise: bool = field(init=False, repr=False, compare=False)
@@ -322,10 +325,8 @@ def torch_function(cls: type, func: Callable, types: tuple, args: tuple = (), kw
     if treat.passthrough or type(func) in _OPERATOR_TYPES:
         # in C: func(*args, **kwargs) with subclasses off (getters take no keywords, not even {})
         return _call_plain(func, types, args, kwargs) if kwargs else _call_plain(func, types, args)
-    if func is _GETITEM and isinstance(args[0], Tensor) and args[0]._layout.sizes:
-        _check_plated_indexing(args[0], args[1])
-    elif func is _EINSUM:
-        args = _einsum_per_sample(args)
+    if treat.prepare is not None:  # indexing's check, einsum's ellipsis for the plates
+        args = treat.prepare(args)
     with no_dispatch():
         # The common case, inline: every plated argument, at the top level or in a list or tuple, has
         # the plates and the number of dimensions of the first; no list member is plain; no keyword
@@ -541,10 +542,6 @@ def _check_dim_args(func: Callable, treat: Treatment, args: tuple, kwargs: dict)
             raise plate_index_error(func, d, d % ndim, subject)
 
 
-_GETITEM = torch.Tensor.__getitem__
-_EINSUM = torch.einsum
-
-
 def _einsum_per_sample(args: tuple) -> tuple:
     """``torch.einsum``'s arguments with an ellipsis for the plates, so that it acts per sample.
 
@@ -605,6 +602,17 @@ def _check_plated_indexing(t: Tensor, index: Any) -> None:
                 "sample's dimensions from the right, e.g. t[..., i], and reduce or select plates by "
                 f"name (storch.reduce_plates(t, {plate.name!r}), storch.gather(t, {plate.name!r}, index))."
             )
+
+
+def _prepare_indexing(args: tuple) -> tuple:
+    """``Tensor.__getitem__``'s arguments, checked by `_check_plated_indexing` on a plated tensor."""
+    if isinstance(args[0], Tensor) and args[0]._layout.sizes:
+        _check_plated_indexing(args[0], args[1])
+    return args
+
+
+for _func, _prepare in ((torch.Tensor.__getitem__, _prepare_indexing), (torch.einsum, _einsum_per_sample)):
+    _TREATMENTS[_func] = replace(treatment_of(_func), prepare=_prepare)
 
 
 def plate_index_error(func: Callable, dim: int, position: int, t: torch.Tensor) -> ValueError:
