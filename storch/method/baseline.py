@@ -26,6 +26,7 @@ from storch.extend import CostTensor, StochasticTensor, layout_of, no_dispatch, 
 
 __all__ = [
     "Baseline", "MovingAverageBaseline", "BatchAverageBaseline", "BatchAverage", "make_baseline", "BaselineFactory",
+    "UpdatesItsBaseline",
 ]
 
 
@@ -251,6 +252,26 @@ class BatchAverageBaseline(Baseline):
         self.check_samples(n, tensor.name)
         costs = cost_node.detach()
         return (plate_sum(costs, tensor.plate) - costs) / (n - 1)
+
+
+class UpdatesItsBaseline:
+    """Mixin for methods with an optional ``self.baseline`` (a [`Baseline`][storch.method.baseline.Baseline]
+    or ``None``): the baseline is updated after each backward pass, and the method keeps state between
+    steps where its baseline does. List it before the ``Method`` base."""
+
+    baseline: Optional[Baseline]
+
+    def update_parameters(self, result_triples) -> None:
+        super().update_parameters(result_triples)  # type: ignore[misc]
+        if self.baseline is not None:
+            self.baseline.update()
+
+    @property
+    def keeps_state_between_steps(self) -> bool:
+        """The state of the sampling method and of the baseline (``moving_average`` keeps one)."""
+        return super().keeps_state_between_steps or (  # type: ignore[misc]
+            self.baseline is not None and self.baseline.keeps_state_between_steps
+        )
 
 
 #: The manual's name for [`BatchAverageBaseline`][storch.method.baseline.BatchAverageBaseline] (its tutorial calls the

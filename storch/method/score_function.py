@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from storch.method.baseline import BaselineFactory, make_baseline
+from storch.method.baseline import BaselineFactory, UpdatesItsBaseline, make_baseline
 from storch.method.method import DEFAULT_N_SAMPLES, Method, log_prob, proposal_arguments
 from storch.sampling.method import SamplingMethod
 from storch.extend import CostTensor, StochasticTensor
@@ -21,7 +21,7 @@ from storch.extend import CostTensor, StochasticTensor
 __all__ = ["ScoreFunction"]
 
 
-class ScoreFunction(Method):
+class ScoreFunction(UpdatesItsBaseline, Method):
     """The score-function estimator, with an optional baseline.
 
     Args:
@@ -79,15 +79,3 @@ class ScoreFunction(Method):
             if correction is not None:
                 cv = correction if cv is None else cv + correction
         return l, cv
-
-    def update_parameters(self, result_triples) -> None:
-        super().update_parameters(result_triples)
-        if self.baseline is not None:
-            self.baseline.update()
-
-    @property
-    def keeps_state_between_steps(self) -> bool:
-        """The state of the sampling method and of the baseline (``moving_average`` keeps one)."""
-        return super().keeps_state_between_steps or (
-            self.baseline is not None and self.baseline.keeps_state_between_steps
-        )

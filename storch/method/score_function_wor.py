@@ -67,7 +67,7 @@ from typing import Optional
 import torch
 from torch.distributions import Distribution
 
-from storch.method.baseline import Baseline, BaselineFactory, make_baseline
+from storch.method.baseline import Baseline, BaselineFactory, UpdatesItsBaseline, make_baseline
 from storch.method.critic import Critic
 from storch.method.method import Method, check_floating_parameters
 from storch.extend import (
@@ -140,7 +140,7 @@ def _to_beams(t: torch.Tensor, src: PlateLayout, parents: PlateLayout, beam_dim:
     return align_to(wrap(t, src), parents, expand=True).movedim(beam_dim, 0)
 
 
-class ScoreFunctionWOR(Method):
+class ScoreFunctionWOR(UpdatesItsBaseline, Method):
     """The score function with samples without replacement and importance weights ``p(s)/q_κ(s)``.
 
     Args:
@@ -356,18 +356,6 @@ class ScoreFunctionWOR(Method):
         if not self.use_baseline:
             return None
         return reduce_plate(cost.detach(), tensor.plate, detach_weights=True)
-
-    def update_parameters(self, result_triples) -> None:
-        super().update_parameters(result_triples)
-        if self.baseline is not None:
-            self.baseline.update()
-
-    @property
-    def keeps_state_between_steps(self) -> bool:
-        """The state of the sampling method and of the baseline (``moving_average`` keeps one)."""
-        return super().keeps_state_between_steps or (
-            self.baseline is not None and self.baseline.keeps_state_between_steps
-        )
 
     def extra_repr(self) -> str:
         extra = "" if self.use_baseline == self.biased else f", use_baseline={self.use_baseline}"
