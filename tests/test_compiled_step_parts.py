@@ -1,0 +1,127 @@
+"""The parts of ``storch.compile_step`` (``storch._compile``): graph passes, checks and outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributions import Normal
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import storch
+from storch._compile import passes
+from storch._compile.checks import Check, CheckFailed, failed_assertions
+from storch._compile.replay import replay_module
+from storch._compile.trace import StepOutputs
+from storch.method import Reparameterization
+
+
+def _ops(module: torch.fx.GraphModule, name: str) -> int:
+    return sum(1 for n in module.graph.nodes if n.op == "call_function" and name in str(n.target))
+
+
+def test_the_cse_pass_merges_repeated_pure_computations():
+    def f(x):
+        return (x.exp() + 1) * (x.exp() + 1)
+
+    graph = passes.simplify(make_fx(f)(torch.ones(3)))
+    assert _ops(graph, "aten.exp") == 1 and _ops(graph, "aten.add") == 1
+    torch.testing.assert_close(graph(torch.ones(3)), f(torch.ones(3)))
+
+
+def test_the_cse_pass_keeps_values_around_an_update_in_place_apart():
+    def f(x, buffer):
+        before = buffer * 2.0
+        buffer.add_(1.0)
+        after = buffer * 2.0
+        return x + before + after
+
+    graph = passes.simplify(make_fx(f)(torch.ones(2), torch.zeros(2)))
+    assert _ops(graph, "aten.mul") == 2 and _ops(graph, "aten.add_") == 1
+    buffer = torch.zeros(2)
+    assert torch.equal(graph(torch.ones(2), buffer), torch.full((2,), 1.0 + 0.0 + 2.0))
+    assert torch.equal(buffer, torch.ones(2))
+
+
+def test_random_draws_are_not_merged_and_profiler_ranges_are_dropped():
+    def f(x):
+        with torch.profiler.record_function("range"):
+            return torch.rand(3) + torch.rand(3) + x
+
+    graph = passes.simplify(make_fx(f)(torch.ones(3)))
+    assert _ops(graph, "aten.rand") == 2 and _ops(graph, "profiler") == 0
+
+
+def test_identities_are_removed():
+    def f(x):
+        return x.detach().view(3) * 2
+
+    graph = passes.simplify(make_fx(f)(torch.ones(3)))
+    assert _ops(graph, "detach") == 0 and _ops(graph, "aten.view") == 0
+
+
+def test_the_replay_module_computes_what_the_graph_computes():
+    def f(xs):
+        return [xs[0].exp() * 2, xs[1].sum()]
+
+    graph = passes.simplify(make_fx(f)([torch.ones(2), torch.ones(3)]))
+    replay = replay_module(graph)
+    assert "torch.ops" not in replay.code and "aten_exp_default" in replay.code
+    for a, b in zip(replay([torch.ones(2), torch.ones(3)]), f([torch.ones(2), torch.ones(3)]), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_failed_assertion_becomes_its_check():
+    check = Check(RuntimeError, "the index is out of range")
+    with pytest.raises(CheckFailed) as caught, failed_assertions({check.message: check}):
+        torch._assert_async(torch.tensor(False), check.message)
+    assert caught.value.check is check
+    assert type(check.exception(" (note)")) is RuntimeError
+    with pytest.raises(RuntimeError, match="another"), failed_assertions({check.message: check}):
+        raise RuntimeError("another")
+
+
+class Scales(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mu = nn.Parameter(torch.tensor([0.3, -0.2]))
+
+    def step(self, scale: torch.Tensor) -> torch.Tensor:
+        x = Reparameterization("x", n_samples=2)(Normal(self.mu, scale, validate_args=True))
+        storch.add_cost(((x - 1.0) ** 2).sum(-1), "f")
+        return storch.backward()
+
+
+def _eager_error(model: Scales, scale: torch.Tensor) -> BaseException:
+    with pytest.raises(Exception) as caught:
+        model.step(scale)
+    storch.reset()
+    return caught.value
+
+
+def test_a_failed_validation_raises_the_eager_error_in_the_trace_and_in_a_replay():
+    model = Scales()
+    bad = torch.tensor([1.0, -2.0])
+    eager = _eager_error(model, bad)
+    with pytest.raises(type(eager)) as traced:
+        storch.compile_step(model.step, model)(bad)
+    assert str(traced.value) == str(eager)
+    step = storch.compile_step(model.step, model)
+    step(torch.tensor([1.0, 2.0]))
+    mu, grad = model.mu.detach().clone(), model.mu.grad.clone()
+    with pytest.raises(type(eager)) as replayed:
+        step(bad)
+    assert str(replayed.value) == str(eager)  # torch's own message, from an eager run of the step
+    assert torch.equal(model.mu, mu) and torch.equal(model.mu.grad, grad)
+    assert storch.registered_costs() == ()
+
+
+def test_the_graph_returns_the_step_outputs():
+    model = Scales()
+    step = storch.compile_step(model.step, model)
+    step(torch.tensor([1.0, 2.0]))
+    trace = next(iter(step._cache.values()))
+    outputs = trace.run([model.mu], [], [], [], [torch.tensor([1.0, 2.0])])
+    assert isinstance(outputs, StepOutputs)
+    assert len(outputs.result) == 1 and len(outputs.grads) == 1 and len(outputs.losses) == 1
+    assert outputs.costs[0][0].shape == (2,) and bool(outputs.ok)
