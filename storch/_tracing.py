@@ -6,8 +6,9 @@ graph and hands it to [`storch.compiled_step`][storch.compiled_step] instead, wh
 
 * [`storch.backward`][storch.backward] notes its surrogate loss and costs here (`TraceState.note_loss`)
   instead of reading the loss on the host; the compiled step checks that they are finite;
-* ``torch.distributions`` argument validation and ``F.one_hot``'s range check become assertions in
-  the graph (CPU) or note their boolean here (`TraceState.note_check`), read after the step;
+* ``torch.distributions`` argument validation and ``F.one_hot``'s range check are kept by the
+  compiled step itself (`storch._compile.checks`): assertions in the graph on the CPU, booleans read
+  after the step elsewhere;
 * code that would choose a faster branch by reading a tensor on the host (the zero-weight test of
   [`storch.reductions.reduce_plate`][storch.reductions.reduce_plate], the device-copy cache of plate weights) takes
   the general
@@ -27,7 +28,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["EagerStepNeeded", "TraceState", "active", "current", "state_declared_for"]
+__all__ = ["EagerStepNeeded", "TraceState", "active", "current"]
 
 
 class EagerStepNeeded(Exception):
@@ -45,13 +46,8 @@ class EagerStepNeeded(Exception):
 class TraceState:
     """What one trace of a step collects for the checks after each replay."""
 
-    #: ``(boolean tensor, message)``: a ``torch.distributions`` validation that must hold
-    checks: list[tuple[torch.Tensor, str]] = field(default_factory=list)
     #: ``(surrogate loss, [(cost name, cost values, plate names)])`` per ``storch.backward``
     losses: list[tuple[torch.Tensor, list[tuple[str, torch.Tensor, list[str]]]]] = field(default_factory=list)
-
-    def note_check(self, valid: torch.Tensor, message: str) -> None:
-        self.checks.append((valid, message))
 
     def note_loss(self, loss: torch.Tensor, costs: list[tuple[str, torch.Tensor, list[str]]]) -> None:
         self.losses.append((loss, costs))
@@ -78,18 +74,3 @@ def start(state: TraceState):
 def stop(token) -> None:
     _STATE.reset(token)
 
-
-def _defining_class(cls: type, name: str) -> type:
-    return next(c for c in cls.__mro__ if name in vars(c))
-
-
-def state_declared_for(obj: object, hook: str) -> bool:
-    """Whether ``obj``'s ``keeps_state_between_steps`` was written knowing its ``hook`` (the method
-    called after each step: ``update_parameters``, a baseline's ``update``).
-
-    True when the class that defines the property is the class that defines the hook, or a subclass
-    of it. A subclass that overrides the hook but not the property is assumed to keep state: an
-    unknown update is never traced as if it did nothing.
-    """
-    cls = type(obj)
-    return issubclass(_defining_class(cls, "keeps_state_between_steps"), _defining_class(cls, hook))

@@ -37,9 +37,11 @@ as plain torch operations (no alignment, no wrapping, no plate checks); results 
 * ``rsample_gumbel_softmax``: a reparameterized Gumbel-softmax draw
 * ``is_tracing()``: whether [`storch.compile_step`][storch.compile_step] is tracing the step (take no branch that reads
   a tensor's value on the host)
-* ``state_declared_for(obj, hook)``: whether ``obj.keeps_state_between_steps`` was written by the
-  class that defines its ``hook`` (``update_parameters``): an override of the hook alone counts as
-  keeping state
+* ``StepState``, ``StateKind``, ``DeclaresStepState``, ``step_state_of``, ``check_replayable``: what an
+  estimator keeps between steps (its class attribute ``step_state``: ``StepState.NONE``,
+  ``StepState.IN_PLACE`` or ``StepState.host(reason)``) and the check that refuses ``HOST`` state in a
+  compiled step ([`storch.state`][storch.state]); overriding ``update_parameters`` (a baseline's
+  ``update``) without declaring ``step_state`` in the same class body counts as ``HOST``
 
 **Operations.** [`register_operation`][storch.extend.register_operation] says how a function treats plates
 (elementwise, joins,
@@ -48,7 +50,7 @@ dimension arguments, …) when it is not one of torch's that storch already know
 **Registries.** Distribution-specific math is kept in [`TypeRegistry`][storch.extend.TypeRegistry] instances, each
 filled
 by one ``register_*`` function (most specific base class wins; ambiguity and double registration
-are errors). All of them are available here:
+are errors). All of them are made in [`storch.registries`][storch.registries] and available here:
 
 * ``register_relaxation``: continuous relaxation of a discrete distribution (Gumbel, REBAR)
 * ``register_cumulants``: cumulants for generalized stochastic backpropagation
@@ -63,9 +65,9 @@ are errors). All of them are available here:
 * ``register_relaxed_wor_value``: relaxed values of unordered sets (Gumbel-softmax without
   replacement)
 
-The registries of estimators are imported when first asked for (``storch.extend.register_cumulants``
-imports ``storch.method.cumulants``), so that estimator modules can import this module without a
-cycle.
+The registries live in a low layer, below the estimators that fill them with their built-in entries
+when they are imported (every estimator is imported with ``storch``); so estimator modules import
+this module without a cycle, and an entry registered here before an estimator's import is kept.
 
 Examples:
     A proposal-independent estimator written with this interface only: the score function
@@ -91,19 +93,12 @@ Examples:
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
-import torch
-
 from storch._dispatch import align_tensor as align_to
 from storch._dispatch import expand_plain, no_dispatch, register_operation, union_of_layouts
 from storch._step import note_sampled
 from storch._tracing import EagerStepNeeded
 from storch._tracing import active as is_tracing
-from storch._tracing import state_declared_for
-from storch.distributions.measure_valued import register_measure_valued
-from storch.distributions.relaxation import register_relaxation
+from storch.state import DeclaresStepState, StateKind, StepState, check_replayable, step_state_of
 from storch.plate import (
     MAX_PLATES,
     AncestralPlate,
@@ -117,6 +112,19 @@ from storch.plate import (
     reraise_cuda_dimension_error,
 )
 from storch.reductions import plate_weight, reduce_plate
+from storch.registries import (
+    register_coordinates,
+    register_critic_inputs,
+    register_cumulants,
+    register_gsb_rule,
+    register_measure_valued,
+    register_one_hot_view,
+    register_relaxation,
+    register_relaxed_wor_value,
+    register_representation,
+    register_spsa_wrapper,
+    register_wor_support,
+)
 from storch.registry import AmbiguousLookupError, DuplicateRegistrationError, TypeRegistry, ambiguity_message
 from storch.tensor import (
     CostTensor,
@@ -190,7 +198,11 @@ __all__ = [
     # storch.compile_step
     "is_tracing",
     "EagerStepNeeded",
-    "state_declared_for",
+    "StepState",
+    "StateKind",
+    "DeclaresStepState",
+    "step_state_of",
+    "check_replayable",
     # operations
     "register_operation",
     # registries
@@ -210,30 +222,3 @@ __all__ = [
     "register_wor_support",
     "register_relaxed_wor_value",
 ]
-
-
-# Registries that live with their estimators, imported on first access (see the module docstring).
-_LAZY_REGISTRIES = {
-    "register_cumulants": "storch.method.cumulants",
-    "register_representation": "storch.method.gsb",
-    "register_gsb_rule": "storch.method.gsb",
-    "register_coordinates": "storch.method.local_expectation",
-    "register_one_hot_view": "storch.method.straight_through",
-    "register_spsa_wrapper": "storch.method.spsa",
-    "register_critic_inputs": "storch.method.critic",
-    "register_wor_support": "storch.sampling.swor",
-    "register_relaxed_wor_value": "storch.sampling.unordered_set",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY_REGISTRIES.get(name)
-    if module is None:
-        raise AttributeError(f"module 'storch.extend' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY_REGISTRIES))

@@ -38,9 +38,10 @@ import torch
 
 from storch import _tracing
 from storch._step import forget_sampled, sampled_plates
-from storch.exceptions import CompileStepError, NonFiniteCostError, StaleCostError, UnusedNodeWarning
+from storch.exceptions import NonFiniteCostError, StaleCostError, UnusedNodeWarning
 from storch.plate import MAX_PLATES, ChainPlate, Plate, PlateClashError, layout_of_plates, merge_layouts  # noqa: F401 (MAX_PLATES)
 from storch.reductions import reduce_plate
+from storch.state import check_replayable
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, alias, layout_of, plain, wrap_new
 from storch.util import get_distr_parameters, magic_box, restore_lazy_plates
 
@@ -475,20 +476,15 @@ def non_finite_error(
 
 
 def _refuse_state_between_steps(record: _Record) -> None:
-    """In a trace of [`storch.compile_step`][storch.compile_step]: refuse methods whose state changes after each step.
+    """In a trace of [`storch.compile_step`][storch.compile_step]: refuse methods that keep ``HOST`` state
+    between steps ([`storch.state.check_replayable`][storch.state.check_replayable], which names the method,
+    the part and the reason), before anything is differentiated or updated.
 
-    The compiled step replays the traced operations only; a method that updates its state in
-    ``update_parameters`` other than in place on its buffers and parameters would be frozen at its
-    state of the traced step, silently.
+    The compiled step replays the traced operations only; state kept or decided on the host would stay
+    as the traced step left it, silently.
     """
     for method, _ in record.triples.values():
-        if method.keeps_state_between_steps:
-            raise CompileStepError(
-                f"storch.compile_step: {type(method).__name__}({method.plate_name!r}) keeps state between "
-                "steps outside tensors it updates in place (or decides on the host how to use its state), "
-                "and a compiled step replays the traced operations only, so that state would stay frozen. "
-                "Run this step eagerly."
-            )
+        check_replayable(method)
 
 
 def _unused_nodes(costs: tuple[CostTensor, ...]) -> list[Plate]:

@@ -4,11 +4,13 @@ Distribution-specific math (relaxations, cumulants, measure-valued decomposition
 supports for sampling without replacement, …) lives in registries keyed by distribution type, in
 the manner of ``torch.distributions.kl.register_kl``: a value registered for a type also serves its
 subclasses, and the most specific registered base class wins (``Chi2`` finds ``Gamma``'s entry
-unless it has its own). Every registry is a [`TypeRegistry`][storch.registry.TypeRegistry] and is filled one way, by
-[`TypeRegistry.register`][storch.registry.TypeRegistry.register]; the public ``register_*`` functions of the modules
-(e.g.
-[`storch.distributions.relaxation.register_relaxation`][storch.distributions.relaxation.register_relaxation]) are thin
-wrappers around it.
+unless it has its own). Every registry is a [`TypeRegistry`][storch.registry.TypeRegistry], made in
+[`storch.registries`][storch.registries] together with its public ``register_*`` function (e.g.
+[`storch.registries.register_relaxation`][storch.registries.register_relaxation]), a thin wrapper around
+[`TypeRegistry.register`][storch.registry.TypeRegistry.register]. The modules that use a registry fill
+it with their built-in entries when they are imported, by
+[`TypeRegistry.register_default`][storch.registry.TypeRegistry.register_default], which keeps an entry a
+user registered earlier.
 
 Two things that would otherwise go unnoticed are errors:
 
@@ -255,11 +257,7 @@ class TypeRegistry(Generic[V]):
             >>> sizes.lookup(Bernoulli)
             3
         """
-        if not types:
-            raise TypeError(f"{self.name} registry: register() needs at least one type.")
-        for t in types:
-            if not isinstance(t, type):
-                raise TypeError(f"{self.name} registry: register() takes types, got {t!r}.")
+        self._check_types("register", types)
 
         def record(value: V) -> V:
             if not replace:
@@ -277,6 +275,52 @@ class TypeRegistry(Generic[V]):
             return value
 
         return record
+
+    def register_default(self, *types: type) -> Callable[[V], V]:
+        """Register a built-in value for each of ``types`` that has no entry of its own yet.
+
+        How a module fills a registry it does not own with its built-in entries, when it is
+        imported: an entry already registered for exactly one of ``types`` (a user's, registered
+        before that module was imported) is kept, neither replaced nor an error. Otherwise the same
+        as [`register`][storch.registry.TypeRegistry.register]: a later registration over a default
+        entry still needs ``replace=True``.
+
+        Args:
+            *types: the types to register the value for (at least one).
+
+        Returns:
+            A function ``value -> value`` that registers ``value`` where nothing is registered.
+
+        Raises:
+            TypeError: if ``types`` is empty or holds something other than a type.
+
+        Examples:
+            >>> from torch.distributions import Bernoulli, Categorical
+            >>> sizes = TypeRegistry("support size")
+            >>> sizes.register(Bernoulli)(3)   # the user's entry, made first
+            3
+            >>> sizes.register_default(Bernoulli, Categorical)("finite")
+            'finite'
+            >>> sizes.lookup(Bernoulli), sizes.lookup(Categorical)
+            (3, 'finite')
+        """
+        self._check_types("register_default", types)
+
+        def record(value: V) -> V:
+            missing = [t for t in dict.fromkeys(types) if t not in self._entries]
+            if missing:
+                self.register(*missing)(value)
+            return value
+
+        return record
+
+    def _check_types(self, caller: str, types: Sequence[object]) -> None:
+        """Raise ``TypeError`` unless ``types`` is a non-empty sequence of types."""
+        if not types:
+            raise TypeError(f"{self.name} registry: {caller}() needs at least one type.")
+        for t in types:
+            if not isinstance(t, type):
+                raise TypeError(f"{self.name} registry: {caller}() takes types, got {t!r}.")
 
     def unregister(self, cls: type) -> V:
         """Remove the entry registered for ``cls`` itself and return its value.

@@ -18,9 +18,11 @@ LAYERS: dict[str, int] = {
     # 0. leaves: plates, registries, errors, distributions and their relaxations
     "storch.exceptions": 0,
     "storch.registry": 0,
+    "storch.registries": 0,
     "storch.plate": 0,
     "storch._step": 0,
     "storch._tracing": 0,
+    "storch.state": 0,
     "storch.distributions": 0,
     "storch.datasets": 0,
     # 1. the engine: the tensor type, dispatch, reductions, costs and the surrogate loss

@@ -52,6 +52,7 @@ import torch
 from torch.distributions import Bernoulli, Categorical, Distribution, Exponential, Normal, OneHotCategorical, Poisson
 
 from storch.distributions.one_hot import one_hot
+from storch.registries import MEASURE_VALUED, register_measure_valued
 from storch.registry import TypeRegistry
 
 __all__ = [
@@ -101,28 +102,7 @@ class MeasureValuedDecomposition:
     parts: Mapping[str, MeasureValuedParameter]
 
 
-_DECOMPOSITIONS: TypeRegistry[MeasureValuedDecomposition] = TypeRegistry(
-    "measure-valued decomposition", register_with="storch.distributions.measure_valued.register_measure_valued",
-    reinterpreted_refused=(
-        "MVD differentiates each parameter coordinate of the batch dimensions of the node's "
-        "distribution, which an Independent moves into its event."
-    ),
-)
-
-
-def register_measure_valued(
-    dist_type: type, decomposition: MeasureValuedDecomposition, *, replace: bool = False
-) -> None:
-    """Register the measure-valued derivatives of ``dist_type`` (and its subclasses).
-
-    Args:
-        dist_type: the distribution type.
-        decomposition: its `MeasureValuedDecomposition`.
-        replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
-            it a second registration raises
-            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
-    """
-    _DECOMPOSITIONS.register(dist_type, replace=replace)(decomposition)
+_DECOMPOSITIONS: TypeRegistry[MeasureValuedDecomposition] = MEASURE_VALUED  # made in storch.registries, filled here
 
 
 def measure_valued_for(distr: Distribution) -> MeasureValuedDecomposition | None:
@@ -195,7 +175,7 @@ def _normal_scale_gradient(params: Params, x, f_x, f_points) -> torch.Tensor:
     return (f_points[0] - f_x) / params["scale"]
 
 
-_DECOMPOSITIONS.register(Normal)(
+_DECOMPOSITIONS.register_default(Normal)(
     MeasureValuedDecomposition(
         parameters=lambda d: {"loc": d.loc, "scale": d.scale},
         parts={
@@ -216,7 +196,7 @@ def _bernoulli_gradient(params: Params, x, f_x, f_points) -> torch.Tensor:
     return (2.0 * x - 1.0) * (f_x - f_points[0])
 
 
-_DECOMPOSITIONS.register(Bernoulli)(
+_DECOMPOSITIONS.register_default(Bernoulli)(
     MeasureValuedDecomposition(
         parameters=lambda d: {"probs": bernoulli_probs(d)},
         parts={"probs": MeasureValuedParameter(_bernoulli_points, _bernoulli_gradient)},
@@ -263,13 +243,13 @@ def _one_hot_gradient(params: Params, x, f_x, f_points) -> torch.Tensor:
 
 # ∂ E f / ∂p_k = f(k) for unnormalised p; the chain rule through softmax (or the normalisation of
 # probs) subtracts the constant Σ_k p_k f(k).
-_DECOMPOSITIONS.register(Categorical)(
+_DECOMPOSITIONS.register_default(Categorical)(
     MeasureValuedDecomposition(
         parameters=lambda d: {"probs": categorical_probs(d)},
         parts={"probs": MeasureValuedParameter(_categorical_points, _categorical_gradient)},
     )
 )
-_DECOMPOSITIONS.register(OneHotCategorical)(
+_DECOMPOSITIONS.register_default(OneHotCategorical)(
     MeasureValuedDecomposition(
         parameters=lambda d: {"probs": categorical_probs(d._categorical)},
         parts={"probs": MeasureValuedParameter(_one_hot_points, _one_hot_gradient)},
@@ -278,7 +258,7 @@ _DECOMPOSITIONS.register(OneHotCategorical)(
 
 
 # ------------------------------------------------------------------- Poisson, Exponential
-_DECOMPOSITIONS.register(Poisson)(
+_DECOMPOSITIONS.register_default(Poisson)(
     MeasureValuedDecomposition(
         parameters=lambda d: {"rate": d.rate},
         parts={
@@ -296,7 +276,7 @@ def _exponential_points(params: Params, x: torch.Tensor) -> torch.Tensor:
     return (x + extra).unsqueeze(1)
 
 
-_DECOMPOSITIONS.register(Exponential)(
+_DECOMPOSITIONS.register_default(Exponential)(
     MeasureValuedDecomposition(
         parameters=lambda d: {"rate": d.rate},
         parts={

@@ -36,6 +36,7 @@ from torch.distributions.relaxed_bernoulli import LogitRelaxedBernoulli
 from torch.distributions.transforms import SigmoidTransform
 
 from storch.distributions.one_hot import one_hot
+from storch.registries import RELAXATIONS, register_relaxation
 from storch.registry import TypeRegistry
 
 __all__ = [
@@ -83,22 +84,7 @@ class Relaxation:
     coupling: Optional[GumbelCoupling] = None
 
 
-_RELAXATIONS: TypeRegistry[Relaxation] = TypeRegistry(
-    "relaxation", register_with="storch.distributions.relaxation.register_relaxation"
-)
-
-
-def register_relaxation(dist_type: type, relaxation: Relaxation, *, replace: bool = False) -> None:
-    """Register the Gumbel-softmax relaxation of ``dist_type`` (and its subclasses).
-
-    Args:
-        dist_type: the distribution type.
-        relaxation: its `Relaxation`.
-        replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
-            it a second registration raises
-            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
-    """
-    _RELAXATIONS.register(dist_type, replace=replace)(relaxation)
+_RELAXATIONS: TypeRegistry[Relaxation] = RELAXATIONS  # made in storch.registries, filled here
 
 
 def relaxation_for(distr: Distribution) -> Relaxation | None:
@@ -180,14 +166,14 @@ def _relaxed_bernoulli(d: Distribution, tau: torch.Tensor) -> RelaxedBernoulli:
     return relaxed
 
 
-_RELAXATIONS.register(OneHotCategorical)(
+_RELAXATIONS.register_default(OneHotCategorical)(
     Relaxation(
         relaxed=lambda d, tau: RelaxedOneHotCategorical(tau, logits=d.logits, validate_args=False),
         hard=_one_hot_argmax,
         coupling=_CATEGORICAL_COUPLING,
     )
 )
-_RELAXATIONS.register(Bernoulli)(
+_RELAXATIONS.register_default(Bernoulli)(
     Relaxation(
         relaxed=_relaxed_bernoulli,
         hard=lambda x: (x > 0.5).to(x.dtype),

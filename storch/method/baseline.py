@@ -22,7 +22,7 @@ from torch import nn
 from storch import distributed
 from storch.reductions import reduce_plates
 from storch.reductions import sum as plate_sum
-from storch.extend import CostTensor, StochasticTensor, layout_of, no_dispatch, plain, state_declared_for
+from storch.extend import CostTensor, DeclaresStepState, StepState, StochasticTensor, layout_of, no_dispatch, plain
 
 __all__ = [
     "Baseline", "MovingAverageBaseline", "BatchAverageBaseline", "BatchAverage", "make_baseline", "BaselineFactory",
@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 
-class Baseline(nn.Module, ABC):
+class Baseline(nn.Module, DeclaresStepState, ABC):
     """A control variate for the score function, computed per registered cost."""
 
     #: whether the baseline depends on the node's own sample, so that a method using it must add
@@ -41,6 +41,11 @@ class Baseline(nn.Module, ABC):
     #: unbiased only when the samples are independent, so proposals that draw dependent samples
     #: (sampling without replacement) refuse it
     uses_other_samples: bool = False
+    #: what the baseline keeps between steps (see [`storch.state`][storch.state]): nothing. A subclass that
+    #: overrides [`update`][storch.method.baseline.Baseline.update] declares its own ``step_state`` in the
+    #: same class body, or counts as keeping ``HOST`` state
+    step_state = StepState.NONE
+    state_hooks = ("update",)
 
     @abstractmethod
     def compute_baseline(self, tensor: StochasticTensor, cost_node: CostTensor) -> torch.Tensor:
@@ -51,14 +56,6 @@ class Baseline(nn.Module, ABC):
 
     def update(self) -> None:
         """Called once after each backward pass."""
-
-    @property
-    def keeps_state_between_steps(self) -> bool:
-        """Whether [`update`][storch.method.baseline.Baseline.update] changes the baselines of later steps (a running
-        average, a trained
-        critic); an override of ``update`` counts as keeping state unless its class also overrides
-        this property."""
-        return not state_declared_for(self, "update")
 
     def correction(self, tensor: StochasticTensor, cost_node: CostTensor) -> Optional[torch.Tensor]:
         """An extra surrogate term beside ``(1 − □(l)) · b``, of forward value 0; ``None`` (default): none.
@@ -109,6 +106,8 @@ class MovingAverageBaseline(Baseline):
 
     #: class default, also for baselines pickled before the attribute existed
     sync: bool = True
+    #: the averages are buffers updated in place within the step: a compiled step replays that
+    step_state = StepState.IN_PLACE
 
     def __init__(self, exponential_decay: float = 0.95, sync: bool = True) -> None:
         super().__init__()
@@ -139,11 +138,6 @@ class MovingAverageBaseline(Baseline):
             if updated.is_meta or bool(updated):
                 found[name] = getattr(self, f"average_{index}")
         return found
-
-    @property
-    def keeps_state_between_steps(self) -> bool:
-        """The averages are buffers updated in place within the step: a compiled step replays that."""
-        return False
 
     def compute_baseline(self, tensor: StochasticTensor, cost_node: CostTensor) -> torch.Tensor:
         name = cost_node.name
@@ -254,24 +248,24 @@ class BatchAverageBaseline(Baseline):
         return (plate_sum(costs, tensor.plate) - costs) / (n - 1)
 
 
-class UpdatesItsBaseline:
+class UpdatesItsBaseline(DeclaresStepState):
     """Mixin for methods with an optional ``self.baseline`` (a [`Baseline`][storch.method.baseline.Baseline]
-    or ``None``): the baseline is updated after each backward pass, and the method keeps state between
-    steps where its baseline does. List it before the ``Method`` base."""
+    or ``None``): the baseline is updated after each backward pass, and is a part of the method's state
+    ([`storch.state`][storch.state]). List it before the ``Method`` base."""
 
     baseline: Optional[Baseline]
+    #: the mixin keeps nothing itself: the baseline's state counts as a part
+    step_state = StepState.NONE
+    state_hooks = ("update_parameters",)
 
     def update_parameters(self, result_triples) -> None:
         super().update_parameters(result_triples)  # type: ignore[misc]
         if self.baseline is not None:
             self.baseline.update()
 
-    @property
-    def keeps_state_between_steps(self) -> bool:
-        """The state of the sampling method and of the baseline (``moving_average`` keeps one)."""
-        return super().keeps_state_between_steps or (  # type: ignore[misc]
-            self.baseline is not None and self.baseline.keeps_state_between_steps
-        )
+    def state_parts(self) -> dict[str, Any]:
+        """The method's parts (its proposal) and the baseline (``None`` entries are skipped)."""
+        return {**super().state_parts(), "baseline": getattr(self, "baseline", None)}
 
 
 #: The manual's name for [`BatchAverageBaseline`][storch.method.baseline.BatchAverageBaseline] (its tutorial calls the

@@ -85,6 +85,7 @@ from storch.extend import (
     ChainPlate,
     CostTensor,
     PlateLayout,
+    StepState,
     StochasticNode,
     StochasticTensor,
     TypeRegistry,
@@ -100,6 +101,7 @@ from storch.extend import (
     wrap_new,
 )
 from storch.reductions import reduce_plates
+from storch.registries import CRITIC_INPUTS, register_critic_inputs
 
 __all__ = [
     "Critic", "QCritic", "NetworkFactory", "OptimizerFactory", "InputFunction", "register_critic_inputs",
@@ -115,29 +117,10 @@ InputFunction = Callable[[Distribution], Sequence[torch.Tensor]]
 
 
 # --------------------------------------------------------------------------- inputs
-_INPUTS: TypeRegistry[InputFunction] = TypeRegistry(
-    "critic inputs", register_with="storch.method.critic.register_critic_inputs"
-)
+_INPUTS: TypeRegistry[InputFunction] = CRITIC_INPUTS  # made in storch.registries, filled here
 
 
-def register_critic_inputs(dist_type: type, inputs: InputFunction, *, replace: bool = False) -> None:
-    """Register which tensors of a ``dist_type`` distribution a critic reads (default: its parameters).
-
-    ``inputs(distribution)`` returns tensors that carry (a subset of) the distribution's plates, with
-    any trailing shape; they are flattened per plate element and concatenated. They must be
-    functions of the distribution only, so of the node's non-descendants.
-
-    Args:
-        dist_type: the distribution type.
-        inputs: ``distribution -> tensors``.
-        replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
-            it a second registration raises
-            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
-    """
-    _INPUTS.register(dist_type, replace=replace)(inputs)
-
-
-@_INPUTS.register(Bernoulli, Categorical, OneHotCategorical)
+@_INPUTS.register_default(Bernoulli, Categorical, OneHotCategorical)
 def _probs(d: Distribution) -> Sequence[torch.Tensor]:
     return [d.probs]
 
@@ -371,12 +354,10 @@ class Critic(Baseline):
                 found[name] = loss
         return found
 
-    @property
-    def keeps_state_between_steps(self) -> bool:
-        """The networks, their optimizers' state and the target statistics are parameters and buffers of
-        the heads, updated in place within the step (see the module's state protocol): a compiled step
-        replays the critic's training."""
-        return False
+    #: the networks, their optimizers' state and the target statistics are parameters and buffers of the
+    #: heads, updated in place within the step (see the module's state protocol): a compiled step replays
+    #: the critic's training
+    step_state = StepState.IN_PLACE
 
     def prepare_compiled_step(self) -> tuple:
         """Called by [`storch.compile_step`][storch.compile_step] before each call: the optimizers'

@@ -36,6 +36,7 @@ from torch.distributions import Distribution, Exponential, Gamma, Independent, L
 
 from storch.distributions.dirac import Dirac
 from storch.extend import TypeRegistry
+from storch.registries import CUMULANTS, register_cumulants
 from storch.sampling.method import check_count
 
 __all__ = ["register_cumulants", "cumulants", "cumulant_terms", "cumulants_registered", "supported_distributions"]
@@ -43,37 +44,7 @@ __all__ = ["register_cumulants", "cumulants", "cumulant_terms", "cumulants_regis
 #: ``(distribution, order) -> [κ_1, …, κ_order]``, ``None`` for cumulants that are identically 0
 CumulantFn = Callable[[Distribution, int], list[Optional[torch.Tensor]]]
 
-_CUMULANTS: TypeRegistry[CumulantFn] = TypeRegistry(
-    "cumulants", register_with="storch.method.cumulants.register_cumulants"
-)
-
-
-def register_cumulants(dist_type: type, *, replace: bool = False) -> Callable[[CumulantFn], CumulantFn]:
-    """Decorator registering the cumulants of ``dist_type`` (and of its subclasses).
-
-    The function takes ``(distribution, order)`` and returns ``order`` cumulants, each broadcastable
-    to the shape of one sample (``batch_shape + event_shape``), or ``None`` where a cumulant is
-    identically zero (so that its derivative need not be computed).
-
-    Args:
-        dist_type: the distribution type.
-        replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
-            it a second registration raises
-            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
-
-    Examples:
-        >>> import torch
-        >>> from torch.distributions import Uniform
-        >>> @register_cumulants(Uniform)   # κ₁ = (a+b)/2, κ₂ = (b−a)²/12, odd ones above 1 vanish
-        ... def _uniform(d, order):
-        ...     width = d.high - d.low
-        ...     known = {1: (d.low + d.high) / 2, 2: width**2 / 12, 4: -width**4 / 120}
-        ...     return [known.get(n) for n in range(1, order + 1)]
-        >>> [k.item() for k in cumulants(Uniform(0.0, 1.0), 2)]
-        [0.5, 0.0833333358168602]
-        >>> _ = _CUMULANTS.unregister(Uniform)
-    """
-    return _CUMULANTS.register(dist_type, replace=replace)
+_CUMULANTS: TypeRegistry[CumulantFn] = CUMULANTS  # made in storch.registries, filled here
 
 
 def _lookup(distr: Distribution) -> Optional[CumulantFn]:
@@ -132,25 +103,25 @@ def cumulants(distr: Distribution, order: int) -> list[torch.Tensor]:
 
 
 # --------------------------------------------------------------------------- registered families
-@_CUMULANTS.register(Normal)
+@_CUMULANTS.register_default(Normal)
 def _normal(d: Normal, order: int) -> list[Optional[torch.Tensor]]:
     known = {1: d.loc, 2: d.scale**2}
     return [known.get(n) for n in range(1, order + 1)]
 
 
-@_CUMULANTS.register(Gamma)
+@_CUMULANTS.register_default(Gamma)
 def _gamma(d: Gamma, order: int) -> list[Optional[torch.Tensor]]:
     scale = 1.0 / d.rate
     return [d.concentration * math.factorial(n - 1) * scale**n for n in range(1, order + 1)]
 
 
-@_CUMULANTS.register(Exponential)
+@_CUMULANTS.register_default(Exponential)
 def _exponential(d: Exponential, order: int) -> list[Optional[torch.Tensor]]:
     scale = 1.0 / d.rate
     return [math.factorial(n - 1) * scale**n for n in range(1, order + 1)]
 
 
-@_CUMULANTS.register(Laplace)
+@_CUMULANTS.register_default(Laplace)
 def _laplace(d: Laplace, order: int) -> list[Optional[torch.Tensor]]:
     def kappa(n: int) -> Optional[torch.Tensor]:
         if n == 1:
@@ -162,11 +133,11 @@ def _laplace(d: Laplace, order: int) -> list[Optional[torch.Tensor]]:
     return [kappa(n) for n in range(1, order + 1)]
 
 
-@_CUMULANTS.register(Dirac)
+@_CUMULANTS.register_default(Dirac)
 def _dirac(d: Dirac, order: int) -> list[Optional[torch.Tensor]]:
     return [d.value] + [None] * (order - 1)
 
 
-@_CUMULANTS.register(Independent)
+@_CUMULANTS.register_default(Independent)
 def _independent(d: Independent, order: int) -> list[Optional[torch.Tensor]]:
     return cumulant_terms(d.base_dist, order)

@@ -58,6 +58,7 @@ from storch import distributed
 from storch.extend import (
     CostTensor,
     PlateLayout,
+    StepState,
     StochasticTensor,
     Tensor,
     align_to,
@@ -357,10 +358,9 @@ class DoubleControlVariate(Method):
                 later = beta * buffer + (1 - beta) * value
                 buffer.copy_(torch.where(seen, torch.where(first, value, later), buffer))
 
-    @property
-    def keeps_state_between_steps(self) -> bool:
-        """The statistics are buffers updated in place within the step: a compiled step replays that."""
-        return self.sampling_method.keeps_state_between_steps
+    #: the statistics ``cross`` and ``norm`` are buffers that `update_parameters` updates in place with tensor
+    #: operations (no host read): a compiled step replays that
+    step_state = StepState.IN_PLACE
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave out the current step's pending statistics (weak references)."""

@@ -129,6 +129,7 @@ from storch.method.local_expectation import (
 )
 from storch.method.method import Method
 from storch.reductions import sum as plate_sum
+from storch.registries import GSB_REPRESENTATIONS, GSB_RULES, register_gsb_rule, register_representation
 from storch.sampling.method import check_count
 
 __all__ = [
@@ -153,22 +154,7 @@ class Representation:
     transform: Callable[[torch.Tensor], torch.Tensor]
 
 
-_REPRESENTATIONS: TypeRegistry[Representation] = TypeRegistry(
-    "GSB representation", register_with="storch.method.gsb.register_representation"
-)
-
-
-def register_representation(dist_type: type, representation: Representation, *, replace: bool = False) -> None:
-    """Let GSB sample ``dist_type`` through another distribution (e.g. Beta through two gammas).
-
-    Args:
-        dist_type: the distribution type (and its subclasses).
-        representation: its [`Representation`][storch.method.gsb.Representation].
-        replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
-            it a second registration raises
-            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
-    """
-    _REPRESENTATIONS.register(dist_type, replace=replace)(representation)
+_REPRESENTATIONS: TypeRegistry[Representation] = GSB_REPRESENTATIONS  # made in storch.registries, filled here
 
 
 def representation_for(distr: Distribution) -> Optional[Representation]:
@@ -197,8 +183,8 @@ def _dirichlet_latent(d: Dirichlet) -> Distribution:  # eq. 21: z = ζ / Σ_k ζ
     return Gamma(alpha, torch.ones_like(alpha))
 
 
-_REPRESENTATIONS.register(Beta)(Representation(_beta_latent, lambda zeta: zeta[..., 0] / zeta.sum(-1)))
-_REPRESENTATIONS.register(Dirichlet)(Representation(_dirichlet_latent, lambda zeta: zeta / zeta.sum(-1, keepdim=True)))
+_REPRESENTATIONS.register_default(Beta)(Representation(_beta_latent, lambda zeta: zeta[..., 0] / zeta.sum(-1)))
+_REPRESENTATIONS.register_default(Dirichlet)(Representation(_dirichlet_latent, lambda zeta: zeta / zeta.sum(-1, keepdim=True)))
 
 
 # --------------------------------------------------------------------------- rules
@@ -218,27 +204,7 @@ class GSBRule(ABC):
         """The control-variate term (forward value 0) whose gradient is the estimate."""
 
 
-_RULES: TypeRegistry[GSBRule] = TypeRegistry(
-    "GSB rule", register_with="storch.method.gsb.register_gsb_rule",
-    reinterpreted_refused=(
-        "GSB's discrete rules (local expectations, finite differences) change one coordinate at a time, "
-        "and take the coordinates from the batch dimensions of the node's distribution, which an "
-        "Independent moves into its event."
-    ),
-)
-
-
-def register_gsb_rule(dist_type: type, rule: GSBRule, *, replace: bool = False) -> None:
-    """Use ``rule`` for ``dist_type`` and its subclasses (overrides the cumulant rule).
-
-    Args:
-        dist_type: the distribution type.
-        rule: the [`GSBRule`][storch.method.gsb.GSBRule].
-        replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
-            it a second registration raises
-            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
-    """
-    _RULES.register(dist_type, replace=replace)(rule)
+_RULES: TypeRegistry[GSBRule] = GSB_RULES  # made in storch.registries, filled here
 
 
 def _drop_grad(t: torch.Tensor) -> None:
@@ -367,8 +333,8 @@ def leaf_of(tensor: StochasticTensor) -> torch.Tensor:
     """The hidden leaf of a node sampled by GSB's continuous rule: the detached latent draw whose
     samples are a differentiable function of it, by which the cost is differentiated."""
     return _CUMULANT_RULE.leaves.of(tensor)
-_RULES.register(Bernoulli, Categorical, OneHotCategorical)(_LocalExpectationRule())
-_RULES.register(Poisson)(_FiniteDifferenceRule())
+_RULES.register_default(Bernoulli, Categorical, OneHotCategorical)(_LocalExpectationRule())
+_RULES.register_default(Poisson)(_FiniteDifferenceRule())
 
 
 def gsb_supported() -> list[str]:

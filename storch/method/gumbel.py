@@ -15,7 +15,6 @@ step replayed by [`storch.compile_step`][storch.compile_step] anneals exactly as
 
 from __future__ import annotations
 
-from typing import Any, Optional
 
 import torch
 from torch.distributions import Distribution
@@ -23,7 +22,7 @@ from torch.distributions import Distribution
 from storch.method.method import DEFAULT_N_SAMPLES, Method
 from storch.distributions.relaxation import AnnealedTemperature, relaxation_for
 from storch.sampling.method import SamplingMethod
-from storch.extend import rsample_gumbel_softmax
+from storch.extend import StepState, rsample_gumbel_softmax
 
 __all__ = ["GumbelSoftmax", "BufferedTemperature"]
 
@@ -86,8 +85,6 @@ class GumbelSoftmax(AnnealedTemperature, Method):
         super().update_parameters(result_triples)
         self.anneal()
 
-    @property
-    def keeps_state_between_steps(self) -> bool:
-        """The temperature schedule keeps no state outside its buffers, which `anneal` updates in place
-        within the step (a compiled step replays that); only the proposal's state counts."""
-        return super().keeps_state_between_steps
+    #: the temperature schedule keeps no state outside its buffers, which `anneal` updates in place within
+    #: the step (a compiled step replays that)
+    step_state = StepState.IN_PLACE

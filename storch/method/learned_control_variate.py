@@ -63,7 +63,7 @@ from storch import distributed
 from storch.exceptions import CompileStepError
 from storch.method.method import Method
 from storch.reductions import reduce_plates
-from storch.extend import StochasticTensor, Tensor, is_tracing, layout_of, node_of, plain
+from storch.extend import StepState, StochasticTensor, Tensor, is_tracing, layout_of, node_of, plain
 
 __all__ = [
     "LearnedControlVariate", "Draw", "OptimizerFactory", "default_optimizer", "replay_refusal", "hyperparameters",
@@ -455,13 +455,10 @@ class LearnedControlVariate(Method):
                     total_sq = sq if total_sq is None else total_sq + sq
         return total_sq
 
-    @property
-    def keeps_state_between_steps(self) -> bool:
-        """The variance step changes only tensors of the method in place (``φ``, the optimizer's state
-        buffers, the last norm; see the module's state protocol), so a compiled step replays it: only
-        the proposal's state counts. (An optimizer that reads on the host is refused by name in the
-        trace.)"""
-        return super().keeps_state_between_steps
+    #: the variance step changes only tensors of the method, in place (``φ``, the optimizer's state buffers,
+    #: the last norm; see the module's state protocol), so a compiled step replays it (an optimizer that
+    #: reads on the host is refused by name in the trace)
+    step_state = StepState.IN_PLACE
 
     def update_parameters(self, result_triples: Sequence[tuple[Any, ...]]) -> None:
         super().update_parameters(result_triples)

@@ -22,6 +22,7 @@ from torch.distributions import Bernoulli, Categorical, Distribution, OneHotCate
 
 from storch.extend import TypeRegistry
 from storch.method.groups import group_weights
+from storch.registries import COORDINATES, register_coordinates
 
 __all__ = [
     "Coordinates", "register_coordinates", "coordinates_for", "require_coordinates", "variable_shape",
@@ -48,26 +49,7 @@ class Coordinates:
     index: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
 
-_COORDINATES: TypeRegistry[Coordinates] = TypeRegistry(
-    "local-expectation coordinates", register_with="storch.method.local_expectation_points.register_coordinates",
-    reinterpreted_refused=(
-        "local expectations change one coordinate at a time, and take the coordinates from the batch "
-        "dimensions of the node's distribution, which an Independent moves into its event."
-    ),
-)
-
-
-def register_coordinates(dist_type: type, coordinates: Coordinates, *, replace: bool = False) -> None:
-    """Register how the coordinates of ``dist_type`` (and its subclasses) take their values.
-
-    Args:
-        dist_type: the distribution type.
-        coordinates: its [`Coordinates`][storch.method.local_expectation_points.Coordinates].
-        replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
-            it a second registration raises
-            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
-    """
-    _COORDINATES.register(dist_type, replace=replace)(coordinates)
+_COORDINATES: TypeRegistry[Coordinates] = COORDINATES  # made in storch.registries, filled here
 
 
 def coordinates_for(distr: Distribution) -> Optional[Coordinates]:
@@ -88,15 +70,15 @@ def _bernoulli_probs(d: Bernoulli) -> torch.Tensor:
     return torch.stack([1 - p, p], -1)
 
 
-_COORDINATES.register(Bernoulli)(
+_COORDINATES.register_default(Bernoulli)(
     Coordinates(values=lambda d: torch.tensor([0.0, 1.0], dtype=d.probs.dtype, device=d.probs.device),
                 probs=_bernoulli_probs, index=lambda x: x.long())
 )
-_COORDINATES.register(Categorical)(
+_COORDINATES.register_default(Categorical)(
     Coordinates(values=lambda d: torch.arange(d.probs.shape[-1], device=d.probs.device), probs=lambda d: d.probs,
                 index=lambda x: x.long())
 )
-_COORDINATES.register(OneHotCategorical)(
+_COORDINATES.register_default(OneHotCategorical)(
     Coordinates(
         values=lambda d: torch.eye(d.probs.shape[-1], dtype=d.probs.dtype, device=d.probs.device),
         probs=lambda d: d.probs,

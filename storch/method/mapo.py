@@ -42,14 +42,15 @@ import torch
 from torch import nn
 from torch.distributions import Categorical, Distribution, Independent
 
-from storch.exceptions import CompileStepError
 from storch.extend import (
     AncestralPlate,
     CostTensor,
     Plate,
     PlateLayout,
+    StepState,
     StochasticTensor,
     align_to,
+    check_replayable,
     distribution_layout,
     floating_dtype,
     get_distr_parameters,
@@ -687,25 +688,19 @@ class MAPO(Method):
             self.store.load({"var_shape": list(var_shape) if var_shape is not None else [-1], "n_values": n_values,
                              **old}, f"MAPO({self.plate_name!r})")
 
-    @property
-    def keeps_state_between_steps(self) -> bool:
-        """MAPO's memory is tensors (`MAPOMemory`'s buffers), but what a step does with it is decided on
-        the host: the plate holds the longest buffer's values plus the samples (a size read from the
-        memory), the memory grows to the largest datum id, the draw from outside an empty memory takes a
-        shorter path, and systematic exploration stores as many values as it finds new. A compiled
-        step would replay the first step's choices, so MAPO keeps state between steps (a traced step
-        is refused by name: `_refuse_trace`)."""
-        return True
+    #: MAPO's memory is tensors (`MAPOMemory`'s buffers), but what a step does with it is decided on the
+    #: host, so a compiled step would replay the first step's choices (a traced step is refused before
+    #: anything is drawn, by `_refuse_trace`)
+    step_state = StepState.host(
+        "its plate holds the longest memory buffer's values plus the samples, a size read from the memory on "
+        "the host (it grows from 0 to buffer_size as values are found), its memory grows to the largest datum "
+        "id, the draw from outside an empty memory takes another path, and systematic exploration stores as "
+        "many values as it finds new"
+    )
 
     def _refuse_trace(self) -> None:
         """In the trace of a compiled step (before anything is drawn): refuse, naming the host decisions."""
-        raise CompileStepError(
-            f"storch.compile_step: MAPO({self.plate_name!r}) keeps state between steps that a replay cannot "
-            "follow: its plate holds the longest memory buffer's values plus the samples, a size read from the "
-            "memory on the host (it grows from 0 to buffer_size as values are found), its memory grows to the "
-            "largest datum id, the draw from outside an empty memory takes another path, and systematic "
-            "exploration stores as many values as it finds new. Run MAPO's steps eagerly."
-        )
+        check_replayable(self)
 
     # ------------------------------------------------------------------ sampling
     def check_distribution(self, distr: Distribution) -> None:

@@ -38,7 +38,9 @@ Estimators that need the cost at extra points (ARM, measure-valued derivatives, 
 REBAR) lay out groups of evaluation points along their own plate and weight them; see
 `storch.method.groups`. Methods that learn from the gradient estimate (RELAX's control
 variate) set ``needs_graph_after_backward`` so that `update_parameters` can differentiate
-through the surrogate once more.
+through the surrogate once more. A method whose `update_parameters` keeps state between steps
+declares how in its class attribute ``step_state`` ([`storch.state`][storch.state]); an override of
+`update_parameters` without one counts as state that [`storch.compile_step`][storch.compile_step] refuses.
 """
 
 from __future__ import annotations
@@ -54,8 +56,10 @@ from storch.extend import (
     MAX_PLATES,
     ChainPlate,
     CostTensor,
+    DeclaresStepState,
     Plate,
     PlateLayout,
+    StepState,
     TooManyPlatesError,
     StochasticTensor,
     Tensor,
@@ -73,7 +77,6 @@ from storch.extend import (
     note_sampled,
     reraise_cuda_dimension_error,
     restore_lazy_plates,
-    state_declared_for,
     wrap,
     without_plate,
     wrap_new,
@@ -262,7 +265,7 @@ def _on_device(weight: Any, device: torch.device) -> torch.Tensor:
     return copy
 
 
-class Method(nn.Module):
+class Method(nn.Module, DeclaresStepState):
     """Base class of gradient estimators: sample a distribution and say how to differentiate it.
 
     Args:
@@ -314,6 +317,12 @@ class Method(nn.Module):
     #: 64 dimensions. Methods whose estimator needs the node's plate next to its parents' (none
     #: in storch today) set it to ``False``.
     extends_chains: bool = True
+    #: what the method keeps between steps apart from its parts (its ``sampling_method``; see
+    #: [`storch.state`][storch.state]): nothing. A subclass that overrides
+    #: [`update_parameters`][storch.method.method.Method.update_parameters] declares its own ``step_state``
+    #: in the same class body, or counts as keeping ``HOST`` state
+    step_state = StepState.NONE
+    state_hooks = ("update_parameters",)
 
     def __init__(
         self, plate_name: str, sampling_method: SamplingMethod | None = None, n_samples: int = DEFAULT_N_SAMPLES
@@ -514,21 +523,9 @@ class Method(nn.Module):
         """Called once after each [`storch.backward`][storch.backward] that used this method."""
         self.sampling_method.update_parameters(result_triples)
 
-    @property
-    def keeps_state_between_steps(self) -> bool:
-        """Whether [`update_parameters`][storch.method.method.Method.update_parameters] changes what later steps
-        compute other than in place on the method's buffers and parameters (a Python counter, a memory
-        whose use is decided on the host, as MAPO's).
-
-        [`storch.compile_step`][storch.compile_step] refuses such methods: a compiled step replays the traced
-        operations only, so the state would stay frozen. Buffers and parameters updated in place (a
-        moving average, an annealed temperature, a control variate trained by a fused optimizer) do not
-        count: the replay carries the updates out. A subclass that overrides ``update_parameters``
-        counts as keeping state unless it overrides this property too.
-        """
-        if not state_declared_for(self, "update_parameters"):
-            return True
-        return self.sampling_method.keeps_state_between_steps
+    def state_parts(self) -> dict[str, Any]:
+        """The parts whose state joins the method's (see [`storch.state`][storch.state]): its proposal."""
+        return {"sampling_method": getattr(self, "sampling_method", None)}
 
     def reset(self) -> None:
         self.sampling_method.reset()
@@ -537,23 +534,21 @@ class Method(nn.Module):
         return f"plate_name={self.plate_name!r}, n_samples={self.n_samples}"
 
 
-class JointBoundRecords:
+class JointBoundRecords(DeclaresStepState):
     """Mixin for methods that estimate a joint bound over their samples (``handles_joint_bound``):
     the bounds that `Method.on_joint_bound` notes in ``self._bounds`` during a step (by cost name)
     are forgotten after it, so nothing carries over between steps. List it before the ``Method`` base.
     """
 
     handles_joint_bound = True
+    #: the bounds noted in a step are cleared after it: nothing carries over
+    step_state = StepState.NONE
+    state_hooks = ("update_parameters",)
     _bounds: dict
 
     def update_parameters(self, result_triples: Sequence[tuple]) -> None:
         super().update_parameters(result_triples)  # type: ignore[misc]
         self._bounds.clear()
-
-    @property
-    def keeps_state_between_steps(self) -> bool:
-        """The bounds noted in a step are cleared after it: nothing carries over."""
-        return super().keeps_state_between_steps  # type: ignore[misc]
 
     def reset(self) -> None:
         super().reset()  # type: ignore[misc]

@@ -46,54 +46,37 @@ from torch.distributions.utils import probs_to_logits
 
 from storch.method.groups import GroupRecords, flatten_groups, group_plate, group_weights, split_groups, spread_groups
 from storch.method.method import Method
-from storch.extend import CostTensor, Plate, StochasticTensor, TypeRegistry, layout_of, layout_of_plates, wrap
+from storch.extend import (
+    CostTensor,
+    Plate,
+    StepState,
+    StochasticTensor,
+    TypeRegistry,
+    layout_of,
+    layout_of_plates,
+    wrap,
+)
+from storch.registries import SPSA_WRAPPERS, SPSAWrapper, register_spsa_wrapper
 
 __all__ = ["SPSA", "register_spsa_wrapper", "perturbable_parameters"]
 
 
 # ----------------------------------------------------------------------- parameterisation
-@dataclass(frozen=True)
-class _Wrapper:
-    inner: Callable[[Distribution], Distribution]
-    rebuild: Callable[[Distribution, Distribution], Distribution]
-
-
-_WRAPPERS: TypeRegistry[_Wrapper] = TypeRegistry(
-    "SPSA wrapper", register_with="storch.method.spsa.register_spsa_wrapper"
-)
-
-
-def register_spsa_wrapper(
-    dist_type: type,
-    inner: Callable[[Distribution], Distribution],
-    rebuild: Callable[[Distribution, Distribution], Distribution],
-    *,
-    replace: bool = False,
-) -> None:
-    """Let SPSA perturb a distribution that keeps its parameters in another distribution.
-
-    Args:
-        dist_type: the wrapper type (and its subclasses).
-        inner: ``wrapper -> the distribution holding the parameters``.
-        rebuild: ``(wrapper, perturbed inner) -> perturbed wrapper``.
-        replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
-            it a second registration raises
-            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
-    """
-    _WRAPPERS.register(dist_type, replace=replace)(_Wrapper(inner, rebuild))
+_Wrapper = SPSAWrapper
+_WRAPPERS: TypeRegistry[SPSAWrapper] = SPSA_WRAPPERS  # made in storch.registries, filled here
 
 
 def _wrapper_for(d: Distribution) -> _Wrapper | None:
     return _WRAPPERS.lookup(d)
 
 
-_WRAPPERS.register(OneHotCategorical)(
+_WRAPPERS.register_default(OneHotCategorical)(
     _Wrapper(
         inner=lambda d: d._categorical,
         rebuild=lambda d, cat: type(d)(logits=cat.__dict__["logits"], validate_args=False),
     )
 )
-_WRAPPERS.register(Independent)(
+_WRAPPERS.register_default(Independent)(
     _Wrapper(
         inner=lambda d: d.base_dist,
         rebuild=lambda d, base: Independent(base, d.reinterpreted_batch_ndims, validate_args=False),
@@ -227,6 +210,14 @@ class SPSA(Method):
         >>> mu.grad.shape, bool(torch.allclose(mu.grad, 2 * mu.detach(), atol=0.15))
         (torch.Size([2]), True)
     """
+
+    #: SPSA keeps no state of its own, but it reads and resets the random generator's state on the host
+    #: within each step, which a replayed graph does not do
+    step_state = StepState.host(
+        "it reads the random generator's state on the host and sets it back twice in each step, so that x, x⁺ "
+        "and x⁻ are drawn from the same random numbers (common random numbers), and a replayed graph neither "
+        "reads nor sets that state"
+    )
 
     def __init__(self, plate_name: str, n_samples: int = 1, c: float = 0.1) -> None:
         super().__init__(plate_name, None, n_samples)

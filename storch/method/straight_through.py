@@ -40,6 +40,7 @@ from storch.method.method import DEFAULT_N_SAMPLES, Method
 from storch.distributions.one_hot import one_hot
 from storch.distributions.relaxation import conditional_gumbel_rsample
 from storch.extend import TypeRegistry
+from storch.registries import ONE_HOT_VIEWS, register_one_hot_view
 from storch.sampling.method import SamplingMethod, check_count
 
 __all__ = [
@@ -65,22 +66,7 @@ class OneHotView:
     to_sample: Callable[[torch.Tensor], torch.Tensor]
 
 
-_VIEWS: TypeRegistry[OneHotView] = TypeRegistry(
-    "one-hot view", register_with="storch.method.straight_through.register_one_hot_view"
-)
-
-
-def register_one_hot_view(dist_type: type, view: OneHotView, *, replace: bool = False) -> None:
-    """Register the one-hot view of ``dist_type`` (and of its subclasses).
-
-    Args:
-        dist_type: the distribution type.
-        view: its [`OneHotView`][storch.method.straight_through.OneHotView].
-        replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
-            it a second registration raises
-            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
-    """
-    _VIEWS.register(dist_type, replace=replace)(view)
+_VIEWS: TypeRegistry[OneHotView] = ONE_HOT_VIEWS  # made in storch.registries, filled here
 
 
 def one_hot_view_for(distr: Distribution) -> Optional[OneHotView]:
@@ -101,8 +87,8 @@ def _bernoulli_logits(d: Bernoulli) -> torch.Tensor:
     return torch.stack([F.logsigmoid(-logit), F.logsigmoid(logit)], -1)
 
 
-_VIEWS.register(Bernoulli)(OneHotView(logits=_bernoulli_logits, to_sample=lambda y: y[..., 1]))
-_VIEWS.register(OneHotCategorical)(OneHotView(logits=lambda d: d.logits, to_sample=lambda y: y))
+_VIEWS.register_default(Bernoulli)(OneHotView(logits=_bernoulli_logits, to_sample=lambda y: y[..., 1]))
+_VIEWS.register_default(OneHotCategorical)(OneHotView(logits=lambda d: d.logits, to_sample=lambda y: y))
 
 
 def require_one_hot_view(distr: Distribution, refusal: str) -> OneHotView:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributions import Distribution
 
-from storch.extend import Plate, state_declared_for
+from storch.extend import DeclaresStepState, Plate, StepState
 
 if TYPE_CHECKING:  # pragma: no cover
     from storch.extend import StochasticTensor
@@ -75,7 +75,7 @@ def check_count(value: Any, name: str, owner: str, minimum: int = 1) -> int:
     return count
 
 
-class SamplingMethod(nn.Module, ABC):
+class SamplingMethod(nn.Module, DeclaresStepState, ABC):
     """Base class of proposals. Subclasses implement [`sample`][storch.sampling.method.SamplingMethod.sample].
 
     Hooks:
@@ -113,6 +113,11 @@ class SamplingMethod(nn.Module, ABC):
     #: the number of samples drawn, where it is fixed in advance (subclasses set it; 1 otherwise,
     #: e.g. for enumeration, whose number depends on the distribution)
     n_samples: int = 1
+    #: what the proposal keeps between steps (see [`storch.state`][storch.state]): nothing. A subclass that
+    #: overrides [`update_parameters`][storch.sampling.method.SamplingMethod.update_parameters] declares its
+    #: own ``step_state`` in the same class body, or counts as keeping ``HOST`` state
+    step_state = StepState.NONE
+    state_hooks = ("update_parameters",)
 
     def __init__(self, plate_name: str) -> None:
         super().__init__()
@@ -174,14 +179,6 @@ class SamplingMethod(nn.Module, ABC):
 
     def update_parameters(self, result_triples: Sequence[tuple]) -> None:
         """Called after each [`storch.backward`][storch.backward] with ``(node, cost, contribution)`` triples."""
-
-    @property
-    def keeps_state_between_steps(self) -> bool:
-        """Whether [`update_parameters`][storch.sampling.method.SamplingMethod.update_parameters] changes what later
-        steps compute (see
-        `storch.method.Method.keeps_state_between_steps`); an override of it counts as
-        keeping state unless the overriding class also overrides this property."""
-        return not state_declared_for(self, "update_parameters")
 
     def reset(self) -> None:
         """Forget any state kept between samples."""

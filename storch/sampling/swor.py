@@ -76,6 +76,7 @@ from storch.extend import (
     wrap_new,
 )
 from storch.distributions.one_hot import one_hot
+from storch.registries import WOR_SUPPORTS, register_wor_support
 from storch.sampling.method import SamplingMethod, check_count
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -104,23 +105,7 @@ class WORSupport:
 
 _SupportFn = Callable[[Distribution], WORSupport]
 
-_SUPPORTS: TypeRegistry[_SupportFn] = TypeRegistry(
-    "WOR support", register_with="storch.sampling.swor.register_wor_support"
-)
-
-
-def register_wor_support(dist_type: type, *, replace: bool = False) -> Callable[[_SupportFn], _SupportFn]:
-    """Register how to enumerate the support of ``dist_type`` (a decorator, like ``register_kl``).
-
-    The decorated function takes the distribution and returns a [`WORSupport`][storch.sampling.swor.WORSupport].
-
-    Args:
-        dist_type: the distribution type.
-        replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
-            it a second registration raises
-            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
-    """
-    return _SUPPORTS.register(dist_type, replace=replace)
+_SUPPORTS: TypeRegistry[_SupportFn] = WOR_SUPPORTS  # made in storch.registries, filled here
 
 
 def wor_support(distr: Distribution) -> WORSupport:
@@ -137,19 +122,19 @@ def wor_support(distr: Distribution) -> WORSupport:
     )
 
 
-@_SUPPORTS.register(Categorical)
+@_SUPPORTS.register_default(Categorical)
 def _categorical_support(d: Categorical) -> WORSupport:
     return WORSupport(d.logits, lambda idx: idx)
 
 
-@_SUPPORTS.register(OneHotCategorical)
+@_SUPPORTS.register_default(OneHotCategorical)
 def _one_hot_support(d: OneHotCategorical) -> WORSupport:
     logits = d.logits
     size = logits.shape[-1]
     return WORSupport(logits, lambda idx: one_hot(idx, size, logits.dtype))
 
 
-@_SUPPORTS.register(Bernoulli)
+@_SUPPORTS.register_default(Bernoulli)
 def _bernoulli_support(d: Bernoulli) -> WORSupport:
     logits = d.logits
     log_probs = torch.stack([-F.softplus(logits), -F.softplus(-logits)], -1)  # values 0, 1

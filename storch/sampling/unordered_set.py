@@ -45,7 +45,8 @@ from torch.distributions import Bernoulli, Distribution, OneHotCategorical
 
 from storch.distributions.one_hot import one_hot
 from storch.distributions.relaxation import AnnealedTemperature
-from storch.extend import Plate, TypeRegistry
+from storch.extend import Plate, StepState, TypeRegistry
+from storch.registries import RELAXED_WOR_VALUES, register_relaxed_wor_value
 from storch.sampling.swor import SampleWithoutReplacement, WORState, wor_support
 
 __all__ = [
@@ -268,34 +269,15 @@ class UnorderedSet(SampleWithoutReplacement):
 # ----------------------------------------------------------------------- relaxed variant
 _RelaxedValueFn = Callable[[torch.Tensor], torch.Tensor]
 
-_RELAXED_VALUES: TypeRegistry[_RelaxedValueFn] = TypeRegistry(
-    "relaxed WOR value", register_with="storch.sampling.unordered_set.register_relaxed_wor_value"
-)
+_RELAXED_VALUES: TypeRegistry[_RelaxedValueFn] = RELAXED_WOR_VALUES  # made in storch.registries, filled here
 
 
-def register_relaxed_wor_value(
-    dist_type: type, *, replace: bool = False
-) -> Callable[[_RelaxedValueFn], _RelaxedValueFn]:
-    """Decorator registering how a relaxed one-hot vector over the support of ``dist_type`` (as
-    enumerated by [`storch.sampling.swor.wor_support`][storch.sampling.swor.wor_support]) becomes a relaxed sample of
-    that
-    distribution.
-
-    Args:
-        dist_type: the distribution type.
-        replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
-            it a second registration raises
-            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
-    """
-    return _RELAXED_VALUES.register(dist_type, replace=replace)
-
-
-@_RELAXED_VALUES.register(OneHotCategorical)
+@_RELAXED_VALUES.register_default(OneHotCategorical)
 def _one_hot_relaxed(y: torch.Tensor) -> torch.Tensor:
     return y
 
 
-@_RELAXED_VALUES.register(Bernoulli)
+@_RELAXED_VALUES.register_default(Bernoulli)
 def _bernoulli_relaxed(y: torch.Tensor) -> torch.Tensor:
     return y[..., 1]  # the support is enumerated as (0, 1)
 
@@ -435,10 +417,8 @@ class GumbelSoftmaxWOR(AnnealedTemperature, UnorderedSet):
         super().update_parameters(result_triples)
         self.anneal()
 
-    @property
-    def keeps_state_between_steps(self) -> bool:
-        """The annealed temperature is a buffer updated in place (replayed by ``storch.compile_step``)."""
-        return super().keeps_state_between_steps
+    #: the annealed temperature is a buffer that `anneal` updates in place (a compiled step replays that)
+    step_state = StepState.IN_PLACE
 
     def extra_repr(self) -> str:
         return (
