@@ -168,6 +168,19 @@ def test_compile_step_trains_as_the_eager_run(tmp_path, digits, cfg):
         assert compiled[k] == pytest.approx(eager[k], rel=1e-4), k
 
 
+def test_compare_keeps_compiled_and_gpu_runs_apart_from_the_eager_cpu_run():
+    """A compiled (or GPU) run of one setting is its own row in ``compare``, not another seed of the
+    eager run: their ms/step would be averaged."""
+    cfg = {**train.DEFAULTS, "estimator": "rebar", "n_samples_resolved": 1}
+    eager = train.run_label(cfg)
+    compiled = train.run_label({**cfg, "compile_step": True})
+    gpu = train.run_label({**cfg, "device": "cuda"})
+    assert len({eager, compiled, gpu}) == 3
+    assert compiled == eager + " compiled" and gpu == eager + " cuda"
+    rows = [{"model": "m", "data": "d", "label": label} for label in (eager, compiled, eager)]
+    assert [len(runs) for runs in cli._groups(rows).values()] == [2, 1]
+
+
 def test_compile_step_refuses_a_stateful_estimator_by_name(tmp_path, digits):
     cfg = {**QUICK, "estimator": "spsa", "compile_step": True}
     with pytest.raises(CompileStepError, match=r"SPSA\('z'\) keeps state between steps that a replay cannot follow"):

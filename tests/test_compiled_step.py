@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -750,3 +751,14 @@ def test_an_argument_updated_in_place_is_refused():
 
     with pytest.raises(CompileStepError, match=r"changes 1 of its arguments in place \(shapes \[\(4, 8\)\]"):
         storch.compile_step(step, model)(DATA.clone())
+
+
+def test_the_scaling_page_lists_what_compiles_and_what_is_refused():
+    """docs/scaling.md's lists are the sweep's: replayed = every class not refused, refused = REFUSED."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "scaling.md").read_text()
+    section = page.split("### Which estimators compile", 1)[1].split("\n## ", 1)[0]
+    replayed_text, refused_text = section.split("Refused:", 1)
+    replayed = set(re.findall(r"`(\w+)`", replayed_text.split("same seed:", 1)[1]))
+    refused = set(re.findall(r"^\| `(\w+)` \|", refused_text, flags=re.M))
+    assert refused == set(REFUSED)
+    assert replayed == set(METHOD_CLASSES) - set(REFUSED)

@@ -100,12 +100,22 @@ def resolve_device(name: str) -> torch.device:
 
 
 def run_label(cfg: dict[str, Any]) -> str:
-    """``estimator(options)``: the name under which ``compare`` groups runs."""
+    """``estimator(options)``: the name under which ``compare`` groups runs (the seeds of one setting).
+
+    The objective, a device other than the CPU and ``--compile-step`` are part of it, so that
+    ``compare`` shows a compiled or a GPU run beside the eager CPU run instead of averaging them as
+    seeds of one row."""
     est = ESTIMATORS[cfg["estimator"]]
     opts = [f"{o}={cfg[o]}" for o in est.options if cfg.get(o) is not None]
     opts.append(f"n={cfg['n_samples_resolved']}")
     label = f"{est.name}({','.join(opts)})"
-    return label if cfg["objective"] == "elbo" else f"{label}/iwae"
+    if cfg["objective"] != "elbo":
+        label += "/iwae"
+    if (cfg.get("device") or "cpu") != "cpu":
+        label += f" {cfg['device']}"
+    if cfg.get("compile_step"):
+        label += " compiled"
+    return label
 
 
 class Batches:
