@@ -91,6 +91,11 @@ class Treatment:
             such default, or takes no dimensions).
         prepare: checks or rewrites the arguments before they are scanned (``None``: nothing): indexing
             refuses an index that would mix samples, ``torch.einsum`` gets an ellipsis for the plates.
+        broadcasts: the function follows torch's broadcasting rules and writes a new tensor (the
+            out-of-place elementwise functions and operators): where every plated argument's plates
+            are the last ones of the union of plates and no argument is ragged, torch's own
+            broadcasting lays the arguments out as aligning them would (the missing plates are
+            leading size-1 dimensions), so they are passed as they are.
         passthrough: derived: ``kind == "passthrough"``.
         elementwise: derived: the kind pads event dimensions (``"elementwise"``, ``"equal_shapes"``).
         special: derived: the kind may need aligning with shared plates (``"equal_shapes"``, ``"join"``).
@@ -103,6 +108,7 @@ class Treatment:
     adds_dim: bool = False
     implicit_dims: tuple[int, ...] | None = None
     prepare: Callable[[tuple], tuple] | None = None
+    broadcasts: bool = False
     # derived once here, so that the dispatcher reads one flag per question
     passthrough: bool = field(init=False, repr=False, compare=False)
     elementwise: bool = field(init=False, repr=False, compare=False)
@@ -208,9 +214,10 @@ def _build_treatments() -> dict[Callable, Treatment]:
         for func in funcs:
             fields.setdefault(func, {}).update(values)
 
-    mark(_named(_ELEMENTWISE_NAMES, (torch, _T)), kind="elementwise")
-    mark(_named([n + "_" for n in _ELEMENTWISE_NAMES], (_T,)), kind="elementwise")
-    mark(_named([f"__{n}__" for n in _OPERATORS], (_T,)), kind="elementwise")
+    mark(_named(_ELEMENTWISE_NAMES, (torch, _T)), kind="elementwise", broadcasts=True)
+    mark(_named([n + "_" for n in _ELEMENTWISE_NAMES], (_T,)), kind="elementwise")  # in place: self's shape
+    mark(_named([f"__{n}__" for n in _OPERATORS if not n.startswith("i")], (_T,)), kind="elementwise", broadcasts=True)
+    mark(_named([f"__{n}__" for n in _OPERATORS if n.startswith("i")], (_T,)), kind="elementwise")
     mark(_EQUAL_SHAPES, kind="equal_shapes")
     mark(_JOINS, kind="join")
     mark(_MAY_DROP_PLATES, may_drop_plates=True)
@@ -297,14 +304,16 @@ def register_operation(
 def _registered(old: Treatment, kind: str, positions: tuple[int, ...], adds_dim: bool) -> Treatment:
     """``old`` with a new kind and dimension arguments.
 
-    A function's own defaults are kept: whether it may drop plates, and, for a function that acts on
-    an implicit dimension (``torch.cat``, ``Tensor.T``), its dimension arguments when none are given.
+    A function's own defaults are kept: whether it may drop plates, whether it broadcasts (while it
+    stays elementwise), and, for a function that acts on an implicit dimension (``torch.cat``,
+    ``Tensor.T``), its dimension arguments when none are given.
     """
+    broadcasts = old.broadcasts and kind == "elementwise"
     if positions or adds_dim:
-        return replace(old, kind=kind, dim_positions=positions, adds_dim=adds_dim)
+        return replace(old, kind=kind, dim_positions=positions, adds_dim=adds_dim, broadcasts=broadcasts)
     if old.implicit_dims is not None:
-        return replace(old, kind=kind)
-    return replace(old, kind=kind, dim_positions=(), adds_dim=False)
+        return replace(old, kind=kind, broadcasts=broadcasts)
+    return replace(old, kind=kind, dim_positions=(), adds_dim=False, broadcasts=broadcasts)
 
 
 # storch.Tensor, set by storch.tensor once the class exists (it imports this module).
@@ -701,6 +710,8 @@ def _align_call(treat: Treatment, args: tuple, kwargs: dict, scan: Scan | None) 
     if scan is None:
         scan = scan_layouts(args, kwargs)
     union = union_of_layouts(scan.layouts)
+    if treat.broadcasts and not scan.ragged and _plates_are_trailing(scan.layouts, union):
+        return args, kwargs, union  # torch's broadcasting inserts the missing (leading) plates itself
     expand = treat.kind == "join"
     pad_to = scan.event_ndim if treat.elementwise else None
     new_args = tuple(_convert_argument(a, union, pad_to, expand) for a in args)
@@ -709,6 +720,17 @@ def _align_call(treat: Treatment, args: tuple, kwargs: dict, scan: Scan | None) 
     if treat.kind == "equal_shapes":
         new_args, kwargs = _broadcast_tensor_args(new_args, kwargs)
     return new_args, kwargs, union
+
+
+def _plates_are_trailing(layouts: list[PlateLayout], union: PlateLayout) -> bool:
+    """Whether each layout's plates are the last plates of ``union``, in its order (so that only
+    leading plates are missing, which broadcasting inserts as size-1 dimensions on the left)."""
+    plates = union.plates
+    n = len(plates)
+    for lay in layouts:
+        if lay is not union and lay.plates != plates[n - len(lay.plates):]:
+            return False
+    return True
 
 
 def _convert_argument(a: Any, union: PlateLayout, pad_to: int | None, expand: bool) -> Any:

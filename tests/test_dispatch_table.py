@@ -20,7 +20,7 @@ import storch
 import storch.extend as extend
 from storch import _dispatch
 from storch._dispatch import DEFAULT, KINDS, Plan, Treatment, scan_layouts, treatment_of
-from storch.extend import register_operation
+from storch.extend import plain, register_operation
 from storch.plate import AncestralPlate, layout_of_plates
 
 T = torch.Tensor
@@ -338,3 +338,73 @@ def test_einsum_of_two_plated_operands_gives_the_joint_grid():
     assert sorted(out.plate_names) == ["a", "c"] and out.dim() == 2
     torch.testing.assert_close(out._tensor, (c._tensor[:, None, :] * a._tensor[None, :, :]).sum(-1))
     storch.reset()
+
+
+# ------------------------------------------------------------ broadcasting without aligning
+def _sample_and_data():
+    """``a``: plates [z (3), data (4)], one event dimension of 2; ``b``: plate [data], the same event."""
+    torch.manual_seed(0)
+    b = _plated(torch.randn(4, 2), "data")
+    a = storch.method.Reparameterization("z", n_samples=3)(torch.distributions.Normal(b, 1.0))
+    return a, b
+
+
+BROADCASTING = {  # function (as its treatment is keyed), call
+    "add": (T.__add__, lambda a, b: b + a),
+    "rsub": (T.__rsub__, lambda a, b: 1.0 - b),
+    "eq": (T.__eq__, lambda a, b: (b == a).float()),
+    "where": (torch.where, lambda a, b: torch.where(b > 0, b, a)),
+    "masked_fill": (T.masked_fill, lambda a, b: b.masked_fill(a > 0, 7.0)),
+    "clamp": (torch.clamp, lambda a, b: torch.clamp(b, min=a)),
+    "lerp": (torch.lerp, lambda a, b: torch.lerp(b, a, 0.25)),
+    "broadcast_tensors": (torch.broadcast_tensors, lambda a, b: torch.broadcast_tensors(b, a)[0] * 1.0),
+}
+
+
+def _count_alignments(monkeypatch) -> list:
+    calls: list = []
+    original = _dispatch.align_tensor
+    monkeypatch.setattr(_dispatch, "align_tensor", lambda *args, **kw: calls.append(1) or original(*args, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("name", list(BROADCASTING))
+def test_broadcasting_functions_skip_aligning_when_only_leading_plates_are_missing(name, monkeypatch) -> None:
+    """The data-only tensor meets the sample tensor as torch's broadcasting lays it out: the same
+    values and plates as aligning it first, and no alignment."""
+    func, call = BROADCASTING[name]
+    assert treatment_of(func).broadcasts
+    a, b = _sample_and_data()
+    expected = call(plain(a), plain(b).unsqueeze(0))
+    aligned = _count_alignments(monkeypatch)
+    out = call(a, b)
+    if name != "rsub":  # 1.0 - b has b's plates only
+        assert out.plate_names == ["z", "data"] and not aligned
+    assert torch.equal(plain(out), expected if name != "rsub" else expected[0])
+
+
+def test_in_place_and_ragged_calls_are_still_aligned(monkeypatch) -> None:
+    """In place the result keeps the written tensor's shape, and a tensor with fewer event dimensions
+    gets size-1 event dimensions after its plates: those calls are aligned as before."""
+    assert not treatment_of(T.add_).broadcasts and not treatment_of(T.__iadd__).broadcasts
+    a, b = _sample_and_data()
+    s = a.sum(-1)  # [z, data] without an event dimension, against b's [data] with one
+    aligned = _count_alignments(monkeypatch)
+    out = s + b
+    assert aligned and out.plate_names == ["z", "data"] and tuple(out.shape) == (3, 4, 2)
+    assert torch.equal(plain(out), plain(s)[..., None] + plain(b)[None])
+    single = storch.method.Reparameterization("y", n_samples=1)(torch.distributions.Normal(b, 1.0))
+    written = b.clone()
+    written += single  # b's plates lack y (size 1): aligned, so the in-place write fits
+    assert torch.equal(plain(written), plain(b)[None] + plain(single))
+
+
+def test_reregistering_a_broadcasting_function_with_another_kind_drops_the_shortcut() -> None:
+    old = treatment_of(torch.lerp)
+    try:
+        register_operation(torch.lerp, "aligned")
+        assert not treatment_of(torch.lerp).broadcasts
+        register_operation(torch.lerp, "elementwise")
+        assert not treatment_of(torch.lerp).broadcasts  # a user's elementwise function: aligned
+    finally:
+        _dispatch._TREATMENTS[torch.lerp] = old
