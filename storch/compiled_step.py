@@ -289,7 +289,7 @@ class CompiledStep:
         written = written_inputs(graph, inputs.placeholder_kinds())
         refuse_updated_arguments(written, inputs.arguments)
         module = simplify(graph)
-        replay = replay_module(module).forward
+        replay = replay_module(module, record.outputs)
         check_replay(replay, before, inputs, record.outputs, record.asserted)
         run = replay if self.backend == "eager" else torch.compile(
             module, backend=self.backend, **self.compile_options)

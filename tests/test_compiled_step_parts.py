@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 from torch import nn
 from torch.distributions import Normal
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -60,15 +61,40 @@ def test_identities_are_removed():
     assert _ops(graph, "detach") == 0 and _ops(graph, "aten.view") == 0
 
 
-def test_the_replay_module_computes_what_the_graph_computes():
-    def f(xs):
-        return [xs[0].exp() * 2, xs[1].sum()]
+def _outputs(a, b, c, d, e) -> StepOutputs:
+    """A step's outputs made of five tensors: two result tensors, one gradient, one loss with two costs."""
+    return StepOutputs(result=[a.exp() * 2, b.sum()], grads=[c + 1], checks=[], losses=[d.sum()],
+                       costs=[[d, e]], ok=torch.isfinite(d.sum()))
 
-    graph = passes.simplify(make_fx(f)([torch.ones(2), torch.ones(3)]))
-    replay = replay_module(graph)
-    assert "torch.ops" not in replay.code and "aten_exp_default" in replay.code
-    for a, b in zip(replay([torch.ones(2), torch.ones(3)]), f([torch.ones(2), torch.ones(3)]), strict=True):
+
+def test_the_replay_module_computes_what_the_graph_computes():
+    """The replay takes the inputs' lists, runs the operations through their C++ handles (no
+    ``torch.ops`` lookups in its code) and returns the graph's `StepOutputs`."""
+
+    def f(trainable, incoming_grads, frozen, buffers, arguments):
+        return _outputs(*trainable, *arguments)
+
+    inputs = ([torch.ones(2), torch.ones(3)], [], [], [], [torch.ones(4), torch.full((2,), 3.0), torch.ones(1)])
+    graph = passes.simplify(make_fx(f)(*inputs))
+    expected = f(*inputs)
+    replay = replay_module(graph, expected)
+    assert "torch.ops" not in replay.forward.__self__.code and "aten_exp_default" in replay.forward.__self__.code
+    outputs = replay(*inputs)
+    assert isinstance(outputs, StepOutputs)
+    for a, b in zip(pytree.tree_leaves(outputs), pytree.tree_leaves(expected), strict=True):
         assert torch.equal(a, b)
+
+
+def test_outputs_read_back_from_their_flat_leaves():
+    """`StepOutputs.from_flat` is the inverse of pytree's flattening, for any counts."""
+    t = [torch.tensor(float(i)) for i in range(9)]
+    outputs = StepOutputs(result=t[:2], grads=[t[2]], checks=[t[3]], losses=[t[4], t[5]],
+                          costs=[[t[6]], [t[7]]], ok=t[8])
+    back = StepOutputs.from_flat(pytree.tree_leaves(outputs), outputs.counts())
+    assert pytree.tree_structure(back) == pytree.tree_structure(outputs)
+    assert all(a is b for a, b in zip(pytree.tree_leaves(back), t, strict=True))
+    empty = StepOutputs([], [], [], [], [], t[0])
+    assert StepOutputs.from_flat([t[0]], empty.counts()) == empty
 
 
 def test_a_failed_assertion_becomes_its_check():

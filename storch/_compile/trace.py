@@ -7,7 +7,7 @@ that the graph returns and that [`CompiledStep`][storch.compiled_step.CompiledSt
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -44,6 +44,24 @@ class StepOutputs(NamedTuple):
     costs: list[list[torch.Tensor]]
     #: every check holds and every loss is finite: the one value read on the host per step
     ok: torch.Tensor
+
+    def counts(self) -> tuple[int, int, int, tuple[int, ...]]:
+        """How many tensors each field holds (``costs``: per ``storch.backward``), for `from_flat`."""
+        return len(self.result), len(self.grads), len(self.checks), tuple(len(c) for c in self.costs)
+
+    @classmethod
+    def from_flat(cls, flat: Sequence[torch.Tensor], counts: tuple[int, int, int, tuple[int, ...]]) -> StepOutputs:
+        """The outputs from their leaves in pytree order (each field in turn, ``ok`` last), as the
+        graph's flat ``forward`` returns them; ``counts`` from the traced step's `counts`."""
+        n_result, n_grads, n_checks, n_costs = counts
+        i = n_result + n_grads + n_checks
+        n_losses = len(n_costs)
+        costs, j = [], i + n_losses
+        for n in n_costs:
+            costs.append(list(flat[j:j + n]))
+            j += n
+        return cls(list(flat[:n_result]), list(flat[n_result:n_result + n_grads]),
+                   list(flat[n_result + n_grads:i]), list(flat[i:i + n_losses]), costs, flat[j])
 
 
 @dataclass
