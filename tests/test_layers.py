@@ -46,6 +46,7 @@ LAYERS: dict[str, int] = {
     "storch.testing": 4,
     "storch.compiler": 4,
     "storch.compiled_step": 4,
+    "storch._compile": 4,  # compile_step's parts: trace, inputs, checks, refusals, passes, replay
     "storch.bench": 4,
     "storch.demo": 4,
 }
