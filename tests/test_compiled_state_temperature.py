@@ -18,11 +18,12 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.distributions import Bernoulli, OneHotCategorical
+from torch.distributions import Bernoulli
 
 import storch
 import storch.method as M
 from storch.testing import assert_unbiased, check_unbiased
+from test_gapped_straight_through import RelaxedModel  # noqa: E402  (tests/ is on the path through conftest)
 
 pytestmark = pytest.mark.seed(7)
 
@@ -36,23 +37,7 @@ ANNEALED = {
 }
 
 
-class Relaxed(nn.Module):
-    """Logits of a four-class one-hot node and a scale on the cost, as module parameters."""
-
-    def __init__(self, method: M.Method) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.method = method
-        self.logits = nn.Parameter(torch.randn(4) * 0.3)
-        self.scale = nn.Parameter(torch.tensor(1.5))
-
-    def step(self, target: torch.Tensor) -> torch.Tensor:
-        z = self.method(OneHotCategorical(logits=self.logits))
-        storch.add_cost((self.scale * (z - target) ** 2).sum(-1), "f")
-        return storch.backward()
-
-
-def _run(model: Relaxed, step, steps: int) -> list[list[torch.Tensor]]:
+def _run(model: RelaxedModel, step, steps: int) -> list[list[torch.Tensor]]:
     """Per step (seeded): the estimate, the gradients, the temperature and the step count after it."""
     out = []
     for i in range(steps):
@@ -66,7 +51,7 @@ def _run(model: Relaxed, step, steps: int) -> list[list[torch.Tensor]]:
 
 @pytest.mark.parametrize("name", list(ANNEALED))
 def test_replayed_steps_anneal_as_eager_steps_do(name):
-    eager, compiled = Relaxed(ANNEALED[name]()), Relaxed(ANNEALED[name]())
+    eager, compiled = RelaxedModel(ANNEALED[name]()), RelaxedModel(ANNEALED[name]())
     compiled_step = storch.compile_step(compiled.step, compiled)
     expected, got = _run(eager, eager.step, 6), _run(compiled, compiled_step, 6)
     for e_step, c_step in zip(expected, got, strict=True):
@@ -80,14 +65,14 @@ def test_replayed_steps_anneal_as_eager_steps_do(name):
 
 
 def test_the_traced_graph_updates_the_schedule_in_place():
-    model = Relaxed(ANNEALED["GumbelSoftmax"]())
+    model = RelaxedModel(ANNEALED["GumbelSoftmax"]())
     code = storch.compile_step(model.step, model).graph(TARGET).code
     assert "aten.add_" in code and "aten.copy_" in code  # t += 1; τ ← max(τ_min, τ_0 e^{−r t})
     assert "_local_scalar_dense" not in code  # no value read back
 
 
 def test_the_step_count_survives_a_checkpoint_after_compiled_steps():
-    model = Relaxed(ANNEALED["GumbelSoftmax"]())
+    model = RelaxedModel(ANNEALED["GumbelSoftmax"]())
     step = storch.compile_step(model.step, model)
     for _ in range(3):
         step(TARGET)
@@ -99,7 +84,7 @@ def test_the_step_count_survives_a_checkpoint_after_compiled_steps():
 
 
 def test_a_fixed_temperature_stays_fixed_in_replays():
-    model = Relaxed(M.GumbelSoftmax("z", n_samples=2, initial_temperature=0.7))
+    model = RelaxedModel(M.GumbelSoftmax("z", n_samples=2, initial_temperature=0.7))
     step = storch.compile_step(model.step, model)
     for _ in range(3):
         step(TARGET)

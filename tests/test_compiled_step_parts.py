@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.utils import _pytree as pytree
-from torch import nn
-from torch.distributions import Normal
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import storch
@@ -14,7 +12,7 @@ from storch._compile import passes
 from storch._compile.checks import Check, CheckFailed, failed_assertions
 from storch._compile.replay import replay_module
 from storch._compile.trace import StepOutputs
-from storch.method import Reparameterization
+from test_compiled_step import Scales  # noqa: E402  (tests/ is on the path through conftest)
 
 
 def _ops(module: torch.fx.GraphModule, name: str) -> int:
@@ -105,17 +103,6 @@ def test_a_failed_assertion_becomes_its_check():
     assert type(check.exception(" (note)")) is RuntimeError
     with pytest.raises(RuntimeError, match="another"), failed_assertions({check.message: check}):
         raise RuntimeError("another")
-
-
-class Scales(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.mu = nn.Parameter(torch.tensor([0.3, -0.2]))
-
-    def step(self, scale: torch.Tensor) -> torch.Tensor:
-        x = Reparameterization("x", n_samples=2)(Normal(self.mu, scale, validate_args=True))
-        storch.add_cost(((x - 1.0) ** 2).sum(-1), "f")
-        return storch.backward()
 
 
 def _eager_error(model: Scales, scale: torch.Tensor) -> BaseException:

@@ -310,8 +310,10 @@ def test_second_order_is_the_hessian_through_the_relaxation_at_the_sample():
 
 
 # ---------------------------------------------------------------- the method's contract
-class _Model(nn.Module):
-    def __init__(self, method: GappedStraightThrough) -> None:
+class RelaxedModel(nn.Module):
+    """Logits of a four-class one-hot node and a scale on the cost, as module parameters."""
+
+    def __init__(self, method: storch.method.Method) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.method = method
@@ -324,7 +326,7 @@ class _Model(nn.Module):
         return storch.backward()
 
 
-def _steps(model: _Model, step, steps: int = 3) -> list[list[torch.Tensor]]:
+def _steps(model: RelaxedModel, step, steps: int = 3) -> list[list[torch.Tensor]]:
     target = torch.tensor([0.1, 0.6, 0.3, 0.9])
     out = []
     for i in range(steps):
@@ -337,7 +339,7 @@ def _steps(model: _Model, step, steps: int = 3) -> list[list[torch.Tensor]]:
 @pytest.mark.parametrize("gap", [1.0, "p"])
 def test_compile_step_replays_the_eager_step(gap):
     def build():
-        return _Model(GappedStraightThrough("z", n_samples=2, temperature=0.5, gap=gap))
+        return RelaxedModel(GappedStraightThrough("z", n_samples=2, temperature=0.5, gap=gap))
 
     eager_model, compiled_model = build(), build()
     eager = _steps(eager_model, eager_model.step)
@@ -350,7 +352,7 @@ def test_compile_step_replays_the_eager_step(gap):
 
 
 def test_pickles_copies_and_keeps_its_options():
-    model = _Model(GappedStraightThrough("z", n_samples=2, temperature=0.3, gap="p"))
+    model = RelaxedModel(GappedStraightThrough("z", n_samples=2, temperature=0.3, gap="p"))
     model.step(torch.zeros(4))
     buffer = io.BytesIO()
     torch.save(model, buffer)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.overrides import TorchFunctionMode
 
 from storch.distributions.one_hot import one_hot
@@ -106,8 +107,6 @@ class DeferredChecks(TorchFunctionMode):
 
 def _holds(valid: torch.Tensor) -> bool:
     """The real outcome of a check in the trace (read without recording the read)."""
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
     with disable_proxy_modes_tracing():
         return bool(valid)
 
