@@ -10,7 +10,10 @@ Two models, each step as in the other benchmarks (one thread; CPU, or a GPU with
 For each, five variants are timed, interleaved in blocks (medians over blocks): storch eager,
 storch compiled (``torch.compile`` of the whole step function, default backend), hand-written
 eager and hand-written compiled, and storch under ``storch.compile_step(..., backend="inductor")``
-(the step traced once at the aten level, the graph compiled by TorchInductor). Compilation happens
+(the step traced once at the aten level, the graph compiled by TorchInductor). On a GPU two more
+can be chosen (``--variants``): the hand-written step and ``compile_step`` with
+``mode="reduce-overhead"``, TorchInductor's CUDA graphs (one launch replays the step's kernels).
+``--models`` picks among the four sbn-linear estimators of ``make bench-sbn`` and the VAE. Compilation happens
 before timing (its time is printed). Under ``torch.compile`` storch's own frames run eagerly
 (``storch.compiler``), so every operation on a storch tensor is a graph break: expect compiled
 storch ≈ eager storch; ``compile_step`` has no storch frames left to run.
@@ -20,6 +23,8 @@ Usage::
     .venv/bin/python benchmarks/compile_step.py               # ~2 minutes
     .venv/bin/python benchmarks/compile_step.py --blocks 3 --steps 5   # smoke run
     python benchmarks/compile_step.py --device cuda             # the same table on a GPU
+    python benchmarks/compile_step.py --device cuda --models REINFORCE,VAE \
+        --variants "hand-written compiled (CUDA graphs),storch compile_step (CUDA graphs)"
 
 On a GPU the models and data live on the device and each timed block ends with
 ``torch.cuda.synchronize()``; the models are small, so a step is bound by kernel launches and
@@ -48,49 +53,84 @@ from handwritten import handwritten_step, make_data, make_model_and_optimizer  #
 from run import _make_method, storch_gradient, storch_step  # noqa: E402
 
 
-def sbn_variants(name: str, data: torch.Tensor, device: torch.device) -> Dict[str, Callable[[], object]]:
+VARIANTS = (
+    "storch eager", "storch compiled", "hand-written eager", "hand-written compiled", "storch compile_step",
+    "hand-written compiled (CUDA graphs)", "storch compile_step (CUDA graphs)",
+)
+CUDA_GRAPHS = {"mode": "reduce-overhead"}  # torch.compile's CUDA graphs (TorchInductor)
+
+
+def sbn_variants(name: str, data: torch.Tensor, device: torch.device, chosen) -> Dict[str, Callable[[], object]]:
+    """The ``chosen`` variants of the sbn-linear step with estimator ``name``, each on a model of its own."""
     hand = sbn.hw_grad(name)
     data = data.to(device)
-    models = [sbn.make_model(0)[0].to(device) for _ in range(5)]
-    method_eager, method_compiled = sbn.make_method(name), sbn.make_method(name)
-    storch_compiled, hand_compiled = torch.compile(sbn.storch_grad), torch.compile(hand)
-    traced = storch.compile_step(functools.partial(sbn.storch_grad, models[4], method=sbn.make_method(name)),
-                                 models[4], backend="inductor")
-    return {
-        "storch eager": lambda: sbn.storch_grad(models[0], data, method_eager),
-        "storch compiled": lambda: storch_compiled(models[1], data, method_compiled),
-        "hand-written eager": lambda: hand(models[2], data),
-        "hand-written compiled": lambda: hand_compiled(models[3], data),
-        "storch compile_step": lambda: traced(data),
+
+    def model():
+        return sbn.make_model(0)[0].to(device)
+
+    def compile_step(**options):
+        m = model()
+        return storch.compile_step(functools.partial(sbn.storch_grad, m, method=sbn.make_method(name)), m,
+                                   backend="inductor", **options)
+
+    def bind(fn, *args):
+        return lambda: fn(*args)
+
+    makers = {
+        "storch eager": lambda: bind(sbn.storch_grad, model(), data, sbn.make_method(name)),
+        "storch compiled": lambda: bind(torch.compile(sbn.storch_grad), model(), data, sbn.make_method(name)),
+        "hand-written eager": lambda: bind(hand, model(), data),
+        "hand-written compiled": lambda: bind(torch.compile(hand), model(), data),
+        "storch compile_step": lambda: bind(compile_step(), data),
+        "hand-written compiled (CUDA graphs)": lambda: bind(torch.compile(hand, **CUDA_GRAPHS), model(), data),
+        "storch compile_step (CUDA graphs)": lambda: bind(compile_step(**CUDA_GRAPHS), data),
     }
+    return {k: makers[k]() for k in chosen}
 
 
-def vae_variants(device: torch.device, batch: int = 8, n_samples: int = 8) -> Dict[str, Callable[[], object]]:
+def vae_variants(device: torch.device, chosen, batch: int = 8, n_samples: int = 8) -> Dict[str, Callable[[], object]]:
+    """The ``chosen`` variants of the discrete VAE's step (optimizer step included)."""
     data = make_data(batch).to(device)
-    pairs = [make_model_and_optimizer() for _ in range(5)]
-    for model, _ in pairs:
-        model.to(device)  # moves the parameters in place: the optimizers keep them
-    methods = [_make_method(storch, n_samples) for _ in range(3)]
-    storch_compiled = torch.compile(storch_step)
-    hand_compiled = torch.compile(handwritten_step)
-    model4, optimizer4 = pairs[4]
-    gradient = storch.compile_step(functools.partial(storch_gradient, storch, model4, methods[2]), model4,
-                                   backend="inductor")
-    optimizer_step = torch.compile(optimizer4.step)  # compiled as in the hand-written compiled step
 
-    def traced(x):
-        optimizer4.zero_grad()
-        value = gradient(x)
-        optimizer_step()
-        return value
+    def pair():
+        model, optimizer = make_model_and_optimizer()
+        model.to(device)  # moves the parameters in place: the optimizer keeps them
+        return model, optimizer
 
-    return {
-        "storch eager": lambda: storch_step(storch, *pairs[0], methods[0], data),
-        "storch compiled": lambda: storch_compiled(storch, *pairs[1], methods[1], data),
-        "hand-written eager": lambda: handwritten_step(*pairs[2], data, n_samples),
-        "hand-written compiled": lambda: hand_compiled(*pairs[3], data, n_samples),
-        "storch compile_step": lambda: traced(data),
+    def traced(**options):
+        model, optimizer = pair()
+        gradient = storch.compile_step(functools.partial(storch_gradient, storch, model, _make_method(storch, n_samples)),
+                                       model, backend="inductor", **options)
+        optimizer_step = torch.compile(optimizer.step)  # compiled as in the hand-written compiled step
+
+        def step():
+            optimizer.zero_grad()
+            value = gradient(data)
+            optimizer_step()
+            return value
+
+        return step
+
+    def storch_eager(step=storch_step):
+        model, optimizer = pair()
+        method = _make_method(storch, n_samples)
+        return lambda: step(storch, model, optimizer, method, data)
+
+    def hand(compiled: bool = True, **options):
+        model, optimizer = pair()
+        step = torch.compile(handwritten_step, **options) if compiled else handwritten_step
+        return lambda: step(model, optimizer, data, n_samples)
+
+    makers = {
+        "storch eager": lambda: storch_eager(),
+        "storch compiled": lambda: storch_eager(torch.compile(storch_step)),
+        "hand-written eager": lambda: hand(compiled=False),
+        "hand-written compiled": lambda: hand(),
+        "storch compile_step": lambda: traced(),
+        "hand-written compiled (CUDA graphs)": lambda: hand(**CUDA_GRAPHS),
+        "storch compile_step (CUDA graphs)": lambda: traced(**CUDA_GRAPHS),
     }
+    return {k: makers[k]() for k in chosen}
 
 
 def _synchronize(device: torch.device) -> None:
@@ -119,41 +159,59 @@ def time_variants(
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+MODELS = ("REINFORCE", "RLOO", "ARM", "DisARM", "VAE")
+RATIOS = (  # (label, numerator, denominator)
+    ("eager storch / eager hand", "storch eager", "hand-written eager"),
+    ("compiled storch / compiled hand", "storch compiled", "hand-written compiled"),
+    ("compile_step / compiled hand", "storch compile_step", "hand-written compiled"),
+    ("compile_step / compiled hand, CUDA graphs", "storch compile_step (CUDA graphs)",
+     "hand-written compiled (CUDA graphs)"),
+)
+
+
+def _names(text: str, allowed, what: str) -> list:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        raise SystemExit(f"unknown {what} {unknown}; choose from {list(allowed)}")
+    return names
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=15)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--models", default="REINFORCE,ARM,VAE",
+                        help=f"comma-separated, from {', '.join(MODELS)} (sbn-linear estimators, the discrete VAE)")
+    parser.add_argument("--variants", default=",".join(VARIANTS[:5]),
+                        help="comma-separated, from: " + "; ".join(VARIANTS) + " (the CUDA graph variants need a GPU)")
     parser.add_argument("--data-dir", type=Path, default=sbn.DEFAULT_DATA, help="folder of binarized_mnist_packed.npz")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
+    models, chosen = _names(args.models, MODELS, "models"), _names(args.variants, VARIANTS, "variants")
     torch.set_num_threads(1)
     data = sbn.load_train(args.data_dir)[:50]
     rows = []
-    for label, make in [
-        ("sbn-linear REINFORCE", lambda: sbn_variants("REINFORCE", data, device)),
-        ("sbn-linear ARM", lambda: sbn_variants("ARM", data, device)),
-        ("discrete VAE, batch 8", lambda: vae_variants(device)),
-    ]:
+    for name in models:
+        label = "discrete VAE, batch 8" if name == "VAE" else f"sbn-linear {name}"
         print(label, flush=True)
-        rows.append((label, time_variants(make(), args.blocks, args.steps, device)))
+        variants = vae_variants(device, chosen) if name == "VAE" else sbn_variants(name, data, device, chosen)
+        rows.append((label, time_variants(variants, args.blocks, args.steps, device)))
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    ratios = [r for r in RATIOS if r[1] in chosen and r[2] in chosen]
     print(f"\nms/step on {where} (torch {torch.__version__}), medians of {args.blocks} interleaved blocks of "
           f"{args.steps} steps, 1 CPU thread")
-    head = ["storch eager", "storch compiled", "hand-written eager", "hand-written compiled", "storch compile_step"]
-    print("model | " + " | ".join(head) + " | compiled storch / compiled hand | compiled storch / eager hand"
-          " | compile_step / compiled hand")
+    print("| model | " + " | ".join(chosen + [r[0] for r in ratios]) + " |")
+    print("| --- " * (1 + len(chosen) + len(ratios)) + "|")
     for label, t in rows:
-        cells = " | ".join(f"{t[h]:.3f}" for h in head)
-        r1 = t["storch compiled"] / t["hand-written compiled"]
-        r2 = t["storch compiled"] / t["hand-written eager"]
-        r3 = t["storch compile_step"] / t["hand-written compiled"]
-        print(f"{label} | {cells} | {r1:.2f} | {r2:.2f} | {r3:.2f}")
+        cells = [f"{t[h]:.3f}" for h in chosen] + [f"{t[a] / t[b]:.2f}" for _, a, b in ratios]
+        print(f"| {label} | " + " | ".join(cells) + " |")
     print("storch compiled: torch.compile of the step (storch's frames eager); storch compile_step: "
-          "storch.compile_step(..., backend='inductor') (the VAE's optimizer step outside it, under its own "
-          "torch.compile)")
+          "storch.compile_step(..., backend='inductor'); CUDA graphs: mode='reduce-overhead' (the VAE's "
+          "optimizer step outside compile_step, under its own torch.compile)")
     return 0
 
 

@@ -145,6 +145,9 @@ def compile_step(
             ``torch.compile`` in a process turns off ``torch.distributions``' default argument
             validation for the whole process (``validate_args=True`` still validates).
         **compile_options: further keywords for ``torch.compile`` (``mode``, ``dynamic``, ...).
+            On a GPU, ``backend="inductor", mode="reduce-overhead"`` replays the step as CUDA
+            graphs (one launch for the whole step); each replay then copies its outputs (the
+            ``.grad`` it sets, its result) out of the graphs' memory, which the next replay reuses.
 
     Returns:
         A [`CompiledStep`][storch.compiled_step.CompiledStep]: call it as you would call ``step``.
@@ -193,6 +196,20 @@ def compile_step(
     return CompiledStep(step, modules, backend, compile_options)
 
 
+def uses_cuda_graphs(compile_options: dict) -> bool:
+    """Whether ``torch.compile(..., **compile_options)`` runs the graph as CUDA graphs (on a CUDA
+    device): the modes ``"reduce-overhead"`` and ``"max-autotune"``, or the inductor option
+    ``"triton.cudagraphs"``.
+
+    Examples:
+        >>> uses_cuda_graphs({"mode": "reduce-overhead"}), uses_cuda_graphs({})
+        (True, False)
+    """
+    mode = compile_options.get("mode")
+    options = compile_options.get("options") or {}
+    return mode in ("reduce-overhead", "max-autotune") or bool(options.get("triton.cudagraphs"))
+
+
 def _unused(x: Any) -> Any:  # pragma: no cover - only handed to torch.compile, never called
     return x
 
@@ -207,6 +224,7 @@ class _Trace:
     writes_grads: bool  # the graph writes into the incoming .grad in place: replays get copies
     written_state: list[int]  # parameters and buffers (in Inputs.state() order) updated in place
     reruns_for_message: bool  # a failed check's eager message needs an eager run (rng kept per replay)
+    cuda_graphs: bool = False  # run by CUDA graphs: each replay marks a new step, outputs are copied
 
 
 class CompiledStep:
@@ -298,6 +316,7 @@ class CompiledStep:
             run=run, module=module, record=record, writes_grads=writes_grads,
             written_state=sorted(i for kind, i in written if kind == "state"),
             reruns_for_message=any(check.rerun_for_message for check in checks),
+            cuda_graphs=self.backend != "eager" and uses_cuda_graphs(self.compile_options),
         )
         return trace, record.outputs
 
@@ -310,7 +329,12 @@ class CompiledStep:
         if trace.writes_grads:  # a step that fails its checks must leave .grad as it was
             inputs.incoming_grads = [g.clone() for g in inputs.incoming_grads]
         try:
-            return self._finish(trace, run_graph(trace.run, inputs, trace.record.asserted), inputs.trainable)
+            if trace.cuda_graphs:  # the outputs of the previous replay are ours (copied): reuse its memory
+                torch.compiler.cudagraph_mark_step_begin()
+            outputs = run_graph(trace.run, inputs, trace.record.asserted)
+            if trace.cuda_graphs:  # the graph's memory is overwritten by the next replay
+                outputs = pytree.tree_map_only(torch.Tensor, torch.Tensor.clone, outputs)
+            return self._finish(trace, outputs, inputs.trainable)
         except BaseException as error:
             with torch.no_grad():
                 for tensor, value in saved:

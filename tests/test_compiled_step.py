@@ -76,13 +76,13 @@ def _steps(model: nn.Module, step, steps: int = 3, zero_grad: bool = True, data:
     return out
 
 
-def _compare_with_eager(make, data: torch.Tensor = DATA, zero_grad: bool = True):
-    """Run the step of two models from ``make()`` eagerly and under compile_step, three steps each
-    with the same seeds; require the same estimates and gradients. Returns the compiled step, the
-    compiled model and its steps' results."""
+def _compare_with_eager(make, data: torch.Tensor = DATA, zero_grad: bool = True, **compile_options):
+    """Run the step of two models from ``make()`` eagerly and under compile_step (with
+    ``compile_options``), three steps each with the same seeds; require the same estimates and
+    gradients. Returns the compiled step, the compiled model and its steps' results."""
     eager_model, compiled_model = make(), make()
     eager = _steps(eager_model, eager_model.step, zero_grad=zero_grad, data=data)
-    compiled_step = storch.compile_step(compiled_model.step, compiled_model)
+    compiled_step = storch.compile_step(compiled_model.step, compiled_model, **compile_options)
     compiled = _steps(compiled_model, compiled_step, zero_grad=zero_grad, data=data)
     _assert_identical(eager, compiled)
     return compiled_step, compiled_model, compiled
@@ -628,6 +628,30 @@ DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 def test_replayed_steps_follow_the_eager_steps_on_each_device(name, device):
     _, _, compiled = _compare_with_eager(lambda: SBN(STATELESS[name]()).to(device), data=DATA.to(device))
     assert all(t.device.type == device for step in compiled for t in step)
+
+
+@CUDA
+@pytest.mark.parametrize("zero_grad", [True, False])
+def test_cuda_graphs_replay_the_eager_steps(zero_grad, monkeypatch):
+    """``mode="reduce-overhead"``: replays run as CUDA graphs, whose memory the next replay reuses.
+    The gradients and results a replay hands out are its own: still valid after the next replay,
+    also when a step accumulates into the incoming ``.grad``."""
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "fallback_random", True)  # eager mode's random numbers
+    step, model, _ = _compare_with_eager(
+        lambda: SBN(ARM("z", n_samples=2)).to("cuda"), data=DATA.to("cuda"), zero_grad=zero_grad,
+        backend="inductor", mode="reduce-overhead",
+    )
+    assert step._cache and all(trace.cuda_graphs for trace in step._cache.values())
+    if zero_grad:
+        model.zero_grad()
+    estimate = step(DATA.to("cuda"))
+    grad, kept = model.encoder.weight.grad, model.encoder.weight.grad.clone()
+    if zero_grad:
+        model.zero_grad()
+    step(DATA.to("cuda"))
+    assert torch.equal(grad, kept) and torch.isfinite(estimate)  # neither overwritten by the replay
 
 
 class Scales(nn.Module):
