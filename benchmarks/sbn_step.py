@@ -19,8 +19,9 @@ and prior get the pathwise gradient of the ELBO in every case:
   (local expectations): the sample and its 200 one-bit flips, 201 cost evaluations
 
 In the storch steps the negative ELBO is one cost, registered with ``storch.add_cost``, whose
-``log q(z|x)`` is computed from the distribution object, so its direct dependence on the encoder
-(the pathwise gradient of ``log q`` at the fixed sample) is part of the estimate. The hand-written
+``log q(z|x)`` is the samples' own ``z.log_prob()``, so its direct dependence on the encoder
+(the pathwise gradient of ``log q`` at the fixed sample) is part of the estimate, and the
+estimators that need ``log q(z|x)`` reuse it, as the hand-written steps do. The hand-written
 steps (plain PyTorch, :func:`hw_score_function`, :func:`hw_arm`, :func:`hw_disarm`) compute the
 same estimators, including that direct term. Both build their Bernoulli distributions with
 ``torch.distributions`` so that the ratio of step times measures storch's overhead and not that
@@ -228,7 +229,7 @@ def storch_grad(model: LinearSBN, data: torch.Tensor, method) -> torch.Tensor:
     z = method(q)
     log_px = Bernoulli(logits=model.decoder(z)).log_prob(x).sum(-1)
     log_pz = Bernoulli(logits=model.prior_logits).log_prob(z).sum(-1)
-    log_qz = q.log_prob(z).sum(-1)
+    log_qz = z.log_prob().sum(-1)  # q.log_prob(z), computed once and shared with the estimator
     storch.add_cost(-(log_px + log_pz - log_qz), "neg_elbo")
     return storch.backward().detach()
 

@@ -229,7 +229,9 @@ class StochasticNode:
     same reason.
     """
 
-    __slots__ = ("name", "method", "distribution", "samples", "param_grads", "parents", "_plate", "_layout")
+    __slots__ = (
+        "name", "method", "distribution", "samples", "param_grads", "parents", "own_log_prob", "_plate", "_layout",
+    )
 
     def __init__(
         self,
@@ -246,6 +248,9 @@ class StochasticNode:
         self.samples = samples
         self.param_grads: dict[str, torch.Tensor] = {}
         self.parents: tuple[Plate, ...] = tuple(layout.plates[1:])  # other nodes' plates: no cycle
+        #: ``distribution.log_prob(samples)`` (plain), once `StochasticTensor.log_prob` computed it with
+        #: gradients enabled; the surrogate loss reuses it (`storch.method.method.log_prob`)
+        self.own_log_prob: torch.Tensor | None = None
         self._plate = weakref.ref(plate)
         self._layout = weakref.ref(layout)
 
@@ -353,6 +358,36 @@ class StochasticTensor(Tensor):
     @property
     def param_grads(self) -> dict[str, torch.Tensor]:
         return self._node.param_grads
+
+    def log_prob(self) -> Tensor:
+        """``log p(z)`` of these samples under their distribution, per element and with their plates:
+        the values of ``self.distribution.log_prob(self)``.
+
+        Computed once per node, and shared with the surrogate loss: an estimator that needs
+        ``log p(z)`` of the node's samples (`ScoreFunction`, `VIMCO`, `RELAX`, …) reuses this tensor
+        instead of computing it again, as a hand-written step reuses its ``log q(z)``. So in a
+        model whose cost contains the samples' own log-probability (the ``log q(z|x)`` of a negative
+        ELBO), ``z.log_prob()`` is the cheaper way to write ``q.log_prob(z)``: the same values and
+        gradients, one log-probability per step instead of two. (Computed with gradients disabled,
+        it is not kept, so that the surrogate loss still gets its gradient.)
+
+        Examples:
+            >>> import torch, storch
+            >>> from torch.distributions import Bernoulli
+            >>> logits = torch.tensor([0.3, -1.2], requires_grad=True)
+            >>> q = Bernoulli(logits=logits)
+            >>> z = storch.method.ScoreFunction("z", n_samples=3)(q)
+            >>> torch.equal(z.log_prob()._tensor, q.log_prob(z)._tensor), z.log_prob().plate_names
+            (True, ['z'])
+        """
+        node = self._node
+        log_p = node.own_log_prob
+        if log_p is None:
+            with no_dispatch():
+                log_p = node.distribution.log_prob(node.samples)
+            if torch.is_grad_enabled():
+                node.own_log_prob = log_p
+        return wrap_new(log_p, node.layout)
 
     def stochastic(self) -> bool:
         return True

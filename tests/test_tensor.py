@@ -277,3 +277,55 @@ def test_minibatch_plates_of_the_same_name_and_size_merge():
     d = storch.denote_independent(torch.ones(5, 2), 0, "data")
     with pytest.raises(PlateClashError):
         a + d
+
+
+def _elbo_gradients(monkeypatch, own: bool, grad_mode_for_log_q: bool = True) -> tuple[list[torch.Tensor], int]:
+    """The gradient of a one-layer SBN's negative ELBO by the score function, with ``log q(z)`` written
+    as ``z.log_prob()`` (``own``) or ``q.log_prob(z)``; and how many Bernoulli log-probabilities the
+    step computed (calls of ``Bernoulli.log_prob``'s ``binary_cross_entropy_with_logits``)."""
+    from torch.distributions import bernoulli
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return torch.nn.functional.binary_cross_entropy_with_logits(*args, **kwargs)
+
+    monkeypatch.setattr(bernoulli, "binary_cross_entropy_with_logits", counted)
+    torch.manual_seed(0)
+    enc, dec = torch.nn.Linear(6, 3), torch.nn.Linear(3, 6)
+    x = storch.denote_independent((torch.rand(4, 6) < 0.5).float(), 0, "data")
+    q = Bernoulli(logits=enc(x))
+    z = ScoreFunction("z", n_samples=2)(q)
+    with torch.set_grad_enabled(grad_mode_for_log_q):
+        log_q = (z.log_prob() if own else q.log_prob(z)).sum(-1)
+    if not grad_mode_for_log_q:
+        log_q = q.log_prob(z).sum(-1)
+    log_px = Bernoulli(logits=dec(z)).log_prob(x).sum(-1)
+    storch.add_cost(log_q - log_px, "neg_elbo")
+    storch.backward()
+    return [p.grad for p in (*enc.parameters(), *dec.parameters())], len(calls)
+
+
+def test_own_log_prob_equals_the_distributions_and_is_shared_with_the_surrogate(monkeypatch):
+    """``z.log_prob()`` has the values and plates of ``q.log_prob(z)``; the score function reuses it
+    (one log q per step instead of two) and the gradients are the same."""
+    q = Bernoulli(logits=torch.tensor([[0.3, -1.2]], requires_grad=True))
+    z = ScoreFunction("z", n_samples=3)(q)
+    own, theirs = z.log_prob(), q.log_prob(z)
+    assert own.plate_names == theirs.plate_names == ["z"]
+    assert torch.equal(own._tensor, theirs._tensor)
+    storch.reset()
+    (shared, n_shared), (separate, n_separate) = _elbo_gradients(monkeypatch, True), _elbo_gradients(monkeypatch, False)
+    for a, b in zip(shared, separate, strict=True):
+        torch.testing.assert_close(a, b)
+    assert (n_shared, n_separate) == (2, 3)  # log p(x|z) and one log q(z) / also the surrogate's log q(z)
+
+
+def test_own_log_prob_taken_without_gradients_is_not_reused(monkeypatch):
+    """Taken under ``torch.no_grad()`` (for logging, say) it has no graph: the surrogate computes its own."""
+    gradients, calls = _elbo_gradients(monkeypatch, True, grad_mode_for_log_q=False)
+    reference, _ = _elbo_gradients(monkeypatch, False)
+    for a, b in zip(gradients, reference, strict=True):
+        torch.testing.assert_close(a, b)
+    assert calls == 4  # the logged log q, the model's log q and log p(x|z), the surrogate's log q

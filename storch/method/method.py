@@ -232,11 +232,17 @@ def _check_room_for_a_plate(distr: Distribution, parents: PlateLayout, method: s
 
 
 def log_prob(tensor: StochasticTensor) -> Tensor:
-    """``log p(x)`` of each sample of ``tensor``, summed over all non-plate dimensions."""
+    """``log p(x)`` of each sample of ``tensor``, summed over all non-plate dimensions.
+
+    Reuses the log-probability the model computed with
+    [`StochasticTensor.log_prob`][storch.tensor.StochasticTensor.log_prob], if it did.
+    """
     node = node_of(tensor)
     layout = node.layout
     with no_dispatch():
-        lp = log_prob_of_own_samples(node.distribution, node.samples)
+        lp = node.own_log_prob
+        if lp is None:
+            lp = log_prob_of_own_samples(node.distribution, node.samples)
         extra = tuple(range(len(layout.sizes), lp.dim()))
         if extra:
             lp = lp.sum(extra)
