@@ -630,27 +630,30 @@ def test_replayed_steps_follow_the_eager_steps_on_each_device(name, device):
     assert all(t.device.type == device for step in compiled for t in step)
 
 
-@CUDA
-@pytest.mark.parametrize("zero_grad", [True, False])
-def test_cuda_graphs_replay_the_eager_steps(zero_grad, monkeypatch):
-    """``mode="reduce-overhead"``: replays run as CUDA graphs, whose memory the next replay reuses.
-    The gradients and results a replay hands out are its own: still valid after the next replay,
-    also when a step accumulates into the incoming ``.grad``."""
+@pytest.mark.parametrize(("device", "zero_grad"), [
+    ("cpu", True), pytest.param("cuda", True, marks=CUDA), pytest.param("cuda", False, marks=CUDA),
+])
+def test_cuda_graphs_replay_the_eager_steps(device, zero_grad, monkeypatch):
+    """``mode="reduce-overhead"``: on a GPU replays run as CUDA graphs, whose memory the next replay
+    reuses. The gradients and results a replay hands out are its own: still valid after the next
+    replay, also when a step accumulates into the incoming ``.grad``. (On the CPU TorchInductor runs
+    the graph without CUDA graphs; the replay takes the same path.)"""
     from torch._inductor import config as inductor_config
 
     monkeypatch.setattr(inductor_config, "fallback_random", True)  # eager mode's random numbers
+    data = DATA.to(device)
     step, model, _ = _compare_with_eager(
-        lambda: SBN(ARM("z", n_samples=2)).to("cuda"), data=DATA.to("cuda"), zero_grad=zero_grad,
+        lambda: SBN(ARM("z", n_samples=2)).to(device), data=data, zero_grad=zero_grad,
         backend="inductor", mode="reduce-overhead",
     )
     assert step._cache and all(trace.cuda_graphs for trace in step._cache.values())
     if zero_grad:
         model.zero_grad()
-    estimate = step(DATA.to("cuda"))
+    estimate = step(data)
     grad, kept = model.encoder.weight.grad, model.encoder.weight.grad.clone()
     if zero_grad:
         model.zero_grad()
-    step(DATA.to("cuda"))
+    step(data)
     assert torch.equal(grad, kept) and torch.isfinite(estimate)  # neither overwritten by the replay
 
 
