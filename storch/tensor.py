@@ -248,9 +248,9 @@ class StochasticNode:
         self.samples = samples
         self.param_grads: dict[str, torch.Tensor] = {}
         self.parents: tuple[Plate, ...] = tuple(layout.plates[1:])  # other nodes' plates: no cycle
-        #: ``distribution.log_prob(samples)`` (plain), once `StochasticTensor.log_prob` computed it with
-        #: gradients enabled; the surrogate loss reuses it (`storch.method.method.log_prob`)
-        self.own_log_prob: torch.Tensor | None = None
+        #: ``(distribution.log_prob(samples), its version)`` (plain), once `StochasticTensor.log_prob`
+        #: computed it with gradients enabled; see `shared_log_prob`
+        self.own_log_prob: tuple[torch.Tensor, int] | None = None
         self._plate = weakref.ref(plate)
         self._layout = weakref.ref(layout)
 
@@ -275,6 +275,16 @@ class StochasticNode:
     def parent_layout(self) -> PlateLayout:
         """The plates of the node's distribution: its samples' plates without its own."""
         return layout_of_plates(self.parents)
+
+    def shared_log_prob(self) -> torch.Tensor | None:
+        """A new plain view of ``distribution.log_prob(samples)`` as
+        [`StochasticTensor.log_prob`][storch.tensor.StochasticTensor.log_prob] computed it, for the
+        surrogate loss to reuse; ``None`` if it was not computed with gradients enabled, or was
+        written in place since (a user's ``lp.mul_(2)`` would change the gradient)."""
+        if self.own_log_prob is None:
+            return None
+        log_p, version = self.own_log_prob
+        return alias(log_p) if log_p._version == version else None
 
     def stochastic_tensor(self) -> "StochasticTensor":
         """A [`StochasticTensor`][storch.tensor.StochasticTensor] view of the samples (shares the node's
@@ -381,12 +391,13 @@ class StochasticTensor(Tensor):
             (True, ['z'])
         """
         node = self._node
-        log_p = node.own_log_prob
+        log_p = node.shared_log_prob()
         if log_p is None:
             with no_dispatch():
                 log_p = node.distribution.log_prob(node.samples)
             if torch.is_grad_enabled():
-                node.own_log_prob = log_p
+                node.own_log_prob = (log_p, log_p._version)
+                log_p = alias(log_p)  # the user's own object: the node's copy is never retyped
         return wrap_new(log_p, node.layout)
 
     def stochastic(self) -> bool:

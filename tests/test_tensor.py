@@ -329,3 +329,35 @@ def test_own_log_prob_taken_without_gradients_is_not_reused(monkeypatch):
     for a, b in zip(gradients, reference, strict=True):
         torch.testing.assert_close(a, b)
     assert calls == 4  # the logged log q, the model's log q and log p(x|z), the surrogate's log q
+
+
+def test_own_log_prob_written_in_place_is_not_reused():
+    """A user who scales ``z.log_prob()`` in place changes their cost, not the estimator's ``log q``:
+    the surrogate computes its own, and the gradient is the one of the scaled cost."""
+    logits = torch.tensor([0.4, -0.3], requires_grad=True)
+
+    def gradient(in_place: bool) -> torch.Tensor:
+        logits.grad = None
+        torch.manual_seed(3)
+        z = ScoreFunction("z", n_samples=4)(Bernoulli(logits=logits))
+        log_q = z.log_prob()
+        if in_place:
+            log_q.mul_(2.0)
+        else:
+            log_q = 2.0 * log_q
+        storch.add_cost(log_q.sum(-1), "c")
+        storch.backward()
+        return logits.grad.clone()
+
+    torch.testing.assert_close(gradient(in_place=True), gradient(in_place=False))
+
+
+def test_own_log_prob_hands_out_new_objects():
+    """The object ``z.log_prob()`` returns is the caller's: storch never retypes it (a cost built
+    from it stays a storch tensor after the surrogate loss is formed)."""
+    z = ScoreFunction("z", n_samples=2)(Normal(torch.tensor(0.5, requires_grad=True), 1.0))
+    first, second = z.log_prob(), z.log_prob()
+    assert first is not second and torch.equal(first._tensor, second._tensor)
+    storch.add_cost(first, "c")
+    storch.backward()
+    assert isinstance(first, storch.Tensor) and first.plate_names == ["z"]

@@ -240,7 +240,7 @@ def log_prob(tensor: StochasticTensor) -> Tensor:
     node = node_of(tensor)
     layout = node.layout
     with no_dispatch():
-        lp = node.own_log_prob
+        lp = node.shared_log_prob()
         if lp is None:
             lp = log_prob_of_own_samples(node.distribution, node.samples)
         extra = tuple(range(len(layout.sizes), lp.dim()))
