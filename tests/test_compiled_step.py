@@ -633,27 +633,27 @@ def test_replayed_steps_follow_the_eager_steps_on_each_device(name, device):
 @pytest.mark.parametrize(("device", "zero_grad"), [
     ("cpu", True), pytest.param("cuda", True, marks=CUDA), pytest.param("cuda", False, marks=CUDA),
 ])
-def test_cuda_graphs_replay_the_eager_steps(device, zero_grad, monkeypatch):
+def test_cuda_graphs_replay_the_eager_steps(device, zero_grad):
     """``mode="reduce-overhead"``: on a GPU replays run as CUDA graphs, whose memory the next replay
     reuses. The gradients and results a replay hands out are its own: still valid after the next
     replay, also when a step accumulates into the incoming ``.grad``. (On the CPU TorchInductor runs
     the graph without CUDA graphs; the replay takes the same path.)"""
     from torch._inductor import config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "fallback_random", True)  # eager mode's random numbers
     data = DATA.to(device)
-    step, model, _ = _compare_with_eager(
-        lambda: SBN(ARM("z", n_samples=2)).to(device), data=data, zero_grad=zero_grad,
-        backend="inductor", mode="reduce-overhead",
-    )
-    assert step._cache and all(trace.cuda_graphs for trace in step._cache.values())
-    if zero_grad:
-        model.zero_grad()
-    estimate = step(data)
-    grad, kept = model.encoder.weight.grad, model.encoder.weight.grad.clone()
-    if zero_grad:
-        model.zero_grad()
-    step(data)
+    with inductor_config.patch(fallback_random=True):  # eager mode's random numbers
+        step, model, _ = _compare_with_eager(
+            lambda: SBN(ARM("z", n_samples=2)).to(device), data=data, zero_grad=zero_grad,
+            backend="inductor", mode="reduce-overhead",
+        )
+        assert step._cache and all(trace.cuda_graphs for trace in step._cache.values())
+        if zero_grad:
+            model.zero_grad()
+        estimate = step(data)
+        grad, kept = model.encoder.weight.grad, model.encoder.weight.grad.clone()
+        if zero_grad:
+            model.zero_grad()
+        step(data)
     assert torch.equal(grad, kept) and torch.isfinite(estimate)  # neither overwritten by the replay
 
 
