@@ -34,6 +34,8 @@ as plain torch operations (no alignment, no wrapping, no plate checks); results 
 * ``with_nested(d)``: ``d`` and the distributions nested in it, outermost first
 * ``note_sampled(plate)``: mark a node that must reach a cost (the unused-node warning)
 * ``magic_box(l)``: ``exp(l - stopgrad(l))``: 1 in value, ``∇l`` in derivative (DiCE)
+* ``elementwise(op, a, b)``: ``op(a, b)`` on the plain values when ``a`` and ``b`` share their plates
+  (or one is a number), without the trip through storch's dispatch; otherwise dispatched
 * ``rsample_gumbel_softmax``: a reparameterized Gumbel-softmax draw
 * ``is_tracing()``: whether [`storch.compile_step`][storch.compile_step] is tracing the step (take no branch that reads
   a tensor's value on the host)
@@ -143,6 +145,7 @@ from storch.tensor import (
 from storch.util import (
     copy_distribution,
     distribution_layout,
+    elementwise,
     floating_dtype,
     get_distr_parameters,
     log_prob_of_own_samples,
@@ -194,6 +197,7 @@ __all__ = [
     "TooManyPlatesError",
     # surrogate-loss helpers
     "magic_box",
+    "elementwise",
     "rsample_gumbel_softmax",
     # storch.compile_step
     "is_tracing",

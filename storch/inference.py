@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
+import operator
 import warnings
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
@@ -43,7 +44,7 @@ from storch.plate import MAX_PLATES, ChainPlate, Plate, PlateClashError, layout_
 from storch.reductions import reduce_plate
 from storch.state import check_replayable
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, alias, layout_of, plain, wrap_new
-from storch.util import get_distr_parameters, magic_box, restore_lazy_plates
+from storch.util import elementwise, get_distr_parameters, magic_box, restore_lazy_plates
 
 if TYPE_CHECKING:  # pragma: no cover  (methods import this module: add_cost, backward)
     from storch.method.method import Method
@@ -198,9 +199,9 @@ def _node_term(S: Tensor, plate: Plate, cost_name: str, record: _Record) -> torc
     l, cv = node.method.estimator(tensor, downstream)  # type: ignore[union-attr]  # noqa: E741
     term: torch.Tensor = S
     if l is not None:
-        term = magic_box(_sum_extra_dims(l)) * term
+        term = elementwise(operator.mul, magic_box(_sum_extra_dims(l)), term)
     if cv is not None:
-        term = term + _sum_extra_dims(cv)
+        term = elementwise(operator.add, term, _sum_extra_dims(cv))
     record.add(node.method, (tensor, downstream, term))  # type: ignore[union-attr]
     return term
 
@@ -295,7 +296,7 @@ def _merge_by_layout(group: list[_Partial]) -> list[_Partial]:
         named = fresh[0] if fresh else members[0]
         S = members[0].S
         for m in members[1:]:
-            S = S + m.S
+            S = elementwise(operator.add, S, m.S)
         merged.append(_Partial(S, named.name, False, members[0].index, named.plate))
     return merged
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch.distributions import Distribution
@@ -20,6 +20,7 @@ __all__ = [
     "has_backwards_path", "walk_backward_graph", "print_graph", "topological_sort", "split",
     "rsample_gumbel", "rsample_gumbel_softmax", "conditional_gumbel_rsample", "tensor_stats",
     "reduce_mean", "log_prob_of_own_samples", "restore_lazy_plates", "floating_dtype", "with_nested",
+    "elementwise",
 ]
 
 
@@ -42,6 +43,41 @@ def magic_box(l: torch.Tensor) -> torch.Tensor:  # noqa: E741
             box = torch.exp(l - l.detach())
         return wrap_new(box, l._layout)
     return torch.exp(l - l.detach())
+
+
+def elementwise(op: Callable[[Any, Any], torch.Tensor], a: Any, b: Any) -> Any:
+    """``op(a, b)`` for an elementwise ``op`` (``operator.mul``, ``operator.add``, …) in storch's own
+    code, on the plain values when no alignment is needed: ``a`` and ``b`` are storch tensors with
+    the same plates and the same number of dimensions, or one of them is a Python number or a plain
+    tensor with no more dimensions than the other's event dimensions (torch's broadcasting then
+    lines them up as storch's dispatch would). The result has the plates of the storch operand,
+    without the trip through ``__torch_function__``. Anything else goes through the dispatch, which
+    aligns the plates.
+
+    Examples:
+        >>> import operator, torch, storch
+        >>> x = storch.denote_independent(torch.tensor([1.0, 2.0]), 0, "data")
+        >>> y = elementwise(operator.mul, x, x)
+        >>> y._tensor.tolist(), y.plate_names, elementwise(operator.sub, 1.0, x).plate_names
+        ([1.0, 4.0], ['data'], ['data'])
+    """
+    a_storch, b_storch = isinstance(a, Tensor), isinstance(b, Tensor)
+    if a_storch and b_storch:
+        layout = a._layout
+        fast = (b._layout is layout or b._layout.plates == layout.plates) and a.dim() == b.dim()
+    elif a_storch or b_storch:
+        plated, other = (a, b) if a_storch else (b, a)
+        layout = plated._layout
+        fast = isinstance(other, (int, float)) or (
+            type(other) is torch.Tensor and other.dim() <= plated.dim() - len(layout.sizes)
+        )
+    else:
+        return op(a, b)
+    if not fast:
+        return op(a, b)
+    with _Disable():
+        out = op(a, b)
+    return wrap_new(out, layout)
 
 
 def _named_parameters(d: Distribution) -> Iterator[tuple[str, torch.Tensor]]:

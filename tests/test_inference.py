@@ -412,3 +412,46 @@ def test_credit_assignment_nested_nodes_exact_with_expect():
     torch.testing.assert_close(ga_f1, 7 * torch.sigmoid(torch.tensor(0.3)) * (1 - torch.sigmoid(torch.tensor(0.3))))
     _, _, gb_f2 = run(("f2",))
     torch.testing.assert_close(gb, gb_f2)
+
+
+def _dispatched_in_backward(monkeypatch, step) -> int:
+    """How many operations pass through storch's ``__torch_function__`` in ``storch.backward``."""
+    from storch.tensor import Tensor
+
+    inner = Tensor.__dict__["__torch_function__"].__func__
+    calls = []
+
+    def counted(cls, func, types, args=(), kwargs=None):
+        calls.append(func)
+        return inner(cls, func, types, args, kwargs)
+
+    step()  # registers the costs
+    monkeypatch.setattr(Tensor, "__torch_function__", classmethod(counted))
+    storch.backward()
+    return len(calls)
+
+
+def test_the_score_function_surrogate_runs_without_dispatch(monkeypatch):
+    """The surrogate's own arithmetic (magic boxes, baseline terms, the sums of a chain's partial
+    surrogates) runs on the plain values: a chain of decisions with a reward after each and a
+    moving-average baseline, and a minibatch with one sample, dispatch nothing in backward."""
+    from torch.distributions import Categorical
+
+    logits = torch.zeros(3, requires_grad=True)
+    method = storch.method.ScoreFunction("a", baseline_factory="moving_average")
+
+    def chain():
+        previous = storch.denote_independent(torch.zeros(4), 0, "episodes")
+        for t in range(3):
+            action = method(Categorical(logits=logits + previous.unsqueeze(-1)))
+            storch.add_cost((action == 1).float(), f"r{t}")
+            previous = action.float()
+
+    def minibatch():
+        x = storch.denote_independent(torch.ones(5, 3), 0, "data")
+        z = storch.method.ScoreFunction("z", n_samples=1)(Bernoulli(logits=logits * x))
+        storch.add_cost((z - x).sum(-1) + z.log_prob().sum(-1), "c")
+
+    assert _dispatched_in_backward(monkeypatch, chain) == 0
+    monkeypatch.undo()
+    assert _dispatched_in_backward(monkeypatch, minibatch) == 0

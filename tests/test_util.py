@@ -442,3 +442,26 @@ def test_b_binary_cross_entropy_reduces_event_dims_only():
     assert none.event_shape == (4,)
     with pytest.raises(ValueError, match="reduction"):
         storch.nn.b_binary_cross_entropy(recon, target, reduction="bogus")
+
+
+@pytest.mark.parametrize("case", ["same plates", "number", "plain, fewer dims", "other plates", "plain, more dims"])
+def test_elementwise_equals_the_dispatched_operation(case):
+    """``storch.util.elementwise`` gives the values and plates of the dispatched operation, with or
+    without its shortcut (other plates and a plain tensor with more dimensions go through dispatch)."""
+    import operator
+
+    from storch.util import elementwise
+
+    x = storch.denote_independent(torch.arange(6.0).reshape(2, 3), 0, "data")
+    other = {
+        "same plates": storch.denote_independent(torch.ones(2, 3) * 2.0, 0, "data"),
+        "number": 2.0,
+        "plain, fewer dims": torch.tensor([1.0, 2.0, 3.0]),
+        "other plates": storch.denote_independent(torch.ones(4, 3), 0, "other"),
+        "plain, more dims": torch.ones(5, 3),
+    }[case]
+    for op in (operator.add, operator.mul, operator.sub):
+        for a, b in ((x, other), (other, x)):
+            expected, got = op(a, b), elementwise(op, a, b)
+            assert got.plate_names == expected.plate_names
+            assert torch.equal(got._tensor, expected._tensor)

@@ -64,6 +64,7 @@ from storch.extend import (
     StochasticTensor,
     Tensor,
     distribution_layout,
+    elementwise,
     floating_dtype,
     get_distr_parameters,
     is_tracing,
@@ -518,7 +519,7 @@ class Method(nn.Module, DeclaresStepState):
         a = self.control_variate(tensor, cost)
         if a is None:
             return l, None
-        return l, (1.0 - magic_box(l)) * a
+        return l, elementwise(operator.mul, elementwise(operator.sub, 1.0, magic_box(l)), a)
 
     def on_joint_bound(self, cost_name: str, plate: Plate, log_w: Tensor, later: Sequence[Plate] = ()) -> None:
         """Called by [`storch.method.iwae_bound`][storch.method.iwae_bound] when the bound over this node's ``plate`` is
