@@ -379,7 +379,9 @@ class StochasticTensor(Tensor):
         model whose cost contains the samples' own log-probability (the ``log q(z|x)`` of a negative
         ELBO), ``z.log_prob()`` is the cheaper way to write ``q.log_prob(z)``: the same values and
         gradients, one log-probability per step instead of two. (Computed with gradients disabled,
-        it is not kept, so that the surrogate loss still gets its gradient.)
+        it is not kept, so that the surrogate loss still gets its gradient.) Relaxed samples
+        (`GumbelSoftmax` without ``straight_through``) are outside a discrete distribution's
+        support: as ``q.log_prob(z)`` does, it raises the distribution's validation error.
 
         Examples:
             >>> import torch, storch
