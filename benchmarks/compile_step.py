@@ -13,8 +13,8 @@ eager and hand-written compiled, and storch under ``storch.compile_step(..., bac
 (the step traced once at the aten level, the graph compiled by TorchInductor). On a GPU two more
 can be chosen (``--variants``): the hand-written step and ``compile_step`` with
 ``mode="reduce-overhead"``, TorchInductor's CUDA graphs (one launch replays the step's kernels).
-``--models`` picks among the four sbn-linear estimators of ``make bench-sbn`` and the VAE. Compilation happens
-before timing (its time is printed). Under ``torch.compile`` storch's own frames run eagerly
+``--models`` picks among the four sbn-linear estimators of ``make bench-sbn`` and the VAE.
+Compilation happens before timing (its time is printed). Under ``torch.compile`` storch's own frames run eagerly
 (``storch.compiler``), so every operation on a storch tensor is a graph break: expect compiled
 storch ≈ eager storch; ``compile_step`` has no storch frames left to run.
 
@@ -73,17 +73,14 @@ def sbn_variants(name: str, data: torch.Tensor, device: torch.device, chosen) ->
         return storch.compile_step(functools.partial(sbn.storch_grad, m, method=sbn.make_method(name)), m,
                                    backend="inductor", **options)
 
-    def bind(fn, *args):
-        return lambda: fn(*args)
-
     makers = {
-        "storch eager": lambda: bind(sbn.storch_grad, model(), data, sbn.make_method(name)),
-        "storch compiled": lambda: bind(torch.compile(sbn.storch_grad), model(), data, sbn.make_method(name)),
-        "hand-written eager": lambda: bind(hand, model(), data),
-        "hand-written compiled": lambda: bind(torch.compile(hand), model(), data),
-        "storch compile_step": lambda: bind(compile_step(), data),
-        "hand-written compiled (CUDA graphs)": lambda: bind(torch.compile(hand, **CUDA_GRAPHS), model(), data),
-        "storch compile_step (CUDA graphs)": lambda: bind(compile_step(**CUDA_GRAPHS), data),
+        "storch eager": lambda: functools.partial(sbn.storch_grad, model(), data, sbn.make_method(name)),
+        "storch compiled": lambda: functools.partial(torch.compile(sbn.storch_grad), model(), data, sbn.make_method(name)),
+        "hand-written eager": lambda: functools.partial(hand, model(), data),
+        "hand-written compiled": lambda: functools.partial(torch.compile(hand), model(), data),
+        "storch compile_step": lambda: functools.partial(compile_step(), data),
+        "hand-written compiled (CUDA graphs)": lambda: functools.partial(torch.compile(hand, **CUDA_GRAPHS), model(), data),
+        "storch compile_step (CUDA graphs)": lambda: functools.partial(compile_step(**CUDA_GRAPHS), data),
     }
     return {k: makers[k]() for k in chosen}
 
