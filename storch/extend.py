@@ -34,8 +34,9 @@ as plain torch operations (no alignment, no wrapping, no plate checks); results 
 * ``with_nested(d)``: ``d`` and the distributions nested in it, outermost first
 * ``note_sampled(plate)``: mark a node that must reach a cost (the unused-node warning)
 * ``magic_box(l)``: ``exp(l - stopgrad(l))``: 1 in value, ``∇l`` in derivative (DiCE)
-* ``elementwise(op, a, b)``: ``op(a, b)`` on the plain values when ``a`` and ``b`` share their plates
-  (or one is a number), without the trip through storch's dispatch; otherwise dispatched
+* ``elementwise(op, a, b)``: ``op(a, b)`` on the plain values when no plates need aligning (``a`` and
+  ``b`` share their plates, or the other operand is a number or a plain tensor that broadcasts over
+  the event dimensions), without the trip through storch's dispatch; otherwise dispatched
 * ``rsample_gumbel_softmax``: a reparameterized Gumbel-softmax draw
 * ``is_tracing()``: whether [`storch.compile_step`][storch.compile_step] is tracing the step (take no branch that reads
   a tensor's value on the host)
