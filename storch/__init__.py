@@ -1,7 +1,7 @@
 """storch: automatic differentiation of stochastic computation graphs for PyTorch.
 
 Write the model as a generative story, choose a gradient estimator at each sampling step
-(``storch.method``), register costs with [`add_cost`][storch.add_cost], and call [`backward`][storch.backward].
+(``storch.method``), register costs with `storch.add_cost`, and call `storch.backward`.
 
 Examples:
     >>> import torch, storch
@@ -28,7 +28,7 @@ from storch import compiler
 from storch.compiler import compile  # noqa: A004 - torch.compile with storch's frames left eager
 from storch.compiled_step import compile_step
 
-__version__ = "0.1.0"
+__version__ = "1.0.0"
 
 __all__ = [
     "Tensor", "StochasticTensor", "CostTensor", "IndependentTensor", "Plate", "is_storch", "is_tensor",

@@ -1,11 +1,11 @@
-"""Plate alignment and operator dispatch for [`storch.Tensor`][storch.Tensor] (``__torch_function__``).
+"""Plate alignment and operator dispatch for `storch.Tensor` (``__torch_function__``).
 
 Every torch function, method or operator that receives a storch tensor comes through
 `torch_function`. It
 
-1. looks up how the function treats plates: its [`Treatment`][storch._dispatch.Treatment] in the one
+1. looks up how the function treats plates: its `storch._dispatch.Treatment` in the one
    table ``_TREATMENTS`` (functions not in the table get ``DEFAULT``, the ``"aligned"`` treatment);
-2. scans the arguments for plate layouts ([`scan_layouts`][storch._dispatch.scan_layouts]): the storch
+2. scans the arguments for plate layouts (`storch._dispatch.scan_layouts`): the storch
    tensors at the top level, inside lists/tuples, and among the keyword values (also inside
    lists/tuples). A storch tensor with plates is *plated*; plain ``torch.Tensor`` arguments and storch
    tensors without plates are *plain*, and all their dimensions are event dimensions. The scan finds
@@ -19,13 +19,13 @@ Every torch function, method or operator that receives a storch tensor comes thr
    dimensions get size-1 event dimensions right after their plates, so that event dimensions
    broadcast as they would for a single sample. Plain arguments are left as they are: they broadcast
    against the event dimensions, right-aligned, as in PyTorch. Tensors carrying an older step of a
-   sequence than another argument ([`storch.plate.AncestralPlate`][storch.plate.AncestralPlate]) are
+   sequence than another argument (`storch.plate.AncestralPlate`) are
    re-indexed along the beams' ancestry (`reindex_ancestral`; only on this slow path);
-5. wraps tensor outputs as [`storch.Tensor`][storch.Tensor] with the union layout, after checking that the
+5. wraps tensor outputs as `storch.Tensor` with the union layout, after checking that the
    plate dimensions survived (a reduction or reshape over a plate dimension is an error that names the
-   plate; see [`storch.reduce_plates`][storch.reduce_plates] for reducing plates on purpose).
+   plate; see `storch.reduce_plates` for reducing plates on purpose).
 
-A [`Treatment`][storch._dispatch.Treatment] is one function's whole description:
+A `storch._dispatch.Treatment` is one function's whole description:
 
 * ``kind``: ``"aligned"`` (the default: plates aligned, event dimensions untouched), ``"elementwise"``
   (also pad event dimensions, as in step 4), ``"equal_shapes"`` (elementwise, then every tensor
@@ -38,7 +38,7 @@ A [`Treatment`][storch._dispatch.Treatment] is one function's whole description:
   ``adds_dim``; with none given, ``implicit_dims`` are the dimensions it acts on. An index that falls
   on a plate is refused with an error that names the plate.
 
-[`register_operation`][storch._dispatch.register_operation] (public as ``storch.extend``) writes one
+`storch._dispatch.register_operation` (public as ``storch.extend``) writes one
 entry of the table. ``with no_dispatch():`` runs torch on storch tensors as on plain tensors.
 """
 
@@ -325,10 +325,10 @@ def torch_function(cls: type, func: Callable, types: tuple, args: tuple = (), kw
 
     This runs for every operation on a storch tensor, so the common case (one plate layout shared by
     all plated arguments, one tensor returned) is kept short: one lookup of the function's
-    [`Treatment`][storch._dispatch.Treatment], and an inlined scan of the arguments that only
+    `storch._dispatch.Treatment`, and an inlined scan of the arguments that only
     recognises that case. At anything the case excludes (other plates, another number of dimensions,
     a plain member of a list or tuple, a tensor keyword) it hands the whole scan to
-    [`scan_layouts`][storch._dispatch.scan_layouts], so the rules stay those of `scan_layouts`.
+    `storch._dispatch.scan_layouts`, so the rules stay those of `scan_layouts`.
     """
     treat = _TREATMENTS.get(func, DEFAULT)
     if treat.passthrough or type(func) in _OPERATOR_TYPES:
@@ -408,7 +408,7 @@ def _holds_tensor(values: Sequence) -> bool:
 
 
 class Scan(NamedTuple):
-    """The plate layouts among the arguments of one call (see [`scan_layouts`][storch._dispatch.scan_layouts]).
+    """The plate layouts among the arguments of one call (see `storch._dispatch.scan_layouts`).
 
     Attributes:
         first: the first plated storch tensor, or ``None`` if no argument has plates.
@@ -741,7 +741,7 @@ def _convert_argument(a: Any, union: PlateLayout, pad_to: int | None, expand: bo
 
 
 def _convert(a: Any, union: PlateLayout, pad_to: int | None, expand: bool) -> Any:
-    """One value laid out for ``union`` (see [`align_tensor`][storch._dispatch.align_tensor])."""
+    """One value laid out for ``union`` (see `storch._dispatch.align_tensor`)."""
     if isinstance(a, Tensor) and a._layout.sizes:
         return align_tensor(a, union, pad_to, expand)
     if expand and isinstance(a, _T):
@@ -788,7 +788,7 @@ _plan_cache = _LayoutCache()  # (source layout, union) -> Plan
 
 
 def union_of_layouts(layouts: list[PlateLayout]) -> PlateLayout:
-    """The union of layouts (see [`storch.plate.merge_layouts`][storch.plate.merge_layouts]), cached for repeated
+    """The union of layouts (see `storch.plate.merge_layouts`), cached for repeated
     calls."""
     first = layouts[0]
     if all(lay is first or lay.plates == first.plates for lay in layouts):
@@ -803,7 +803,7 @@ def union_of_layouts(layouts: list[PlateLayout]) -> PlateLayout:
 
 
 class Plan(NamedTuple):
-    """How to lay out a tensor with one layout for a larger one (see [`_plan`][storch._dispatch._plan]).
+    """How to lay out a tensor with one layout for a larger one (see `storch._dispatch._plan`).
 
     Attributes:
         permutation: the order in which to permute the tensor's plate dimensions, or ``None`` if
@@ -811,7 +811,7 @@ class Plan(NamedTuple):
         index: the index that inserts size-1 dimensions for the plates the tensor lacks (``None``
             when ``ancestral``).
         ancestral: the tensor carries older steps of a sequence than the union: re-index it along
-            the ancestry first ([`reindex_ancestral`][storch._dispatch.reindex_ancestral]), then plan
+            the ancestry first (`storch._dispatch.reindex_ancestral`), then plan
             again.
     """
 

@@ -1,7 +1,7 @@
 """What the current step has sampled: the plates of stochastic nodes that should reach a cost.
 
-Kept per context (thread, asyncio task) like the cost registry. [`storch.backward`][storch.backward] reads it to
-warn about nodes whose gradient would silently be zero, and [`storch.reset`][storch.reset] forgets it. Only
+Kept per context (thread, asyncio task) like the cost registry. `storch.backward` reads it to
+warn about nodes whose gradient would silently be zero, and `storch.reset` forgets it. Only
 nodes that need a cost to carry their plate are noted (see `storch.method.Method.forward`);
 entries are weak, so a step that never reaches ``backward`` keeps nothing alive.
 """

@@ -1,20 +1,20 @@
-"""Whether storch code runs inside the trace of [`storch.compile_step`][storch.compile_step], and what the trace
+"""Whether storch code runs inside the trace of `storch.compile_step`, and what the trace
 collects.
 
 While a step is traced, storch keeps every check that reads a value on the host out of the traced
-graph and hands it to [`storch.compiled_step`][storch.compiled_step] instead, which runs it on each replay:
+graph and hands it to `storch.compiled_step` instead, which runs it on each replay:
 
-* [`storch.backward`][storch.backward] notes its surrogate loss and costs here (`TraceState.note_loss`)
+* `storch.backward` notes its surrogate loss and costs here (`TraceState.note_loss`)
   instead of reading the loss on the host; the compiled step checks that they are finite;
 * ``torch.distributions`` argument validation and ``F.one_hot``'s range check are kept by the
   compiled step itself (`storch._compile.checks`): assertions in the graph on the CPU, booleans read
   after the step elsewhere;
 * code that would choose a faster branch by reading a tensor on the host (the zero-weight test of
-  [`storch.reductions.reduce_plate`][storch.reductions.reduce_plate], the device-copy cache of plate weights) takes
+  `storch.reductions.reduce_plate`, the device-copy cache of plate weights) takes
   the general
-  branch when [`active`][storch._tracing.active];
+  branch when `storch._tracing.active`;
 * code that must build state at its first use (a critic's network) raises
-  [`EagerStepNeeded`][storch._tracing.EagerStepNeeded]: that call runs eagerly, and the next one is traced.
+  `storch._tracing.EagerStepNeeded`: that call runs eagerly, and the next one is traced.
 
 Kept per context (thread, asyncio task) like the cost registry, so an eager step on another thread
 is not affected by a trace on this one.
@@ -36,7 +36,7 @@ class EagerStepNeeded(Exception):
     state at its first use from values it sees only then (a critic's network, sized by its first input).
 
     A module built inside a trace would enter the graph as constants, not as the module's parameters.
-    [`storch.compile_step`][storch.compile_step] catches it, puts back the random generators and buffers as they
+    `storch.compile_step` catches it, puts back the random generators and buffers as they
     were before the trace, and runs that call as an eager step (which builds the state); the next call is
     traced with the new state as inputs. Raise it before the step registers anything that outlives it.
     """
@@ -62,7 +62,7 @@ def current() -> Optional[TraceState]:
 
 
 def active() -> bool:
-    """True while [`storch.compile_step`][storch.compile_step] traces a step in this context."""
+    """True while `storch.compile_step` traces a step in this context."""
     return _STATE.get() is not None
 
 

@@ -10,7 +10,7 @@ pass of ``storch.backward()``. Later calls replay that graph: no storch Python, 
 bookkeeping, no autograd graph to build, only the recorded tensor operations. The graph can also be
 handed to ``torch.compile`` (``backend="inductor"``).
 
-Semantics (see [`compile_step`][storch.compiled_step.compile_step] for the API):
+Semantics (see `storch.compiled_step.compile_step` for the API):
 
 * **The first call is an eager step** (the trace runs the step for real): its values, gradients,
   warnings and errors are those of eager mode. A step in which a module builds state at its first use
@@ -35,18 +35,18 @@ Semantics (see [`compile_step`][storch.compiled_step.compile_step] for the API):
   are assertions in the graph on the CPU (off the CPU, outputs read after the step), and storch's
   check that the surrogate loss is finite is read after each replay (one host read per step, as in
   eager mode): a failure raises the error eager mode raises (``ValueError`` naming the parameter
-  and the constraint; [`storch.exceptions.NonFiniteCostError`][storch.exceptions.NonFiniteCostError] naming the costs)
+  and the constraint; `storch.exceptions.NonFiniteCostError` naming the costs)
   and the
   step's gradients are not applied, nor its updates of parameters and buffers (a replay that fails
   its checks leaves them as they were before it). The ``ValueError`` of a validation that fails in a
   replay is torch's own: the step is run once more, eagerly, from the state before the replay (and
   everything it changes is put back), so that torch names the parameter and the constraint.
 * **What cannot be replayed is refused**, with
-[`storch.exceptions.CompileStepError`][storch.exceptions.CompileStepError] naming
+`storch.exceptions.CompileStepError` naming
   it, instead of being baked in silently: a value read on the host during the step (an ``if`` on a
   tensor, ``.item()``, an optimizer that reads its step count), an estimator that keeps state
   between steps outside tensors it updates in place (its declared ``step_state`` is
-  ``StepState.host(reason)``: see [`storch.state`][storch.state]), a tensor that requires grad but is not
+  ``StepState.host(reason)``: see `storch.state`), a tensor that requires grad but is not
   a parameter of the given modules, a storch tensor in the arguments or the result, costs left
   registered without ``storch.backward()``, a step that changes its modules' Python settings or
   updates in place a tensor that is not a buffer or parameter of a given module (or one of its
@@ -130,7 +130,7 @@ def compile_step(
 
     Args:
         step: the step as written for eager mode: it samples, registers costs with
-            [`storch.add_cost`][storch.add_cost] and calls [`storch.backward`][storch.backward] (its arguments:
+            `storch.add_cost` and calls `storch.backward` (its arguments:
             tensors, and
             hashable values that become part of the graph; its result: plain tensors, ``None``,
             numbers or strings, in any nesting of tuples, lists and dicts).
@@ -150,7 +150,7 @@ def compile_step(
             ``.grad`` it sets, its result) out of the graphs' memory, which the next replay reuses.
 
     Returns:
-        A [`CompiledStep`][storch.compiled_step.CompiledStep]: call it as you would call ``step``.
+        A `storch.compiled_step.CompiledStep`: call it as you would call ``step``.
 
     Raises:
         CompileStepError: (on the call that traces) what the step does that a replay cannot
@@ -228,7 +228,7 @@ class _Trace:
 
 
 class CompiledStep:
-    """A step traced by [`compile_step`][storch.compiled_step.compile_step]; call it with the step's arguments.
+    """A step traced by `storch.compiled_step.compile_step`; call it with the step's arguments.
 
     Attributes:
         traces: the number of graphs traced so far (one per combination of argument shapes).
@@ -380,7 +380,7 @@ class CompiledStep:
 
 def _raise_failed_check(record: TraceRecord, outputs: StepOutputs) -> None:
     """Raise for the first check read after the step that fails: `CheckFailed`, or the
-    [`NonFiniteCostError`][storch.exceptions.NonFiniteCostError] of a surrogate loss."""
+    `storch.exceptions.NonFiniteCostError` of a surrogate loss."""
     for valid, check in zip(outputs.checks, record.deferred):
         if not bool(valid.all()):
             raise CheckFailed(check)

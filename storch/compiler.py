@@ -1,6 +1,6 @@
 """storch under ``torch.compile``: storch's own frames run eagerly, the rest of a step compiles.
 
-A training step that samples, registers costs and calls [`storch.backward`][storch.backward] can be given to
+A training step that samples, registers costs and calls `storch.backward` can be given to
 ``torch.compile`` as a whole. TorchDynamo would otherwise trace into storch's Python code (the
 plate bookkeeping, the ``__torch_function__`` dispatch) and compile it with the plated tensors as
 plain inputs, which fails inside AOTAutograd ("Multiple dispatch failed for aten.addmm.out").

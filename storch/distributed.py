@@ -6,16 +6,16 @@ its own slice of the minibatch and draws its own samples; ``storch.backward()`` 
 gradient of its local estimate and DDP averages the model's gradients across ranks. Some state is
 not the model's, and DDP does not see it:
 
-* methods with parameters and an optimizer of their own ([`RELAX`][storch.method.RELAX],
-  [`REBAR`][storch.method.REBAR], [`LAX`][storch.method.LAX]) average their parameters' gradients
-  across ranks ([`all_reduce_gradients_`][storch.distributed.all_reduce_gradients_]) before their optimizer steps, and
+* methods with parameters and an optimizer of their own (`storch.method.RELAX`,
+  `storch.method.REBAR`, `storch.method.LAX`) average their parameters' gradients
+  across ranks (`storch.distributed.all_reduce_gradients_`) before their optimizer steps, and
   broadcast the
   parameters of rank 0 at their first step, so all replicas hold the same control variate;
-* [`MovingAverageBaseline`][storch.method.baseline.MovingAverageBaseline] averages the batch mean of the cost across
+* `storch.method.baseline.MovingAverageBaseline` averages the batch mean of the cost across
   ranks before it updates (``sync=True``, the default), so its value is global.
 
-Both happen only while [`syncing`][storch.distributed.syncing] is true: a process group with more than one rank is
-initialised, and the code does not run inside [`local_only`][storch.distributed.local_only] (e.g. a probe that only
+Both happen only while `storch.distributed.syncing` is true: a process group with more than one rank is
+initialised, and the code does not run inside `storch.distributed.local_only` (e.g. a probe that only
 rank 0
 runs: a collective that the other ranks never join would wait for ever). Each method also takes
 ``sync=False`` to opt out. Every collective works on the tensors' own device and dtype, so gloo
@@ -80,7 +80,7 @@ def is_main_process() -> bool:
 
 def syncing(group=None) -> bool:
     """Whether storch's own collectives run now: more than one rank, and not inside
-    [`local_only`][storch.distributed.local_only]."""
+    `storch.distributed.local_only`."""
     return not _LOCAL.get() and world_size(group) > 1
 
 
@@ -89,7 +89,7 @@ def local_only() -> Iterator[None]:
     """Within this block storch runs no collective: methods and baselines update from this rank alone.
 
     Use it for work that not every rank does, such as an evaluation or a gradient-variance probe
-    on rank 0 that calls [`storch.backward`][storch.backward] (a collective that the other ranks never join
+    on rank 0 that calls `storch.backward` (a collective that the other ranks never join
     would block). It does not affect DDP, whose hooks fire only after a forward pass of the
     wrapped module.
 
@@ -130,8 +130,8 @@ def all_reduce_mean_(tensors: Sequence[torch.Tensor], group=None) -> Sequence[to
 
     The tensors are packed into one flat buffer per (device, dtype), so a list of many small
     tensors costs one collective per kind. Every rank must pass tensors of the same shapes, dtypes
-    and order. Without [`syncing`][storch.distributed.syncing] (one process, or inside
-    [`local_only`][storch.distributed.local_only]) nothing happens.
+    and order. Without `storch.distributed.syncing` (one process, or inside
+    `storch.distributed.local_only`) nothing happens.
     """
     tensors = list(tensors)
     _check_floating(tensors, "all_reduce_mean_")
@@ -153,11 +153,11 @@ def all_reduce_mean_(tensors: Sequence[torch.Tensor], group=None) -> Sequence[to
 def synchronise_replicas_(params: Sequence[torch.Tensor], first: bool, group=None) -> None:
     """Keep parameters that a method trains itself identical on every rank, before its optimizer step.
 
-    At the ``first`` step rank 0's values are copied to every rank ([`broadcast_`][storch.distributed.broadcast_];
+    At the ``first`` step rank 0's values are copied to every rank (`storch.distributed.broadcast_`;
     replicas may
     have been initialised differently), then the gradients are averaged
-    ([`all_reduce_gradients_`][storch.distributed.all_reduce_gradients_]).
-    Every rank must call it at the same steps with the same parameters. Without [`syncing`][storch.distributed.syncing]
+    (`storch.distributed.all_reduce_gradients_`).
+    Every rank must call it at the same steps with the same parameters. Without `storch.distributed.syncing`
     nothing happens.
 
     Examples:
@@ -177,7 +177,7 @@ def all_reduce_gradients_(params: Iterable[torch.Tensor], group=None) -> None:
     A rank where a parameter has no gradient (``.grad is None``) contributes zeros; a parameter
     that has no gradient on any rank keeps ``.grad = None`` everywhere, so an optimizer skips it on
     every rank alike. Every rank must pass the same parameters in the same order. Without
-    [`syncing`][storch.distributed.syncing] nothing happens.
+    `storch.distributed.syncing` nothing happens.
 
     Example (one process: gradients unchanged):
         >>> import torch
@@ -210,7 +210,7 @@ def all_reduce_gradients_(params: Iterable[torch.Tensor], group=None) -> None:
 def broadcast_(tensors: Sequence[torch.Tensor], src: int = 0, group=None) -> Sequence[torch.Tensor]:
     """Overwrite each tensor, in place, with its value on rank ``src``; returns ``tensors``.
 
-    Without [`syncing`][storch.distributed.syncing] nothing happens.
+    Without `storch.distributed.syncing` nothing happens.
     """
     tensors = list(tensors)
     if not tensors or not syncing(group):

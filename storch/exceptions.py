@@ -10,7 +10,7 @@ class IllegalStorchExposeError(ValueError):
 
     Raised by ``bool(t)`` (so ``if t:``), ``t.item()``, ``float(t)``, ``int(t)`` and ``t.tolist()`` on a
     tensor that holds several samples along a plate (reduce the plates first, e.g. with
-    [`storch.reduce_plates`][storch.reduce_plates]), and by [`storch.deterministic`][storch.deterministic]
+    `storch.reduce_plates`), and by `storch.deterministic`
     when a wrapped function returns a plain tensor or loses an input plate. A `ValueError`, so code that
     catches torch's own "ambiguous truth value" error keeps working.
     """
@@ -21,7 +21,7 @@ class IllegalStorchExposeError(ValueError):
 
 
 class NonFiniteCostError(ValueError):
-    """[`storch.backward`][storch.backward] found a cost (or the surrogate loss) that is NaN or infinite.
+    """`storch.backward` found a cost (or the surrogate loss) that is NaN or infinite.
 
     Raised before anything is differentiated: no ``.grad`` is touched, no baseline or method state
     is updated, and the cost registry is cleared.
@@ -37,7 +37,7 @@ class UnusedNodeWarning(UserWarning):
 
 
 class CompileStepError(RuntimeError):
-    """[`storch.compile_step`][storch.compile_step] cannot turn a step into one fixed graph without changing what it
+    """`storch.compile_step` cannot turn a step into one fixed graph without changing what it
     computes: the step reads a tensor's value on the host (an ``if`` on a tensor, ``.item()``), uses
     an estimator that keeps state between steps, captures a tensor that requires grad from outside
     the given modules, or returns a storch tensor. The message names what and where; the step still

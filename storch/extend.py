@@ -1,7 +1,7 @@
 """The interface for writing estimators and samplers: everything the in-tree ones use.
 
-An estimator ([`storch.method.Method`][storch.method.Method]) or a proposal
-([`storch.sampling.SamplingMethod`][storch.sampling.SamplingMethod])
+An estimator (`storch.method.Method`) or a proposal
+(`storch.sampling.SamplingMethod`)
 works on the plain tensors underneath storch's plated ones, says which plates its results carry,
 and registers distribution-specific math. The estimators and samplers of ``storch.method`` and
 ``storch.sampling`` import the engine from here and nowhere else (``tests/test_extend.py`` checks
@@ -12,12 +12,12 @@ as plain torch operations (no alignment, no wrapping, no plate checks); results 
 
 **Tensors and plates.**
 
-* ``layout_of(t)``: the [`PlateLayout`][storch.plate.PlateLayout] of ``t`` (empty for plain tensors)
+* ``layout_of(t)``: the `storch.plate.PlateLayout` of ``t`` (empty for plain tensors)
 * ``plain(t)``: a plain ``torch.Tensor`` view of ``t`` (same autograd graph)
 * ``wrap(t, layout)``: a storch view of ``t`` with ``layout`` (``t`` untouched)
 * ``wrap_new(t, layout)``: make a fresh plain result, held by nobody else, a storch tensor (no view)
 * ``new_node(method, distribution, samples, plate, parents)``: make plain samples a node on ``plate``
-* ``node_of(t)``: the [`StochasticNode`][storch.extend.StochasticNode] of samples: ``samples``, ``distribution``,
+* ``node_of(t)``: the `storch.extend.StochasticNode` of samples: ``samples``, ``distribution``,
 ``method``,
   ``plate``, ``layout``, ``param_grads``
 * ``layout_of_plates(plates)``: the (cached) layout of plates in the order given
@@ -38,22 +38,22 @@ as plain torch operations (no alignment, no wrapping, no plate checks); results 
   ``b`` share their plates, or the other operand is a number or a plain tensor that broadcasts over
   the event dimensions), without the trip through storch's dispatch; otherwise dispatched
 * ``rsample_gumbel_softmax``: a reparameterized Gumbel-softmax draw
-* ``is_tracing()``: whether [`storch.compile_step`][storch.compile_step] is tracing the step (take no branch that reads
+* ``is_tracing()``: whether `storch.compile_step` is tracing the step (take no branch that reads
   a tensor's value on the host)
 * ``StepState``, ``StateKind``, ``DeclaresStepState``, ``step_state_of``, ``check_replayable``: what an
   estimator keeps between steps (its class attribute ``step_state``: ``StepState.NONE``,
   ``StepState.IN_PLACE`` or ``StepState.host(reason)``) and the check that refuses ``HOST`` state in a
-  compiled step ([`storch.state`][storch.state]); overriding ``update_parameters`` (a baseline's
+  compiled step (`storch.state`); overriding ``update_parameters`` (a baseline's
   ``update``) without declaring ``step_state`` in the same class body counts as ``HOST``
 
-**Operations.** [`register_operation`][storch.extend.register_operation] says how a function treats plates
+**Operations.** `storch.extend.register_operation` says how a function treats plates
 (elementwise, joins,
 dimension arguments, …) when it is not one of torch's that storch already knows.
 
-**Registries.** Distribution-specific math is kept in [`TypeRegistry`][storch.extend.TypeRegistry] instances, each
+**Registries.** Distribution-specific math is kept in `storch.extend.TypeRegistry` instances, each
 filled
 by one ``register_*`` function (most specific base class wins; ambiguity and double registration
-are errors). All of them are made in [`storch.registries`][storch.registries] and available here:
+are errors). All of them are made in `storch.registries` and available here:
 
 * ``register_relaxation``: continuous relaxation of a discrete distribution (Gumbel, REBAR)
 * ``register_cumulants``: cumulants for generalized stochastic backpropagation

@@ -15,7 +15,7 @@ newest first (a reverse topological order):
 ``surrogate = Σ_costs S``. Its forward value is the estimate of the expected total cost and its
 derivatives of any order are the gradient estimates.
 
-The nodes of a chain of single-sample nodes ([`storch.plate.ChainPlate`][storch.plate.ChainPlate]: an
+The nodes of a chain of single-sample nodes (`storch.plate.ChainPlate`: an
 episode's decisions, each drawn from the last) share one plate, so a cost carries only the chain's step
 it was computed from. Their steps are processed for all costs at once, newest first: the partial
 surrogates that reach a step with the same plates are summed (``R_s``, the reward to go) and the step's
@@ -61,7 +61,7 @@ _CONSUMED: ContextVar[bool] = ContextVar("storch_costs_consumed", default=False)
 
 
 def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
-    """Register a cost node (to be minimised) for the next [`backward`][storch.inference.backward].
+    """Register a cost node (to be minimised) for the next `storch.inference.backward`.
 
     A cost must hold one value per combination of its plates: no event dimensions. Sum or average
     them first (e.g. ``loss.sum(-1)``).
@@ -140,10 +140,10 @@ def registered_costs() -> tuple[CostTensor, ...]:
 def reset() -> None:
     """Forget the registered costs (and the sampled nodes) of the current context.
 
-    [`backward`][storch.inference.backward] resets on its own, also when it raises. Call ``reset`` at the start of a
+    `storch.inference.backward` resets on its own, also when it raises. Call ``reset`` at the start of a
     step,
-    or where you catch an error raised between [`add_cost`][storch.inference.add_cost] and
-    [`backward`][storch.inference.backward], so that costs
+    or where you catch an error raised between `storch.inference.add_cost` and
+    `storch.inference.backward`, so that costs
     of a failed step do not join the next one.
     """
     _clear_registry()
@@ -393,7 +393,7 @@ def surrogate_loss(costs: tuple[CostTensor, ...] | None = None) -> torch.Tensor:
     """The surrogate loss of the registered costs (or of ``costs``), without differentiating it.
 
     Its value is the estimate of the expected total cost; its derivatives are the gradient
-    estimates. Unlike [`backward`][storch.inference.backward] this keeps the registry and updates no method state.
+    estimates. Unlike `storch.inference.backward` this keeps the registry and updates no method state.
 
     Examples:
         >>> import torch, storch
@@ -438,7 +438,7 @@ def _named_costs(costs: tuple[CostTensor, ...]) -> list[tuple[str, torch.Tensor,
 
 
 def _check_finite(loss: torch.Tensor, costs: tuple[CostTensor, ...]) -> None:
-    """Raise [`NonFiniteCostError`][storch.inference.NonFiniteCostError], naming the costs, if the surrogate loss is
+    """Raise `storch.inference.NonFiniteCostError`, naming the costs, if the surrogate loss is
     NaN or infinite."""
     if loss.device.type == "meta" or math.isfinite(loss.item()):  # meta tensors hold no values
         return
@@ -477,8 +477,8 @@ def non_finite_error(
 
 
 def _refuse_state_between_steps(record: _Record) -> None:
-    """In a trace of [`storch.compile_step`][storch.compile_step]: refuse methods that keep ``HOST`` state
-    between steps ([`storch.state.check_replayable`][storch.state.check_replayable], which names the method,
+    """In a trace of `storch.compile_step`: refuse methods that keep ``HOST`` state
+    between steps (`storch.state.check_replayable`, which names the method,
     the part and the reason), before anything is differentiated or updated.
 
     The compiled step replays the traced operations only; state kept or decided on the host would stay

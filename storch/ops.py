@@ -7,8 +7,8 @@ storch tensors (``torch.cat``, ``t.sum(d)``, ``torch.gather``, …):
   first (newest first), then the dimensions of one sample (the distribution's batch and event
   dimensions). ``dim=i`` means ``t.shape[i]``, exactly as in torch and in Storchastic;
 * a dimension that falls on a plate is an error that names the plate: plates are reduced or selected
-  *by name* ([`storch.reduce_plates`][storch.reduce_plates], ``storch.sum/mean/logsumexp(t, "z")``,
-  [`gather`][storch.ops.gather] with a plate name);
+  *by name* (`storch.reduce_plates`, ``storch.sum/mean/logsumexp(t, "z")``,
+  `storch.ops.gather` with a plate name);
 * a negative dimension counts from the right, so it indexes one sample's dimensions whatever the
   plates: ``dim=-1`` is the last dimension of a sample under any number of plates. Prefer it in code
   meant to run with and without plates;
@@ -120,7 +120,7 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
 def gather(input: torch.Tensor, dim: Union[str, Plate, int], index: torch.Tensor) -> torch.Tensor:  # noqa: A002
     """Select values of ``input`` with an integer ``index``: samples along a plate, or per sample.
 
-    * ``dim`` a plate (its name or the [`Plate`][storch.plate.Plate]), as in Storchastic: ``index``
+    * ``dim`` a plate (its name or the `storch.plate.Plate`), as in Storchastic: ``index``
       holds, for each entry of its plates, which sample of plate ``dim`` to take; the result has the
       plates of ``index`` (plus those of ``input`` other than ``dim``) and ``input``'s sample shape.
     * ``dim`` an ``int``: ``torch.gather`` applied to each sample, after aligning ``input`` and

@@ -1,9 +1,9 @@
 """Plates: named sample dimensions.
 
-A *plate* is a left dimension of a [`storch.Tensor`][storch.Tensor] that indexes conditionally independent
+A *plate* is a left dimension of a `storch.Tensor` that indexes conditionally independent
 samples: the samples of a stochastic node (``Method("z", n_samples=8)`` makes a plate ``z`` of size 8),
-a minibatch ([`storch.denote_independent`][storch.denote_independent]), or repeated estimates
-([`storch.gather_samples`][storch.gather_samples]).
+a minibatch (`storch.denote_independent`), or repeated estimates
+(`storch.gather_samples`).
 Each plate carries a *weight* used when it is reduced: ``1/n`` for i.i.d. samples, or a tensor for
 importance or enumeration weights.
 
@@ -13,10 +13,10 @@ remaining dimensions are *event* dimensions and broadcast as in plain PyTorch.
 
 Identity rule: the plate of a stochastic node is unique to that node. Two different nodes that use
 the same plate name clash with an error instead of merging. Plates made by
-[`storch.denote_independent`][storch.denote_independent] or [`storch.gather_samples`][storch.gather_samples] are
+`storch.denote_independent` or `storch.gather_samples` are
 compared by name and size, so a
 minibatch plate re-created in every training step is the same plate. The steps of a sequence decoded
-step by step share a name by design ([`AncestralPlate`][storch.plate.AncestralPlate]): where two steps of one chain
+step by step share a name by design (`storch.plate.AncestralPlate`): where two steps of one chain
 meet,
 the newer step is kept and the older tensor is re-indexed along the ancestry.
 """
@@ -83,7 +83,7 @@ class Plate:
         order: the creation order (newer plates have larger numbers).
         info: what the sampling method keeps about this plate's draw (``None`` if nothing).
 
-    Two plates are equal when they have the same [`identity`][storch.plate.Plate.identity]: a node's plate only equals
+    Two plates are equal when they have the same `storch.plate.Plate.identity`: a node's plate only equals
     itself, an independent plate equals every independent plate of its name and size.
 
     Examples:
@@ -190,9 +190,9 @@ class Plate:
         """What makes two plates the same plate; ``==`` and ``hash`` compare it.
 
         * The plate of a stochastic node is identified by the object itself: two nodes' samples
-          never merge, even with equal names and sizes (that is a [`PlateClashError`][storch.plate.PlateClashError]).
-        * An independent plate (no node: a minibatch from [`storch.denote_independent`][storch.denote_independent], the
-          copies of [`storch.gather_samples`][storch.gather_samples]) is identified by ``(name, size)``, so that the
+          never merge, even with equal names and sizes (that is a `storch.plate.PlateClashError`).
+        * An independent plate (no node: a minibatch from `storch.denote_independent`, the
+          copies of `storch.gather_samples`) is identified by ``(name, size)``, so that the
           plate re-created in every step, or for every tensor of one minibatch, is one plate.
         """
         return self if self.node is not None else (self.name, self.size)
@@ -227,11 +227,11 @@ class AncestralPlate(Plate):
     with the new ones without bookkeeping. Plates of different chains still clash.
 
     Args:
-        name: as for [`Plate`][storch.plate.Plate].
-        size: as for [`Plate`][storch.plate.Plate].
-        weight: as for [`Plate`][storch.plate.Plate].
-        parents: as for [`Plate`][storch.plate.Plate].
-        node: as for [`Plate`][storch.plate.Plate].
+        name: as for `storch.plate.Plate`.
+        size: as for `storch.plate.Plate`.
+        weight: as for `storch.plate.Plate`.
+        parents: as for `storch.plate.Plate`.
+        node: as for `storch.plate.Plate`.
         ancestor: the plate of the previous step (``None`` for the first step).
         parent_index: a plain ``LongTensor`` ``(size, *sizes of index_plates)``: for each sample of
             this plate (and each value of ``index_plates``) the position of its parent along
@@ -406,7 +406,7 @@ class PlateLayout:
         return hash(self.plates)
 
     def index(self, plate: Plate | str) -> int:
-        """Position of ``plate`` (a [`Plate`][storch.plate.Plate] or a plate name) in this layout."""
+        """Position of ``plate`` (a `storch.plate.Plate` or a plate name) in this layout."""
         if isinstance(plate, str):
             try:
                 return self.names.index(plate)
@@ -422,7 +422,7 @@ class PlateLayout:
 
     def position(self, plate: Plate) -> int:
         """Position of ``plate`` in this layout, found by identity first (see
-        [`index`][storch.plate.PlateLayout.index])."""
+        `storch.plate.PlateLayout.index`)."""
         for i, p in enumerate(self.plates):
             if p is plate:
                 return i
@@ -464,7 +464,7 @@ _interned: "weakref.WeakValueDictionary[tuple[int, ...], PlateLayout]" = weakref
 
 
 def layout_of_plates(plates: Sequence[Plate]) -> PlateLayout:
-    """The shared [`PlateLayout`][storch.plate.PlateLayout] object for ``plates`` (in the given order).
+    """The shared `storch.plate.PlateLayout` object for ``plates`` (in the given order).
 
     Interning layouts lets tensors that carry the same plates share one layout object, so the
     dispatcher's identity check takes the fast path. A layout keeps its plates alive, so an entry
@@ -525,7 +525,7 @@ class CudaDimensionError(TooManyPlatesError):
 
 
 def reraise_cuda_dimension_error(error: RuntimeError, plates: Sequence["Plate"], where: str) -> None:
-    """Raise [`CudaDimensionError`][storch.plate.CudaDimensionError] from ``error`` if it is CUDA's dimension limit;
+    """Raise `storch.plate.CudaDimensionError` from ``error`` if it is CUDA's dimension limit;
     else return."""
     if _CUDA_DIMS_MESSAGE in str(error):
         raise CudaDimensionError(plates, where) from error
@@ -539,7 +539,7 @@ def _describe(plate: Plate) -> str:
 def merge_layouts(layouts: Iterable[PlateLayout]) -> PlateLayout:
     """The union of several layouts, newest plate first.
 
-    Two steps of one ancestral chain ([`AncestralPlate`][storch.plate.AncestralPlate], a sequence decoded step by
+    Two steps of one ancestral chain (`storch.plate.AncestralPlate`, a sequence decoded step by
     step) merge
     into the newer one, plus the plates its parent indices depend on.
 
@@ -614,7 +614,7 @@ def _raise_clash(seen: Plate, plate: Plate) -> None:
 
 
 def _newer_of_one_chain(a: Plate, b: Plate) -> "AncestralPlate | None":
-    """The newer of two plates of one ancestral chain (see [`AncestralPlate`][storch.plate.AncestralPlate]), else
+    """The newer of two plates of one ancestral chain (see `storch.plate.AncestralPlate`), else
     ``None``."""
     if isinstance(a, AncestralPlate) and isinstance(b, AncestralPlate):
         if b.descends_from(a):

@@ -1,18 +1,18 @@
 """Creating and reducing plates.
 
-* [`denote_independent`][storch.reductions.denote_independent] and
-[`gather_samples`][storch.reductions.gather_samples] create independent plates;
-* [`reduce_plates`][storch.reductions.reduce_plates] and [`variance`][storch.reductions.variance] reduce plates *with
+* `storch.reductions.denote_independent` and
+`storch.reductions.gather_samples` create independent plates;
+* `storch.reductions.reduce_plates` and `storch.reductions.variance` reduce plates *with
 their weights* (use these for
   estimates);
-* [`sum`][storch.reductions.sum], [`mean`][storch.reductions.mean] and [`logsumexp`][storch.reductions.logsumexp]
+* `storch.reductions.sum`, `storch.reductions.mean` and `storch.reductions.logsumexp`
 reduce named dimensions *without* weights.
 
 Reducing a plate with a plain torch reduction (``t.mean(0)``) is an error, because it silently
 discards the per-sample values the gradient estimators need.
 
-Plates are given *by name* (or as [`Plate`][storch.plate.Plate] objects); ``int`` dimensions follow
-the rule of [`storch.ops`][storch.ops] for every dimension argument: they count the tensor's
+Plates are given *by name* (or as `storch.plate.Plate` objects); ``int`` dimensions follow
+the rule of `storch.ops` for every dimension argument: they count the tensor's
 ``shape``, plates first, must fall on one of a sample's dimensions (an ``int`` on a plate is an
 error that names it: give the plate's name instead), and count from the right when negative.
 ``denote_independent``'s ``dim`` counts the same way.
@@ -42,7 +42,7 @@ def denote_independent(tensor: torch.Tensor, dim: int, plate_name: str) -> Indep
     """Declare dimension ``dim`` of ``tensor`` a plate of independent values (e.g. a minibatch).
 
     The dimension moves to the left of the event dimensions and becomes the newest plate; its
-    weight is ``1/size``, so [`reduce_plates`][storch.reductions.reduce_plates] averages over it.
+    weight is ``1/size``, so `storch.reductions.reduce_plates` averages over it.
 
     Examples:
         >>> import torch, storch
@@ -148,7 +148,7 @@ def _reduce_dims(tensor: torch.Tensor, dims: PlateRef | Sequence[PlateRef], op: 
 
 
 def sum(tensor: torch.Tensor, dims: PlateRef | Sequence[PlateRef]) -> torch.Tensor:  # noqa: A001
-    """Sum over plates (by name or [`Plate`][storch.reductions.Plate]) and/or dimensions, ignoring plate weights.
+    """Sum over plates (by name or `storch.reductions.Plate`) and/or dimensions, ignoring plate weights.
 
     Examples:
         >>> import torch, storch
@@ -161,7 +161,7 @@ def sum(tensor: torch.Tensor, dims: PlateRef | Sequence[PlateRef]) -> torch.Tens
 
 def mean(tensor: torch.Tensor, dims: PlateRef | Sequence[PlateRef]) -> torch.Tensor:
     """Unweighted mean over plates and/or dimensions. For estimates use
-    [`reduce_plates`][storch.reductions.reduce_plates].
+    `storch.reductions.reduce_plates`.
 
     Examples:
         >>> import torch, storch
@@ -219,7 +219,7 @@ def reduce_plate(tensor: Tensor, plate: Plate, detach_weights: bool = True) -> t
 
 
 def _reduce_by_vector(tensor: Tensor, plate: Plate, w: torch.Tensor) -> Tensor:
-    """[`reduce_plate`][storch.reductions.reduce_plate] for a plain weight vector, one weight per sample of ``plate``
+    """`storch.reductions.reduce_plate` for a plain weight vector, one weight per sample of ``plate``
     (groups of
     ARM, DisARM, LocalExpectation, MVD; importance weights): the same arithmetic on the plain
     values, with ``w`` laid along the plate's dimension, instead of six aligned operations."""
@@ -255,7 +255,7 @@ def reduce_plates(
 
     Args:
         tensor: the tensor to reduce.
-        plates: plate names or [`Plate`][storch.reductions.Plate] objects; ``None`` reduces all plates.
+        plates: plate names or `storch.reductions.Plate` objects; ``None`` reduces all plates.
         detach_weights: detach weights that require grad (e.g. enumeration weights ``p(x)``).
 
     Examples:

@@ -1,33 +1,33 @@
 """The registries of distribution-specific math, and the public ``register_*`` function of each.
 
-Every registry is a [`TypeRegistry`][storch.registry.TypeRegistry] made here, in a low layer that
-imports only [`storch.registry`][storch.registry] and torch, so that
-[`storch.extend`][storch.extend] can offer every ``register_*`` function without importing an
+Every registry is a `storch.registry.TypeRegistry` made here, in a low layer that
+imports only `storch.registry` and torch, so that
+`storch.extend` can offer every ``register_*`` function without importing an
 estimator. The modules that read a registry (estimators, samplers, relaxations) import it from here
 and fill it with their built-in entries when they are imported, through
-[`TypeRegistry.register_default`][storch.registry.TypeRegistry.register_default]: an entry a user
+`storch.registry.TypeRegistry.register_default`: an entry a user
 registered for the same type before that module was imported is kept. ``import storch`` imports all
 of those modules, so every registry holds its built-in entries once ``storch`` is imported.
 
-* ``RELAXATIONS`` ([`register_relaxation`][storch.registries.register_relaxation]), filled by
+* ``RELAXATIONS`` (`storch.registries.register_relaxation`), filled by
   ``storch.distributions.relaxation``;
-* ``MEASURE_VALUED`` ([`register_measure_valued`][storch.registries.register_measure_valued]), by
+* ``MEASURE_VALUED`` (`storch.registries.register_measure_valued`), by
   ``storch.distributions.measure_valued``;
-* ``CUMULANTS`` ([`register_cumulants`][storch.registries.register_cumulants]), by
+* ``CUMULANTS`` (`storch.registries.register_cumulants`), by
   ``storch.method.cumulants``;
-* ``GSB_REPRESENTATIONS`` ([`register_representation`][storch.registries.register_representation]) and
-  ``GSB_RULES`` ([`register_gsb_rule`][storch.registries.register_gsb_rule]), by ``storch.method.gsb``;
-* ``COORDINATES`` ([`register_coordinates`][storch.registries.register_coordinates]), by
+* ``GSB_REPRESENTATIONS`` (`storch.registries.register_representation`) and
+  ``GSB_RULES`` (`storch.registries.register_gsb_rule`), by ``storch.method.gsb``;
+* ``COORDINATES`` (`storch.registries.register_coordinates`), by
   ``storch.method.local_expectation_points``;
-* ``ONE_HOT_VIEWS`` ([`register_one_hot_view`][storch.registries.register_one_hot_view]), by
+* ``ONE_HOT_VIEWS`` (`storch.registries.register_one_hot_view`), by
   ``storch.method.straight_through``;
-* ``SPSA_WRAPPERS`` ([`register_spsa_wrapper`][storch.registries.register_spsa_wrapper]), by
+* ``SPSA_WRAPPERS`` (`storch.registries.register_spsa_wrapper`), by
   ``storch.method.spsa``;
-* ``CRITIC_INPUTS`` ([`register_critic_inputs`][storch.registries.register_critic_inputs]), by
+* ``CRITIC_INPUTS`` (`storch.registries.register_critic_inputs`), by
   ``storch.method.critic``;
-* ``WOR_SUPPORTS`` ([`register_wor_support`][storch.registries.register_wor_support]), by
+* ``WOR_SUPPORTS`` (`storch.registries.register_wor_support`), by
   ``storch.sampling.swor``;
-* ``RELAXED_WOR_VALUES`` ([`register_relaxed_wor_value`][storch.registries.register_relaxed_wor_value]),
+* ``RELAXED_WOR_VALUES`` (`storch.registries.register_relaxed_wor_value`),
   by ``storch.sampling.unordered_set``.
 
 The types of the registered values are defined by the modules that read them; they are imported
@@ -140,7 +140,7 @@ def register_relaxation(dist_type: type, relaxation: Relaxation, *, replace: boo
         relaxation: its `Relaxation` (``storch.distributions.relaxation``).
         replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
             it a second registration raises
-            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
+            `storch.registry.DuplicateRegistrationError`.
     """
     RELAXATIONS.register(dist_type, replace=replace)(relaxation)
 
@@ -155,7 +155,7 @@ def register_measure_valued(
         decomposition: its `MeasureValuedDecomposition` (``storch.distributions.measure_valued``).
         replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
             it a second registration raises
-            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
+            `storch.registry.DuplicateRegistrationError`.
     """
     MEASURE_VALUED.register(dist_type, replace=replace)(decomposition)
 
@@ -171,7 +171,7 @@ def register_cumulants(dist_type: type, *, replace: bool = False) -> Callable[[C
         dist_type: the distribution type.
         replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
             it a second registration raises
-            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
+            `storch.registry.DuplicateRegistrationError`.
 
     Examples:
         >>> import torch
@@ -194,10 +194,10 @@ def register_representation(dist_type: type, representation: Representation, *, 
 
     Args:
         dist_type: the distribution type (and its subclasses).
-        representation: its [`Representation`][storch.method.gsb.Representation].
+        representation: its `storch.method.gsb.Representation`.
         replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
             it a second registration raises
-            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
+            `storch.registry.DuplicateRegistrationError`.
     """
     GSB_REPRESENTATIONS.register(dist_type, replace=replace)(representation)
 
@@ -207,10 +207,10 @@ def register_gsb_rule(dist_type: type, rule: GSBRule, *, replace: bool = False) 
 
     Args:
         dist_type: the distribution type.
-        rule: the [`GSBRule`][storch.method.gsb.GSBRule].
+        rule: the `storch.method.gsb.GSBRule`.
         replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
             it a second registration raises
-            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
+            `storch.registry.DuplicateRegistrationError`.
     """
     GSB_RULES.register(dist_type, replace=replace)(rule)
 
@@ -220,10 +220,10 @@ def register_coordinates(dist_type: type, coordinates: Coordinates, *, replace: 
 
     Args:
         dist_type: the distribution type.
-        coordinates: its [`Coordinates`][storch.method.local_expectation_points.Coordinates].
+        coordinates: its `storch.method.local_expectation_points.Coordinates`.
         replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
             it a second registration raises
-            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
+            `storch.registry.DuplicateRegistrationError`.
     """
     COORDINATES.register(dist_type, replace=replace)(coordinates)
 
@@ -233,10 +233,10 @@ def register_one_hot_view(dist_type: type, view: OneHotView, *, replace: bool = 
 
     Args:
         dist_type: the distribution type.
-        view: its [`OneHotView`][storch.method.straight_through.OneHotView].
+        view: its `storch.method.straight_through.OneHotView`.
         replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
             it a second registration raises
-            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
+            `storch.registry.DuplicateRegistrationError`.
     """
     ONE_HOT_VIEWS.register(dist_type, replace=replace)(view)
 
@@ -256,7 +256,7 @@ def register_spsa_wrapper(
         rebuild: ``(wrapper, perturbed inner) -> perturbed wrapper``.
         replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
             it a second registration raises
-            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
+            `storch.registry.DuplicateRegistrationError`.
     """
     SPSA_WRAPPERS.register(dist_type, replace=replace)(SPSAWrapper(inner, rebuild))
 
@@ -273,7 +273,7 @@ def register_critic_inputs(dist_type: type, inputs: InputFunction, *, replace: b
         inputs: ``distribution -> tensors``.
         replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
             it a second registration raises
-            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
+            `storch.registry.DuplicateRegistrationError`.
     """
     CRITIC_INPUTS.register(dist_type, replace=replace)(inputs)
 
@@ -281,13 +281,13 @@ def register_critic_inputs(dist_type: type, inputs: InputFunction, *, replace: b
 def register_wor_support(dist_type: type, *, replace: bool = False) -> Callable[[SupportFn], SupportFn]:
     """Register how to enumerate the support of ``dist_type`` (a decorator, like ``register_kl``).
 
-    The decorated function takes the distribution and returns a [`WORSupport`][storch.sampling.swor.WORSupport].
+    The decorated function takes the distribution and returns a `storch.sampling.swor.WORSupport`.
 
     Args:
         dist_type: the distribution type.
         replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
             it a second registration raises
-            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
+            `storch.registry.DuplicateRegistrationError`.
     """
     return WOR_SUPPORTS.register(dist_type, replace=replace)
 
@@ -296,7 +296,7 @@ def register_relaxed_wor_value(
     dist_type: type, *, replace: bool = False
 ) -> Callable[[RelaxedValueFn], RelaxedValueFn]:
     """Decorator registering how a relaxed one-hot vector over the support of ``dist_type`` (as
-    enumerated by [`storch.sampling.swor.wor_support`][storch.sampling.swor.wor_support]) becomes a relaxed sample of
+    enumerated by `storch.sampling.swor.wor_support`) becomes a relaxed sample of
     that
     distribution.
 
@@ -304,6 +304,6 @@ def register_relaxed_wor_value(
         dist_type: the distribution type.
         replace: allow replacing an entry ``dist_type`` already has (e.g. a built-in one); without
             it a second registration raises
-            [`storch.registry.DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError].
+            `storch.registry.DuplicateRegistrationError`.
     """
     return RELAXED_WOR_VALUES.register(dist_type, replace=replace)

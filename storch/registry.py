@@ -4,21 +4,21 @@ Distribution-specific math (relaxations, cumulants, measure-valued decomposition
 supports for sampling without replacement, …) lives in registries keyed by distribution type, in
 the manner of ``torch.distributions.kl.register_kl``: a value registered for a type also serves its
 subclasses, and the most specific registered base class wins (``Chi2`` finds ``Gamma``'s entry
-unless it has its own). Every registry is a [`TypeRegistry`][storch.registry.TypeRegistry], made in
-[`storch.registries`][storch.registries] together with its public ``register_*`` function (e.g.
-[`storch.registries.register_relaxation`][storch.registries.register_relaxation]), a thin wrapper around
-[`TypeRegistry.register`][storch.registry.TypeRegistry.register]. The modules that use a registry fill
+unless it has its own). Every registry is a `storch.registry.TypeRegistry`, made in
+`storch.registries` together with its public ``register_*`` function (e.g.
+`storch.registries.register_relaxation`), a thin wrapper around
+`storch.registry.TypeRegistry.register`. The modules that use a registry fill
 it with their built-in entries when they are imported, by
-[`TypeRegistry.register_default`][storch.registry.TypeRegistry.register_default], which keeps an entry a
+`storch.registry.TypeRegistry.register_default`, which keeps an entry a
 user registered earlier.
 
 Two things that would otherwise go unnoticed are errors:
 
 * a type registered twice in one registry
-([`DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError]), unless the
+(`storch.registry.DuplicateRegistrationError`), unless the
   second registration says ``replace=True``, so that overriding a built-in entry is deliberate;
 * a type that inherits from two or more registered types of which none is more specific than the
-  others (multiple inheritance; [`AmbiguousLookupError`][storch.registry.AmbiguousLookupError]), whose fix is to
+  others (multiple inheritance; `storch.registry.AmbiguousLookupError`), whose fix is to
   register the type
   itself.
 
@@ -29,10 +29,10 @@ log-probability over all its non-plate dimensions either way. So a lookup with a
 instance (wrapped any number of times) that has no entry of its own (no entry registered for
 ``Independent`` or a subclass) returns the entry of the innermost base distribution, and the
 functions in it are called with that base distribution (see
-[`TypeRegistry.lookup`][storch.registry.TypeRegistry.lookup]). A registry whose users read the batch
+`storch.registry.TypeRegistry.lookup`). A registry whose users read the batch
 dimensions of the distribution as its coordinates (local expectations, measure-valued derivatives)
 says so when it is made (``reinterpreted_refused``): there, ``Independent(base, n)`` with ``n > 0``
-is refused with [`ReinterpretedDimsError`][storch.registry.ReinterpretedDimsError], which gives the
+is refused with `storch.registry.ReinterpretedDimsError`, which gives the
 reason and the fix (pass ``base`` itself).
 """
 
@@ -56,21 +56,21 @@ V = TypeVar("V")
 class AmbiguousLookupError(LookupError):
     """A type inherits from several registered types and none of them is more specific than the others.
 
-    Raised by [`TypeRegistry.lookup`][storch.registry.TypeRegistry.lookup]; the message names the registry, the type,
+    Raised by `storch.registry.TypeRegistry.lookup`; the message names the registry, the type,
     the candidates
     and the fix (register the type itself).
     """
 
 
 class DuplicateRegistrationError(ValueError):
-    """A type registered a second time in one [`TypeRegistry`][storch.registry.TypeRegistry] without
+    """A type registered a second time in one `storch.registry.TypeRegistry` without
     ``replace=True``."""
 
 
 class ReinterpretedDimsError(ValueError):
     """``Independent(base, n)`` with ``n > 0`` looked up in a registry whose users cannot take it for ``base``.
 
-    Raised by [`TypeRegistry.lookup`][storch.registry.TypeRegistry.lookup] of a registry made with
+    Raised by `storch.registry.TypeRegistry.lookup` of a registry made with
     ``reinterpreted_refused``; the message names the registry, the distribution, the reason and the
     fix (pass the base distribution itself, or register an entry for ``Independent``).
     """
@@ -95,7 +95,7 @@ def independent_base(distr: Any) -> tuple[Any, int]:
 
 
 class Resolution(NamedTuple):
-    """What [`TypeRegistry.resolve`][storch.registry.TypeRegistry.resolve] found for a distribution.
+    """What `storch.registry.TypeRegistry.resolve` found for a distribution.
 
     Attributes:
         value: the entry (for an unwrapped ``Independent``, the base's entry, as registered).
@@ -151,7 +151,7 @@ def _describe(value: object) -> str:
 
 
 def ambiguity_message(registry: str, cls: type, candidates: Sequence[type], register_with: str) -> str:
-    """The message of [`AmbiguousLookupError`][storch.registry.AmbiguousLookupError] (shared with lookups that combine
+    """The message of `storch.registry.AmbiguousLookupError` (shared with lookups that combine
     registries)."""
     listed = ", ".join(f"{_name(c)} ({c.__module__})" for c in candidates)
     return (
@@ -162,33 +162,33 @@ def ambiguity_message(registry: str, cls: type, candidates: Sequence[type], regi
 
 
 class TypeRegistry(Generic[V]):
-    """Values keyed by type; [`lookup`][storch.registry.TypeRegistry.lookup] finds the entry of the most specific
+    """Values keyed by type; `storch.registry.TypeRegistry.lookup` finds the entry of the most specific
     registered base class.
 
     A value registered for a type serves its subclasses too. When several registered types are
     bases of the queried one, the most specific wins (the one that is a subclass of all the
     others). With multiple inheritance two registered bases can be equally specific (neither is a
-    subclass of the other); [`lookup`][storch.registry.TypeRegistry.lookup] then raises
-    [`AmbiguousLookupError`][storch.registry.AmbiguousLookupError] rather than
+    subclass of the other); `storch.registry.TypeRegistry.lookup` then raises
+    `storch.registry.AmbiguousLookupError` rather than
     picking one by the method resolution order. ``torch.distributions.kl`` warns in that case and
     goes on; storch reports it as an error because the choice changes the gradient estimate without
     any other sign, and the fix, registering the subclass itself, is one line.
 
     ``in`` (exact registration, not inheritance), ``len`` and iteration (over the registered types,
     in registration order) work as on a ``dict``; entries are added only by
-    [`register`][storch.registry.TypeRegistry.register] and
-    removed by [`unregister`][storch.registry.TypeRegistry.unregister].
+    `storch.registry.TypeRegistry.register` and
+    removed by `storch.registry.TypeRegistry.unregister`.
 
     ``Independent`` distributions without an entry of their own find their base distribution's
-    entry (see the module docstring and [`resolve`][storch.registry.TypeRegistry.resolve]).
+    entry (see the module docstring and `storch.registry.TypeRegistry.resolve`).
 
     Args:
         name: what the registry holds, for messages (``"relaxation"``: "the relaxation registry").
         register_with: the function users call to add entries, named in messages (default: this
-            registry's [`register`][storch.registry.TypeRegistry.register]).
+            registry's `storch.registry.TypeRegistry.register`).
         reinterpreted_refused: why the users of this registry cannot take ``Independent(base, n)``
             with ``n > 0`` for ``base`` (e.g. they read the batch dimensions as coordinates); such a
-            lookup then raises [`ReinterpretedDimsError`][storch.registry.ReinterpretedDimsError] with
+            lookup then raises `storch.registry.ReinterpretedDimsError` with
             this reason. ``None`` (the default): it is served by ``base``'s entry.
 
     Examples:
@@ -233,7 +233,7 @@ class TypeRegistry(Generic[V]):
             *types: the types to register the value for (at least one).
             replace: allow replacing an existing entry of one of ``types`` (e.g. to override a
                 built-in one); without it a second registration raises
-                [`DuplicateRegistrationError`][storch.registry.DuplicateRegistrationError] and changes nothing.
+                `storch.registry.DuplicateRegistrationError` and changes nothing.
 
         Returns:
             A function ``value -> value`` that registers ``value``.
@@ -282,7 +282,7 @@ class TypeRegistry(Generic[V]):
         How a module fills a registry it does not own with its built-in entries, when it is
         imported: an entry already registered for exactly one of ``types`` (a user's, registered
         before that module was imported) is kept, neither replaced nor an error. Otherwise the same
-        as [`register`][storch.registry.TypeRegistry.register]: a later registration over a default
+        as `storch.registry.TypeRegistry.register`: a later registration over a default
         entry still needs ``replace=True``.
 
         Args:
@@ -347,8 +347,8 @@ class TypeRegistry(Generic[V]):
         """``(registered type, value)`` of the most specific registered base class of ``obj``, else ``None``.
 
         ``obj`` is a type or an instance (then its type is used; an ``Independent`` instance is
-        resolved by [`resolve`][storch.registry.TypeRegistry.resolve], which may unwrap it). Like
-        [`lookup`][storch.registry.TypeRegistry.lookup], which
+        resolved by `storch.registry.TypeRegistry.resolve`, which may unwrap it). Like
+        `storch.registry.TypeRegistry.lookup`, which
         returns the value only.
 
         Raises:
@@ -397,7 +397,7 @@ class TypeRegistry(Generic[V]):
         Raises:
             AmbiguousLookupError: if two or more registered bases are equally specific (neither is
                 a subclass of the other); register ``obj``'s type itself to settle it.
-            ReinterpretedDimsError: see [`resolve`][storch.registry.TypeRegistry.resolve].
+            ReinterpretedDimsError: see `storch.registry.TypeRegistry.resolve`.
 
         Examples:
             >>> sizes = TypeRegistry("support size", register_with="register_size")
@@ -421,7 +421,7 @@ class TypeRegistry(Generic[V]):
     def resolve(self, distr: Any) -> Optional[Resolution]:
         """The entry for the distribution ``distr`` and the distribution it applies to, else ``None``.
 
-        For anything but an ``Independent`` this is [`match`][storch.registry.TypeRegistry.match] with
+        For anything but an ``Independent`` this is `storch.registry.TypeRegistry.match` with
         ``distr`` itself. An ``Independent`` (wrapped any number of times) with an entry of its own
         (registered for ``Independent`` or a subclass) gets that entry. Otherwise it gets the entry of
         its innermost base distribution, adapted so that the functions in it (the entry itself if it
@@ -431,7 +431,7 @@ class TypeRegistry(Generic[V]):
         Raises:
             ReinterpretedDimsError: for an ``Independent`` that reinterprets ``n > 0`` batch
                 dimensions, in a registry made with ``reinterpreted_refused``.
-            AmbiguousLookupError: as [`match`][storch.registry.TypeRegistry.match].
+            AmbiguousLookupError: as `storch.registry.TypeRegistry.match`.
 
         Examples:
             >>> import torch

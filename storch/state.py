@@ -1,8 +1,8 @@
 """What an estimator carries from one training step to the next, and how it is updated.
 
-[`storch.compile_step`][storch.compile_step] traces a step once and replays the recorded tensor
+`storch.compile_step` traces a step once and replays the recorded tensor
 operations. Whether that is faithful depends on the state an estimator keeps between steps, which
-each estimator class declares as its class attribute ``step_state`` (a [`StepState`][storch.state.StepState]):
+each estimator class declares as its class attribute ``step_state`` (a `storch.state.StepState`):
 
 * ``StepState.NONE`` — nothing the estimator computes survives the step (plain Monte Carlo, a
   leave-one-out baseline, bounds noted during a step and cleared after it);
@@ -11,12 +11,12 @@ each estimator class declares as its class attribute ``step_state`` (a [`StepSta
   control variate or critic trained by its own optimizer): a replay carries the update out;
 * ``StepState.host(reason)`` — Python-side state, or decisions taken on the host from its state (the
   size of a plate, a growing memory, the random generator's state): a replay would freeze them at the
-  traced step, so [`storch.compile_step`][storch.compile_step] refuses the estimator, quoting ``reason``.
+  traced step, so `storch.compile_step` refuses the estimator, quoting ``reason``.
 
-An estimator made of parts (a [`storch.method.Method`][storch.method.Method] with its proposal and
-baseline) lists them in [`state_parts`][storch.state.DeclaresStepState.state_parts];
-[`step_state_of`][storch.state.step_state_of] combines the declarations and
-[`check_replayable`][storch.state.check_replayable] is the one check the compiled step runs.
+An estimator made of parts (a `storch.method.Method` with its proposal and
+baseline) lists them in `storch.state.DeclaresStepState.state_parts`;
+`storch.state.step_state_of` combines the declarations and
+`storch.state.check_replayable` is the one check the compiled step runs.
 
 **Undeclared updates.** A class body that overrides an update hook (``update_parameters`` of a
 method or proposal, ``update`` of a baseline) without declaring ``step_state`` in the same body
@@ -69,7 +69,7 @@ class StepState:
     ``StepState.IN_PLACE`` or ``StepState.host(reason)``.
 
     Attributes:
-        kind: the [`StateKind`][storch.state.StateKind].
+        kind: the `storch.state.StateKind`.
         reason: for ``HOST``, what the host keeps or decides, as a clause that completes "keeps state
             between steps that a replay cannot follow: …" (empty otherwise).
         declared: ``False`` for the ``HOST`` state assumed for a class that overrides an update hook
@@ -132,9 +132,9 @@ def _undeclared(cls: type, hooks: list[str]) -> StepState:
 
 
 class DeclaresStepState:
-    """Mixin of the estimator base classes ([`storch.method.Method`][storch.method.Method],
-    [`storch.sampling.SamplingMethod`][storch.sampling.SamplingMethod],
-    [`storch.method.baseline.Baseline`][storch.method.baseline.Baseline] and the mixins that update
+    """Mixin of the estimator base classes (`storch.method.Method`,
+    `storch.sampling.SamplingMethod`,
+    `storch.method.baseline.Baseline` and the mixins that update
     state): the class attribute ``step_state`` and the check of undeclared updates.
     """
 
@@ -168,7 +168,7 @@ class DeclaresStepState:
     @property
     def keeps_state_between_steps(self) -> bool:
         """Whether this object or one of its parts keeps ``HOST`` state (compatibility name for
-        ``not step_state_of(self).replayable``; [`storch.compile_step`][storch.compile_step] refuses it)."""
+        ``not step_state_of(self).replayable``; `storch.compile_step` refuses it)."""
         return not step_state_of(self).replayable
 
 
@@ -202,7 +202,7 @@ def _first_host(obj: Any, path: str = "") -> tuple[str, Any, StepState] | None:
 
 def step_state_of(obj: Any) -> StepState:
     """The state ``obj`` keeps between steps: its class's ``step_state`` combined with those of its
-    [`state_parts`][storch.state.DeclaresStepState.state_parts], recursively."""
+    `storch.state.DeclaresStepState.state_parts`, recursively."""
     return combine([_own_state(obj), *(step_state_of(part) for _, part in _parts(obj))])
 
 
@@ -212,10 +212,10 @@ def _label(obj: Any) -> str:
 
 
 def check_replayable(obj: Any, label: str | None = None) -> None:
-    """Raise [`CompileStepError`][storch.exceptions.CompileStepError] if ``obj`` or one of its parts keeps
+    """Raise `storch.exceptions.CompileStepError` if ``obj`` or one of its parts keeps
     ``HOST`` state, naming the estimator (``label``, by default ``Class('plate')``), the part and the reason.
 
-    [`storch.compile_step`][storch.compile_step] calls it for every method of a traced step.
+    `storch.compile_step` calls it for every method of a traced step.
     """
     found = _first_host(obj)
     if found is None:

@@ -2,7 +2,7 @@
 
 Storchastic kept ``cat``, ``gather``, ``reduce_plates``, ``variance`` and friends in a module
 ``storch/storch.py`` and re-exported them at the top level. storch defines them in
-[`storch.ops`][storch.ops], [`storch.reductions`][storch.reductions], [`storch.plate`][storch.plate] and
+`storch.ops`, `storch.reductions`, `storch.plate` and
 `storch.distributions.relaxation`; this module only re-exports those functions (the same
 objects as ``storch.cat``, ``storch.reduce_plates``, ...), so code written against the manual's
 paths, e.g. ``storch.storch.reduce_plates(x, "z")``, runs unchanged.

@@ -1,13 +1,13 @@
 """Storch tensors: ``torch.Tensor`` subclasses that carry plates.
 
-* [`Tensor`][storch.tensor.Tensor] — any tensor computed from plated values. It *is* a ``torch.Tensor``: it works with
+* `storch.tensor.Tensor` — any tensor computed from plated values. It *is* a ``torch.Tensor``: it works with
   every torch function, ``nn.Module`` and optimizer; plates propagate through ``__torch_function__``
   (see `storch._dispatch`).
-* [`StochasticTensor`][storch.tensor.StochasticTensor] — the samples of a stochastic node, returned by a
-  [`storch.method.Method`][storch.method.Method].
-* [`CostTensor`][storch.tensor.CostTensor] — a cost registered with [`storch.add_cost`][storch.add_cost].
-* [`IndependentTensor`][storch.tensor.IndependentTensor] — a tensor with a new independent plate
-  ([`storch.denote_independent`][storch.denote_independent], [`storch.gather_samples`][storch.gather_samples]).
+* `storch.tensor.StochasticTensor` — the samples of a stochastic node, returned by a
+  `storch.method.Method`.
+* `storch.tensor.CostTensor` — a cost registered with `storch.add_cost`.
+* `storch.tensor.IndependentTensor` — a tensor with a new independent plate
+  (`storch.denote_independent`, `storch.gather_samples`).
 
 Examples:
     >>> import torch, storch
@@ -219,13 +219,13 @@ _dispatch.Tensor = Tensor
 
 
 class StochasticNode:
-    """What the surrogate loss needs to know about a sampled node; owned by its [`Plate`][storch.tensor.Plate].
+    """What the surrogate loss needs to know about a sampled node; owned by its `storch.tensor.Plate`.
 
     The plate holds the node (``plate.node``); the node refers back to its plate, and to its layout
     (the plate and the parents' plates), only weakly. So no reference cycle ties a step's samples and
     distribution to their plate: they are freed as soon as the last tensor carrying the plate goes,
     without waiting for Python's cyclic garbage collector (on a GPU, that is device memory). It
-    keeps a plain view of the samples, not the user's [`StochasticTensor`][storch.tensor.StochasticTensor], for the
+    keeps a plain view of the samples, not the user's `storch.tensor.StochasticTensor`, for the
     same reason.
     """
 
@@ -278,7 +278,7 @@ class StochasticNode:
 
     def shared_log_prob(self) -> torch.Tensor | None:
         """A new plain view of ``distribution.log_prob(samples)`` as
-        [`StochasticTensor.log_prob`][storch.tensor.StochasticTensor.log_prob] computed it, for the
+        `storch.tensor.StochasticTensor.log_prob` computed it, for the
         surrogate loss to reuse; ``None`` if it was not computed with gradients enabled, or was
         written in place since (a user's ``lp.mul_(2)`` would change the gradient)."""
         if self.own_log_prob is None:
@@ -287,7 +287,7 @@ class StochasticNode:
         return alias(log_p) if log_p._version == version else None
 
     def stochastic_tensor(self) -> "StochasticTensor":
-        """A [`StochasticTensor`][storch.tensor.StochasticTensor] view of the samples (shares the node's
+        """A `storch.tensor.StochasticTensor` view of the samples (shares the node's
         ``param_grads``)."""
         return StochasticTensor._from_node(alias(self.samples), self)
 
@@ -297,7 +297,7 @@ def new_node(
 ) -> "StochasticTensor":
     """Make the plain ``samples`` (``(plate.size, *sizes of parents, *event)``) a stochastic node on
     ``plate`` over the ``parents`` plates, owned by ``method``; returns its
-    [`StochasticTensor`][storch.tensor.StochasticTensor].
+    `storch.tensor.StochasticTensor`.
 
     ``plate`` becomes the node's plate (``plate.node``); its weight is left as it is.
     """
@@ -314,8 +314,8 @@ class StochasticTensor(Tensor):
         name: the node's name (also the name of its plate).
         n: the number of samples (the size of its plate).
         distribution: the distribution the samples were drawn from.
-        method: the [`storch.method.Method`][storch.method.Method] that estimates gradients for this node.
-        param_grads: after [`storch.backward`][storch.backward], the gradient of the surrogate loss with respect
+        method: the `storch.method.Method` that estimates gradients for this node.
+        param_grads: after `storch.backward`, the gradient of the surrogate loss with respect
             to each distribution parameter that requires grad, by parameter name.
 
     Examples:
@@ -409,8 +409,8 @@ class StochasticTensor(Tensor):
 class CostTensor(Tensor):
     """A cost node: one value per combination of its plates (no event dimensions).
 
-    [`storch.add_cost`][storch.add_cost] registers a cost under a name and keeps storch's own view of it as a
-    ``CostTensor``; [`storch.backward`][storch.backward] estimates the gradient of the sum of the expected costs.
+    `storch.add_cost` registers a cost under a name and keeps storch's own view of it as a
+    ``CostTensor``; `storch.backward` estimates the gradient of the sum of the expected costs.
 
     Examples:
         >>> import torch, storch
@@ -425,7 +425,7 @@ class CostTensor(Tensor):
     """
 
     _kind = "Cost"
-    #: the name the cost was registered under (see [`name`][storch.tensor.CostTensor.name])
+    #: the name the cost was registered under (see `storch.tensor.CostTensor.name`)
     _name: str = "cost"
 
     def __new__(cls, data: torch.Tensor, plates: Sequence[Plate] = (), name: str = "cost") -> "CostTensor":
@@ -452,10 +452,10 @@ class CostTensor(Tensor):
 class IndependentTensor(Tensor):
     """A tensor whose leftmost plate indexes independent values (a minibatch, repeated estimates).
 
-    Made by [`storch.denote_independent`][storch.denote_independent] and
-    [`storch.gather_samples`][storch.gather_samples]. Its plate is
+    Made by `storch.denote_independent` and
+    `storch.gather_samples`. Its plate is
     compared by name and size, so a minibatch plate re-created in every step is the same plate, and
-    its weight is ``1/size``: [`storch.reduce_plates`][storch.reduce_plates] averages over it.
+    its weight is ``1/size``: `storch.reduce_plates` averages over it.
 
     Examples:
         >>> import torch, storch
@@ -472,7 +472,7 @@ class IndependentTensor(Tensor):
 
 
 def is_storch(t: Any) -> bool:
-    """True for a [`storch.Tensor`][storch.Tensor]."""
+    """True for a `storch.Tensor`."""
     return isinstance(t, Tensor)
 
 
@@ -485,8 +485,8 @@ def layout_of(t: Any) -> PlateLayout:
 
 
 def node_of(t: torch.Tensor) -> StochasticNode:
-    """The [`StochasticNode`][storch.tensor.StochasticNode] of the samples ``t`` (a
-    [`StochasticTensor`][storch.tensor.StochasticTensor])."""
+    """The `storch.tensor.StochasticNode` of the samples ``t`` (a
+    `storch.tensor.StochasticTensor`)."""
     if not isinstance(t, StochasticTensor):
         raise TypeError(
             f"node_of: expected the samples of a stochastic node (a storch.StochasticTensor returned "

@@ -1,12 +1,12 @@
 """A statistical harness for checking gradient estimators against exact gradients.
 
 An estimator is *unbiased* if the mean of many independent estimates converges to the exact
-gradient. [`check_unbiased`][storch.testing.check_unbiased] draws the conclusion per coordinate: with ``R`` estimates,
+gradient. `storch.testing.check_unbiased` draws the conclusion per coordinate: with ``R`` estimates,
 mean
 ``m`` and standard error ``se = std / √R``, it requires ``|m − exact| ≤ z · se + tiny`` (``z = 4.5``
 by default, so a correct estimator fails a coordinate with probability below 1e-5).
 
-Independent estimates are cheapest in one backward pass: [`replicate`][storch.testing.replicate] copies a parameter
+Independent estimates are cheapest in one backward pass: `storch.testing.replicate` copies a parameter
 ``R`` times along an independent plate. Each copy only influences its own replicate, so the
 gradient of the copies, times ``R`` (the plate's weight is ``1/R``), holds ``R`` independent
 estimates::
@@ -86,7 +86,7 @@ def check_unbiased(
 def assert_unbiased(
     estimates: torch.Tensor, exact: torch.Tensor, z: float = 4.5, tiny: float = 1e-6, label: str = ""
 ) -> UnbiasednessReport:
-    """[`check_unbiased`][storch.testing.check_unbiased], raising ``AssertionError`` with the table if a coordinate
+    """`storch.testing.check_unbiased`, raising ``AssertionError`` with the table if a coordinate
     fails."""
     report = check_unbiased(estimates, exact, z, tiny)
     if not report.passed:

@@ -200,7 +200,7 @@ def without_plate(d: Distribution, plate: Plate) -> Distribution:
     ``plate``: that dimension is dropped from each tensor that carries it (a view) and from the batch
     shape. ``d`` itself is left as it is.
 
-    A step of a single-sample chain ([`storch.plate.ChainPlate`][storch.plate.ChainPlate]) keeps such a
+    A step of a single-sample chain (`storch.plate.ChainPlate`) keeps such a
     copy of its distribution: its own plate replaced the step its distribution carried, so that its
     samples and distribution have the same plates, as any node's.
     """
@@ -292,7 +292,7 @@ def has_differentiable_path(output: torch.Tensor, input: torch.Tensor) -> bool: 
 
 
 def has_backwards_path(output: torch.Tensor, inputs: Sequence[torch.Tensor]) -> list[bool]:
-    """[`has_differentiable_path`][storch.util.has_differentiable_path] for several inputs."""
+    """`storch.util.has_differentiable_path` for several inputs."""
     return [has_differentiable_path(output, i) for i in inputs]
 
 
@@ -410,8 +410,8 @@ def reduce_mean(tensor: torch.Tensor, keep_dims: Sequence[int]) -> torch.Tensor:
     """Mean over every dimension of one sample except ``keep_dims``; plate dimensions are always kept.
 
     ``keep_dims`` count the tensor's ``shape``, plates first, and from the right when negative (the
-    rule of [`storch.ops`][storch.ops]); naming a plate dimension among them changes nothing, since
-    plates are only reduced by name ([`storch.reduce_plates`][storch.reduce_plates]).
+    rule of `storch.ops`); naming a plate dimension among them changes nothing, since
+    plates are only reduced by name (`storch.reduce_plates`).
 
     Examples:
         >>> import torch, storch

@@ -1,21 +1,21 @@
 """Wrappers that run ordinary functions on plated tensors.
 
-* [`deterministic`][storch.wrappers.deterministic] — align the storch arguments, optionally expand or flatten the
+* `storch.wrappers.deterministic` — align the storch arguments, optionally expand or flatten the
 plates and
   name plate dimensions for ``dim``/``dims`` arguments, run the function on plain tensors, and give
   the outputs the plates back.
-* [`reduce`][storch.wrappers.reduce] — the same for functions that reduce some plates away.
-* [`make_left_broadcastable`][storch.wrappers.make_left_broadcastable] — for functions that accept exactly one batch
+* `storch.wrappers.reduce` — the same for functions that reduce some plates away.
+* `storch.wrappers.make_left_broadcastable` — for functions that accept exactly one batch
 dimension, such as
   ``nn.Conv2d`` on ``(N, C, H, W)`` or ``nn.LSTMCell`` on ``(N, F)`` with an ``(h, c)`` state: the
   plates (and, with ``batch_dims``, the leading non-plate dimensions) are flattened into that batch
   dimension. Given an ``nn.Module`` it returns one, a
-  [`LeftBroadcastable`][storch.wrappers.LeftBroadcastable] that holds the module (its parameters stay
+  `storch.wrappers.LeftBroadcastable` that holds the module (its parameters stay
   registered in the model it is assigned to).
-* [`stochastic`][storch.wrappers.stochastic] — check that a user function that samples returns storch tensors.
-* [`ignore_wrapping`][storch.wrappers.ignore_wrapping] — a block in which the wrappers above return their function's
+* `storch.wrappers.stochastic` — check that a user function that samples returns storch tensors.
+* `storch.wrappers.ignore_wrapping` — a block in which the wrappers above return their function's
 plain
-  outputs; [`is_iterable`][storch.wrappers.is_iterable] — whether a value is a container (the manual's helper).
+  outputs; `storch.wrappers.is_iterable` — whether a value is a container (the manual's helper).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ __all__ = [
     "is_iterable",
 ]
 
-#: how many [`ignore_wrapping`][storch.wrappers.ignore_wrapping] blocks are open (per thread / asyncio task)
+#: how many `storch.wrappers.ignore_wrapping` blocks are open (per thread / asyncio task)
 _IGNORE_WRAPPING: contextvars.ContextVar[int] = contextvars.ContextVar("storch_ignore_wrapping", default=0)
 
 
@@ -336,7 +336,7 @@ def deterministic(
 
 
 def reduce(fn: Callable, plates: str | Sequence[str]) -> Callable:
-    """Like [`deterministic`][storch.wrappers.deterministic], for a function that reduces the plates named in
+    """Like `storch.wrappers.deterministic`, for a function that reduces the plates named in
     ``plates``.
 
     The plate's dimension index is passed as ``fn``'s ``dim`` keyword (``dims`` for several).
@@ -365,7 +365,7 @@ def _left_broadcast(fn: Callable, args: tuple, kwargs: dict, batch_dims: int) ->
 
 class LeftBroadcastable(nn.Module):
     """An ``nn.Module`` run on plated inputs: what
-    [`make_left_broadcastable`][storch.wrappers.make_left_broadcastable] returns for a module.
+    `storch.wrappers.make_left_broadcastable` returns for a module.
 
     It holds the wrapped module as its submodule ``module``, so assigned as an attribute of a model
     (``self.cell = storch.make_left_broadcastable(nn.GRUCell(4, 8))``) its parameters are the
@@ -380,8 +380,8 @@ class LeftBroadcastable(nn.Module):
 
     Args:
         module: the module; it must accept exactly one batch dimension (see
-            [`make_left_broadcastable`][storch.wrappers.make_left_broadcastable]).
-        batch_dims: as for [`make_left_broadcastable`][storch.wrappers.make_left_broadcastable].
+            `storch.wrappers.make_left_broadcastable`).
+        batch_dims: as for `storch.wrappers.make_left_broadcastable`.
 
     Examples:
         >>> import torch, storch
@@ -429,7 +429,7 @@ def make_left_broadcastable(fn: Callable | None = None, *, batch_dims: int = 0) 
     tuples, lists and dicts (an ``(h, c)`` state) are handled too, and so are tuple outputs.
 
     Given an ``nn.Module``, it returns an ``nn.Module``: a
-    [`LeftBroadcastable`][storch.wrappers.LeftBroadcastable] that holds the module, so that a model
+    `storch.wrappers.LeftBroadcastable` that holds the module, so that a model
     which assigns it (``self.cell = storch.make_left_broadcastable(nn.GRUCell(4, 8))``) registers,
     trains, moves and saves the module's parameters (state dict keys under the prefix ``module.``).
     Given a function, it returns a function.
@@ -477,7 +477,7 @@ def make_left_broadcastable(fn: Callable | None = None, *, batch_dims: int = 0) 
 
 def stochastic(fn: Callable) -> Callable:
     """Mark ``fn`` as a function that samples: it must return storch tensors that keep the plates of
-    its storch inputs (for example the output of a [`storch.method.Method`][storch.method.Method]).
+    its storch inputs (for example the output of a `storch.method.Method`).
 
     Raises:
         IllegalStorchExposeError: if a tensor output is a plain ``torch.Tensor`` or lost an input plate.
@@ -502,7 +502,7 @@ def stochastic(fn: Callable) -> Callable:
 
 
 def _check_sampled(t: torch.Tensor, fn: Callable, union: PlateLayout) -> torch.Tensor:
-    """An output ``t`` of the [`stochastic`][storch.wrappers.stochastic] function ``fn``, checked to be a
+    """An output ``t`` of the `storch.wrappers.stochastic` function ``fn``, checked to be a
     storch tensor on every plate of its inputs' ``union``.
 
     Raises:
@@ -524,15 +524,15 @@ def ignore_wrapping() -> Iterator[None]:
     """A block in which the storch wrappers return their function's outputs as they are.
 
     Inside ``with storch.wrappers.ignore_wrapping():`` a function wrapped by
-    [`deterministic`][storch.wrappers.deterministic],
-    [`reduce`][storch.wrappers.reduce] or [`make_left_broadcastable`][storch.wrappers.make_left_broadcastable] still
+    `storch.wrappers.deterministic`,
+    `storch.wrappers.reduce` or `storch.wrappers.make_left_broadcastable` still
     receives its arguments aligned (and
     expanded or flattened) over their plates, but its outputs are returned unchanged: plain
     ``torch.Tensor`` objects without plates (with ``flatten_plates``, still flattened). This is the
     manual's (Storchastic 0.3.7's) ``ignore_wrapping``, which sampling methods use to compute on
     aligned tensors without creating storch tensors. Blocks nest, and each thread and asyncio
     task has its own. Torch operations applied directly to storch tensors are not affected: they
-    return storch tensors as always (unwrap one with [`storch.tensor.plain`][storch.tensor.plain]).
+    return storch tensors as always (unwrap one with `storch.tensor.plain`).
 
     Examples:
         >>> import torch, storch

@@ -1,4 +1,4 @@
-"""The parts of [`storch.compile_step`][storch.compile_step] (the public module is `storch.compiled_step`).
+"""The parts of `storch.compile_step` (the public module is `storch.compiled_step`).
 
 ``inputs``: the step's arguments, its modules' state and the key of a trace; ``trace``: the step
 run under ``make_fx``; ``checks``: the checks of eager mode a replay keeps; ``refusals``: what a replay

@@ -1,4 +1,4 @@
-"""Graph passes of [`storch.compile_step`][storch.compile_step]: the traced graph simplified before it is replayed.
+"""Graph passes of `storch.compile_step`: the traced graph simplified before it is replayed.
 
 torch's own passes do the general work: `torch.fx.passes.dialect.common.cse_pass.CSEPass` merges
 repeated computations (a ``log_prob`` that the step and an estimator both compute) and

@@ -1,4 +1,4 @@
-"""What a replay cannot reproduce, refused by name with [`CompileStepError`][storch.exceptions.CompileStepError].
+"""What a replay cannot reproduce, refused by name with `storch.exceptions.CompileStepError`.
 
 Each refusal runs when a step is traced: on its arguments and result, on the cost registry around
 the trace, on the host reads that stop ``make_fx``, and on the traced graph (tensors that require

@@ -2,7 +2,7 @@
 
 The traced closure puts the graph's inputs into the modules' parameter and buffer slots
 (`swapped`), runs the step under `DeferredChecks`, and returns a `StepOutputs`: the one structure
-that the graph returns and that [`CompiledStep`][storch.compiled_step.CompiledStep] reads after a replay.
+that the graph returns and that `storch.compiled_step.CompiledStep` reads after a replay.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def trace_step(
 
     Returns the graph, the `TraceRecord`, and whether the graph writes into the incoming ``.grad``.
     Raises `storch._tracing.EagerStepNeeded` when a module must build state eagerly first, and
-    [`CompileStepError`][storch.exceptions.CompileStepError] for a host read.
+    `storch.exceptions.CompileStepError` for a host read.
     """
     from torch.fx.experimental.proxy_tensor import (
         make_fx,  # imported on first use (slow)

@@ -30,7 +30,8 @@ from storch.bench.data import DATASETS
 from storch.bench.estimators import ESTIMATORS, NOT_INCLUDED, BudgetError
 from storch.bench.models import MODELS
 
-__all__ = ["build_compare_parser", "build_parser", "catalog_text", "compare_plot", "compare_table", "main"]
+__all__ = ["build_compare_parser", "build_parser", "catalog_text", "compare_plot", "compare_rows", "compare_table",
+           "default_compare_dir", "main", "run_table", "write_compare_csv"]
 
 
 def catalog_text() -> str:
@@ -111,31 +112,59 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=,+-]+", "_", text).strip("_")
 
 
-def _fmt(v, width=9, prec=2) -> str:
-    if v is None or v == "":
+#: the widest line of the tables that storch-bench prints (a terminal of 120 columns)
+TABLE_WIDTH = 120
+
+#: the columns of summary.json that the tables show: (key, header, decimals)
+SUMMARY_COLUMNS = [("test_nelbo", "test -ELBO", 2), ("test_nll", "-log p(x)", 2), ("valid_nelbo", "valid -ELBO", 2),
+                   ("train_nelbo", "train -ELBO", 2), ("train_relaxed_nelbo", "relaxed", 2),
+                   ("grad_logvar", "log-var", 2), ("ms_per_step", "ms/step", 2), ("peak_memory_mb", "peak MiB", 0)]
+
+#: printed under the tables: which -ELBO is which
+TABLE_LEGEND = (
+    "-ELBO: with hard (discrete) samples, comparable across estimators. -log p(x): the test bound with --eval-k\n"
+    "samples. relaxed: the relaxed objective that a relaxation (gumbel-softmax) trains, on the training data ('-' for\n"
+    "estimators that train on hard samples).")
+
+
+def _fmt(v, width: int, prec: int = 2) -> str:
+    if v is None or v == "" or (isinstance(v, float) and not math.isfinite(v)):
         return f"{'-':>{width}}"
     return f"{v:{width}.{prec}f}"
 
 
-SUMMARY_COLUMNS = [("test_nelbo", "test -ELBO"), ("test_nll", "test -log p(x)"), ("valid_nelbo", "valid -ELBO"),
-                   ("train_nelbo", "train -ELBO"), ("train_relaxed_nelbo", "relaxed -ELBO"),
-                   ("grad_logvar", "grad log-var"), ("ms_per_step", "ms/step"), ("peak_memory_mb", "peak MiB")]
-
-#: printed under the tables: which -ELBO is which
-TABLE_LEGEND = ("-ELBO columns: with hard (discrete) samples, comparable across estimators. relaxed -ELBO: the "
-                "relaxed objective that a\nrelaxation (gumbel-softmax) trains, on the same training data; "
-                "'-' for estimators whose objective uses hard samples.")
+def _fit_table(first: str, columns: Sequence[tuple[str, int]],
+               groups: dict[tuple[str, str], list[tuple[str, list[str]]]]) -> list[str]:
+    """A table at most `TABLE_WIDTH` wide: a title line ``model on data`` per group, then one row per
+    estimator label (the first column, headed ``first``) and its right-aligned cells (``columns``: header
+    and width). A label too long for the room left by the cells stands on a line of its own above them."""
+    cells_width = sum(w + 1 for _, w in columns)
+    labels = [label for rows in groups.values() for label, _ in rows]
+    label_width = max(len(first), min(max(len(label) + 2 for label in labels), TABLE_WIDTH - cells_width))
+    head = f"{first:<{label_width}}" + "".join(f" {t:>{w}}" for t, w in columns)
+    lines = [head, "-" * len(head)]
+    for (model, data), rows in groups.items():
+        lines.append(f"{model} on {data}")
+        for label, cells in rows:
+            numbers = "".join(f" {c:>{w}}" for c, (_, w) in zip(cells, columns))
+            if len(label) + 2 > label_width:
+                lines.append(f"  {label}")
+                label = ""
+            lines.append(f"  {label:<{label_width - 2}}{numbers}")
+    return lines
 
 
 def run_table(summaries: Sequence[dict]) -> str:
-    head = f"{'model':<15} {'data':<15} {'estimator':<44} {'seed':>4} {'evals':>5} " + " ".join(
-        f"{t:>14}" for _, t in SUMMARY_COLUMNS)
-    lines = [head, "-" * len(head)]
+    """One row per run (``seed``; ``evals``: cost evaluations per datum and step), at most `TABLE_WIDTH` wide."""
+    columns = [("seed", 4), ("evals", 5)] + [(t, max(len(t), 8)) for _, t, _ in SUMMARY_COLUMNS]
+    groups: dict[tuple[str, str], list[tuple[str, list[str]]]] = {}
     for s in summaries:
-        lines.append(f"{s['model']:<15} {s['data']:<15} {s['label']:<44} {s['seed']:>4} {s['evals_per_datum']:>5} "
-                     + " ".join(_fmt(s.get(k), 14, 0 if k == "peak_memory_mb" else 2) for k, _ in SUMMARY_COLUMNS))
-    lines.append(TABLE_LEGEND)
-    return "\n".join(lines)
+        cells = [str(s["seed"]), str(s["evals_per_datum"])]
+        cells += [_fmt(s.get(k), w, prec) for (k, _, prec), (_, w) in zip(SUMMARY_COLUMNS, columns[2:])]
+        groups.setdefault((s["model"], s["data"]), []).append((s["label"], cells))
+    legend = ("log-var: log total variance of the encoder's gradient at the last probe. peak MiB: the process's peak "
+              "memory.\n" + TABLE_LEGEND + " Every figure is in the run folder's summary.json and metrics.csv.")
+    return "\n".join(_fit_table("estimator", columns, groups) + [legend])
 
 
 def _find_summaries(paths: Sequence[str]) -> list[dict]:
@@ -160,27 +189,62 @@ def _groups(summaries: Sequence[dict]) -> dict[tuple[str, str, str], list[dict]]
     return dict(sorted(groups.items()))
 
 
-def _spread_cell(vals: Sequence[float], width: int = 17) -> str:
-    """``mean ± std`` over seeds; the value alone for one seed (a spread of one value means nothing)."""
+#: the columns of ``compare``'s printed table (every column of `SUMMARY_COLUMNS` goes to its CSV)
+COMPARE_COLUMNS = ("test_nelbo", "test_nll", "valid_nelbo", "train_nelbo", "train_relaxed_nelbo", "ms_per_step")
+
+
+def _finite(ss: Sequence[dict], key: str) -> list[float]:
+    return [s[key] for s in ss if s.get(key) is not None and math.isfinite(s[key])]
+
+
+def _spread_cell(vals: Sequence[float], prec: int = 2) -> str:
+    """``mean±std`` over seeds; the value alone for one seed (a spread of one value means nothing)."""
     if not vals:
-        return f"{'-':>9}".ljust(width)
+        return "-"
     if len(vals) == 1:
-        return f"{vals[0]:9.2f}".ljust(width)
-    return f"{statistics.fmean(vals):9.2f} ± {statistics.stdev(vals):5.2f}"
+        return f"{vals[0]:.{prec}f}"
+    return f"{statistics.fmean(vals):.{prec}f}±{statistics.stdev(vals):.{prec}f}"
 
 
 def compare_table(summaries: Sequence[dict]) -> str:
-    """Mean ± standard deviation over seeds of each summary column, one row per (model, data, estimator);
-    ``seeds`` is the number of runs, and a row of one run shows its values without a spread."""
-    head = f"{'model':<15} {'data':<15} {'estimator':<44} {'seeds':>5} " + " ".join(
-        f"{t:>17}" for _, t in SUMMARY_COLUMNS)
-    lines = [head, "-" * len(head)]
+    """Mean ± standard deviation over seeds of the main summary columns (`COMPARE_COLUMNS`), one row per
+    (model, data, estimator), at most `TABLE_WIDTH` wide; ``seeds`` is the number of runs, and a row of one
+    run shows its values without a spread. `compare_rows` has every column, for the CSV."""
+    shown = [(k, t, p) for k, t, p in SUMMARY_COLUMNS if k in COMPARE_COLUMNS]
+    groups: dict[tuple[str, str], list[tuple[str, list[str]]]] = {}
     for (model, data, label), ss in _groups(summaries).items():
-        cells = [_spread_cell([s[k] for s in ss if s.get(k) is not None and math.isfinite(s[k])])
-                 for k, _ in SUMMARY_COLUMNS]
-        lines.append(f"{model:<15} {data:<15} {label:<44} {len(ss):>5} " + " ".join(cells))
-    lines.append("mean ± standard deviation over seeds (one seed: its value alone).\n" + TABLE_LEGEND)
-    return "\n".join(lines)
+        cells = [str(len(ss))] + [_spread_cell(_finite(ss, k), p) for k, _, p in shown]
+        groups.setdefault((model, data), []).append((label, cells))
+    widths = [max([len(t), *(len(cells[i + 1]) for rows in groups.values() for _, cells in rows)])
+              for i, (_, t, _) in enumerate(shown)]
+    columns = [("seeds", 5)] + [(t, w) for (_, t, _), w in zip(shown, widths)]
+    legend = ("mean±standard deviation over seeds (one seed: its value alone); the CSV file has every column, with\n"
+              "the gradient's log-variance and the peak memory.\n" + TABLE_LEGEND)
+    return "\n".join(_fit_table("estimator", columns, groups) + [legend])
+
+
+def compare_rows(summaries: Sequence[dict]) -> list[dict]:
+    """The rows of ``compare``'s CSV: per (model, data, estimator), the number of seeds and the mean and
+    standard deviation over them of every summary column (empty where undefined)."""
+    rows = []
+    for (model, data, label), ss in _groups(summaries).items():
+        row: dict = {"model": model, "data": data, "estimator": label, "seeds": len(ss)}
+        for k, _, _ in SUMMARY_COLUMNS:
+            vals = _finite(ss, k)
+            row[f"{k}_mean"] = statistics.fmean(vals) if vals else ""
+            row[f"{k}_std"] = statistics.stdev(vals) if len(vals) > 1 else ""
+        rows.append(row)
+    return rows
+
+
+def write_compare_csv(summaries: Sequence[dict], path: Path) -> None:
+    """`compare_rows` into the CSV file ``path``."""
+    rows = compare_rows(summaries)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def _read_curve(run_dir: Path) -> list[tuple[int, float, float]]:
@@ -213,7 +277,7 @@ def compare_plot(summaries: Sequence[dict], path: Path, log=print) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log("(no plot: matplotlib is not installed; pip install 'storch[bench]')")
+        log('(no plot: matplotlib is not installed; pip install "storch[bench]")')
         return False
     groups = _groups(summaries)
     one_setting = len({(m, d) for m, d, _ in groups}) == 1
@@ -247,35 +311,44 @@ def build_compare_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="storch-bench compare",
         description="Print mean ± standard deviation over seeds of the runs under RUN_DIR... (every "
-                    "summary.json found below them), one row per (model, data, estimator), and plot their "
-                    "test -ELBO against steps and against training seconds, one line per row (the mean over "
-                    "its seeds). A row of one seed shows its values without a spread.",
+                    "summary.json found below them), one row per (model, data, estimator), write every column "
+                    "into a CSV file, and plot their test -ELBO against steps and against training seconds, one "
+                    "line per row (the mean over its seeds). A row of one seed shows its values without a "
+                    "spread. The files go into the folder of the runs: RUN_DIR itself when one is given, "
+                    "otherwise the deepest folder that holds every RUN_DIR.",
     )
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run folder, or a folder of run folders")
+    p.add_argument("--csv", default=None, metavar="PATH",
+                   help="where to write the table with every column (default: compare.csv in the folder of the runs)")
     p.add_argument("--plot", default=None, metavar="PATH",
-                   help="where to write the plot (default: compare.png in the folder that holds every RUN_DIR; "
-                        "needs matplotlib: pip install 'storch[bench]')")
-    p.add_argument("--no-plot", action="store_true", help="print the table only")
+                   help="where to write the plot (default: compare.png in the folder of the runs; needs "
+                        "matplotlib: pip install \"storch[bench]\")")
+    p.add_argument("--no-plot", action="store_true", help="no plot (the table and its CSV only)")
     return p
 
 
-def _default_plot_path(run_dirs: Sequence[str]) -> Path:
-    """``compare.png`` in the deepest folder that holds every run folder named."""
+def default_compare_dir(run_dirs: Sequence[str]) -> Path:
+    """The folder of the runs, where ``compare`` writes its files by default: RUN_DIR itself when one is
+    named, otherwise the deepest folder that holds every RUN_DIR."""
     dirs = [os.path.abspath(d if Path(d).is_dir() else Path(d).parent) for d in run_dirs]
-    return Path(os.path.commonpath(dirs)) / "compare.png"
+    return Path(os.path.commonpath(dirs))
 
 
 def compare_main(argv: Sequence[str]) -> int:
-    """``storch-bench compare RUN_DIR... [--plot PATH | --no-plot]``."""
+    """``storch-bench compare RUN_DIR... [--csv PATH] [--plot PATH | --no-plot]``."""
     args = build_compare_parser().parse_args(argv)
     summaries = _find_summaries(args.run_dirs)
     if not summaries:
         return 1
     print(compare_table(summaries))
+    folder = default_compare_dir(args.run_dirs)
+    csv_path = Path(args.csv) if args.csv else folder / "compare.csv"
+    write_compare_csv(summaries, csv_path)
+    print(f"\ncsv: {csv_path}")
     if not args.no_plot:
-        path = Path(args.plot) if args.plot else _default_plot_path(args.run_dirs)
+        path = Path(args.plot) if args.plot else folder / "compare.png"
         if compare_plot(summaries, path):
-            print(f"\nplot: {path}")
+            print(f"plot: {path}")
     return 0
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import functools
 import json
 import math
 import time
@@ -481,9 +482,19 @@ class Run:
         try:
             from tqdm import tqdm
         except ImportError:
+            _note_no_tqdm(self.log)
             return None
         return tqdm(total=self.cfg["steps"], initial=self.step, desc=self.cfg["label"], leave=False,
                     dynamic_ncols=True)
+
+
+#: what a run without tqdm prints once, instead of its progress bar
+NO_TQDM = '(no progress bar: tqdm is not installed; pip install "storch[bench]", or pass --no-progress)'
+
+
+@functools.cache
+def _note_no_tqdm(log) -> None:
+    log(NO_TQDM)
 
 
 def peak_memory_mb(device: torch.device) -> float | None:
@@ -506,8 +517,11 @@ class _Namespace:
 def _prepare_dir(run_dir: Path, overwrite: bool) -> None:
     if run_dir.exists() and any(run_dir.iterdir()):
         if not overwrite:
-            raise FileExistsError(f"{run_dir} exists; pass --overwrite to replace it or --resume {run_dir} "
-                                  "to continue it")
+            if (run_dir / "checkpoint.pt").is_file():
+                raise FileExistsError(f"{run_dir} exists: pass --resume {run_dir} to continue it, or --overwrite "
+                                      "to replace it")
+            raise FileExistsError(f"{run_dir} exists (without a checkpoint to resume from): pass --overwrite to "
+                                  "replace it, with --checkpoint-every N to make the new run resumable")
         for name in ("config.json", "metrics.csv", "summary.json", "checkpoint.pt", "plots.png"):
             (run_dir / name).unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -533,12 +547,16 @@ def run(cfg: dict[str, Any], run_dir, progress: bool = True, overwrite: bool = F
 
 
 def _read_config(run_dir: Path, steps: int | None) -> dict[str, Any]:
+    if not (run_dir / "config.json").is_file():
+        raise FileNotFoundError(f"--resume {run_dir}: not a storch-bench run folder (no config.json); name the "
+                                "folder of one run, as printed after 'run folders:'")
+    if not (run_dir / "checkpoint.pt").is_file():
+        raise FileNotFoundError(f"--resume {run_dir}: the run was trained without --checkpoint-every, so there is "
+                                "nothing to resume; train it again with --overwrite --checkpoint-every N")
     with open(run_dir / "config.json") as f:
         cfg = json.load(f)
     if steps is not None:
         cfg["steps"] = steps
-    if not (run_dir / "checkpoint.pt").is_file():
-        raise FileNotFoundError(f"{run_dir} has no checkpoint.pt (train with --checkpoint-every N)")
     return cfg
 
 
@@ -569,7 +587,7 @@ def plot_run(run_dir: Path, rows: list[dict[str, Any]], label: str, log=print) -
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log(f"(no plots for {run_dir.name}: matplotlib is not installed; pip install 'storch[bench]')")
+        log(f'(no plots for {run_dir.name}: matplotlib is not installed; pip install "storch[bench]")')
         return False
     steps = [r["step"] for r in rows]
     secs = [r["seconds"] for r in rows]

@@ -23,11 +23,32 @@ uses the manual's 784-512-256-(2x10)-256-512-784 network; nothing is ever downlo
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "progress_bar"]
+
+#: what a demo without tqdm prints once, instead of its progress bars
+NO_TQDM = '(no progress bars: tqdm is not installed; pip install "storch[demo]")'
+
+
+@functools.cache
+def _note_no_tqdm() -> None:
+    print(NO_TQDM, file=sys.stderr, flush=True)
+
+
+def progress_bar(total: int, desc: str) -> Any:
+    """A tqdm bar on ``sys.stderr`` (hidden when stderr is not a terminal); ``None``, after a one-line
+    note (once per process), when tqdm is not installed."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        _note_no_tqdm()
+        return None
+    return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True, disable=None)
 
 
 def _method_keys() -> list[str]:

@@ -277,7 +277,7 @@ def run_intro(
         seed: the torch seed, set once before the first row.
         rows: the estimators to run.
         out: where the table goes (default ``sys.stdout``); the progress bar goes to ``sys.stderr``.
-        progress_bar: show a tqdm bar on ``sys.stderr``.
+        progress_bar: show a tqdm bar on ``sys.stderr`` (a one-line note instead without tqdm).
         threshold: a row is "within error" when both ``|z|`` are at most this.
 
     Examples:
@@ -306,10 +306,9 @@ def run_intro(
     print(file=out)
     bar = None
     if progress_bar:
-        from tqdm.auto import tqdm
+        from storch.demo import progress_bar as make_bar
 
-        bar = tqdm(total=repetitions * len(rows), desc="intro", file=sys.stderr, leave=False, disable=None,
-                   dynamic_ncols=True)
+        bar = make_bar(repetitions * len(rows), "intro")
     results = []
     try:
         for row in rows:

@@ -511,9 +511,9 @@ def train(spec: MethodSpec, config: VAEConfig, out: TextIO, progress_bar: bool =
     result = RunResult(spec)
     bar = None
     if progress_bar:
-        from tqdm.auto import tqdm
+        from storch.demo import progress_bar as make_bar
 
-        bar = tqdm(total=total, desc=spec.key, file=sys.stderr, leave=False, dynamic_ncols=True, disable=None)
+        bar = make_bar(total, spec.key)
 
     def log(text: str) -> None:
         if bar is not None:

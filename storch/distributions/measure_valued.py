@@ -31,7 +31,7 @@ cost only ``4W(μ − t)/√(2π)`` remains), and for the odd part it at most do
 independent ``W``s (exactly twice for a linear cost); both are measured in ``tests/test_mvd.py``.
 
 Supporting a new distribution means registering one `MeasureValuedDecomposition` here, in the
-manner of ``torch.distributions.kl.register_kl``; [`storch.method.mvd.MVD`][storch.method.mvd.MVD] never branches on
+manner of ``torch.distributions.kl.register_kl``; `storch.method.mvd.MVD` never branches on
 distribution types.
 
 Shapes. A distribution's batch shape is ``(*plates, *C)``: the plates of its parameters (independent

@@ -11,10 +11,10 @@ Gumbel noise ``G``, ``z = log p + G`` has ``argmax z ~ Cat(p)``; the relaxed sam
 REBAR and RELAX (Tucker et al. 2017; Grathwohl et al. 2018) couple the discrete sample ``b = H(z)``
 with its relaxation: they need the noise ``z`` itself and a second draw ``z̃ ~ p(z | b)`` conditioned
 on the outcome. A `GumbelCoupling` holds these pieces for one distribution type (in
-`Relaxation.coupling`); [`conditional_gumbel_rsample`][storch.distributions.relaxation.conditional_gumbel_rsample] is
+`Relaxation.coupling`); `storch.distributions.relaxation.conditional_gumbel_rsample` is
 the relaxed conditional sample
 ``σ_τ(z̃)``. The conditional formulas (Tucker et al. 2017, appendix) are stated in
-[`conditional_gumbel_rsample`][storch.distributions.relaxation.conditional_gumbel_rsample].
+`storch.distributions.relaxation.conditional_gumbel_rsample`.
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ class AnnealedTemperature:
     ``τ_t = max(τ_min, τ_0 · exp(−r · t))`` after ``t`` calls of `anneal`. State protocol: the step
     count ``t`` (``annealing_steps``, an ``int64`` buffer, not saved as a buffer) and ``temperature``
     (a saved buffer) are updated in place by tensor operations, with no value read back on the
-    host, so that [`storch.compile_step`][storch.compile_step] records the update in the traced step and
+    host, so that `storch.compile_step` records the update in the traced step and
     every replay carries it out (as `storch.method.baseline.MovingAverageBaseline` does with its
     averages). ``τ_t`` is computed in ``float64`` where the device has it. The step count is read on
     the host only by `steps` and by ``state_dict`` (key ``_extra_state``), so a loaded

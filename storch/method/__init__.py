@@ -1,18 +1,18 @@
-"""Gradient-estimation methods (``storch.method``); see [`storch.method.Method`][storch.method.Method].
+"""Gradient-estimation methods (``storch.method``); see `storch.method.Method`.
 
-One family per module: pathwise ([`reparameterization`][storch.method.reparameterization]), score function and
-baselines ([`score_function`][storch.method.score_function], [`baseline`][storch.method.baseline]), enumeration
-([`expect`][storch.method.expect]), relaxations ([`gumbel`][storch.method.gumbel], [`gumbel_sparse`][storch.method.gumbel_sparse],
-[`straight_through`][storch.method.straight_through]), antithetic pairs ([`arm`][storch.method.arm]),
-measure-valued derivatives ([`mvd`][storch.method.mvd]), finite differences
-([`spsa`][storch.method.spsa]), learned control variates ([`relax`][storch.method.relax]), local expectations
-([`local_expectation`][storch.method.local_expectation]),
-generalized stochastic backpropagation ([`gsb`][storch.method.gsb], cumulants in
-[`cumulants`][storch.method.cumulants]), sampling without replacement
-([`score_function_wor`][storch.method.score_function_wor], [`unordered_set`][storch.method.unordered_set]),
+One family per module: pathwise (`storch.method.reparameterization`), score function and
+baselines (`storch.method.score_function`, `storch.method.baseline`), enumeration
+(`storch.method.expect`), relaxations (`storch.method.gumbel`, `storch.method.gumbel_sparse`,
+`storch.method.straight_through`), antithetic pairs (`storch.method.arm`),
+measure-valued derivatives (`storch.method.mvd`), finite differences
+(`storch.method.spsa`), learned control variates (`storch.method.relax`), local expectations
+(`storch.method.local_expectation`),
+generalized stochastic backpropagation (`storch.method.gsb`, cumulants in
+`storch.method.cumulants`), sampling without replacement
+(`storch.method.score_function_wor`, `storch.method.unordered_set`),
 Rao-Blackwellisation
-([`rao_blackwell`][storch.method.rao_blackwell]), memory-augmented policy optimization ([`mapo`][storch.method.mapo])
-and multi-sample bounds ([`vimco`][storch.method.vimco]).
+(`storch.method.rao_blackwell`), memory-augmented policy optimization (`storch.method.mapo`)
+and multi-sample bounds (`storch.method.vimco`).
 """
 
 from storch.method import baseline, critic, cumulants

@@ -186,7 +186,7 @@ class ARM(_AntitheticBernoulli):
 class DisARM(_AntitheticBernoulli):
     """DisARM for ``Bernoulli`` nodes: ``g_φᵢ = ½ (f(b) − f(b̃)) (−1)^{b̃ᵢ} 1[bᵢ ≠ b̃ᵢ] σ(|φᵢ|)``.
 
-    The same antithetic pairs as [`ARM`][storch.method.arm.ARM] (2 cost evaluations per draw, each weighted
+    The same antithetic pairs as `storch.method.arm.ARM` (2 cost evaluations per draw, each weighted
     ``1/(2n)``), with the uniform integrated out given the pair: the variance is never larger than
     ARM's. Unbiased for the first-order gradient with respect to the logits (or ``probs``); not for
     higher orders.

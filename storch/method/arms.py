@@ -32,7 +32,7 @@ Copulas (`COPULAS`):
 With ``n = 2`` both antithetic copulas give ``u_2 = 1 − u_1`` and ``c = σ(|φ|)``: ARMS is then
 DisARM, ``½ (f(b_1) − f(b_2)) (b_1 − b_2) σ(|φ|)``.
 
-Multi-sample bounds ([`ARMSMultiSample`][storch.method.arms.ARMSMultiSample], the paper's §4). For
+Multi-sample bounds (`storch.method.arms.ARMSMultiSample`, the paper's §4). For
 ``L = log (1/K) Σ_k w(b_k)`` over ``K`` i.i.d. samples, ``∇_φ E L = Σ_k ∇_{φ_k} E L`` (a parameter
 copy per sample); for each ``k`` the bound is a function of one Bernoulli vector given the others,
 ``g_k(b) = L(b_{−k}, b)``, whose gradient ARMS estimates from ``K`` copula samples ``b̃_1..b̃_K``
@@ -241,7 +241,7 @@ class ARMS(_ARMSBase):
     over them, rescaled by ``c(φ) = p(1 − p)/P(b_i = 1, b_j = 0)`` (see the module).
 
     The plate holds the ``n`` samples of one copula draw, each weighted ``1/n`` (``n`` cost
-    evaluations). ``n = 2`` is [`DisARM`][storch.method.arm.DisARM]; ``copula="independent"`` is
+    evaluations). ``n = 2`` is `storch.method.arm.DisARM`; ``copula="independent"`` is
     leave-one-out REINFORCE. Unbiased for the first-order gradient with respect to the logits (or,
     by the chain rule, ``probs``); not for higher orders (``backward(create_graph=True)`` leaves
     this node's estimate out of second derivatives).
@@ -289,15 +289,15 @@ class ARMSMultiSample(JointBoundRecords, _ARMSBase):
 
     The plate holds ``2K`` points: the ``K`` i.i.d. samples ``b_k`` of the bound, then the ``K``
     copula samples ``b̃_j`` (``2K`` evaluations of ``w``, one vectorised pass). Register the bound
-    with [`arms_iwae_bound`][storch.method.arms.arms_iwae_bound] (not `iwae_bound`); the gradient
+    with `storch.method.arms.arms_iwae_bound` (not `iwae_bound`); the gradient
     is then ``Σ_k`` ARMS of ``b ↦ L(b_{−k}, b)`` over the copula samples, plus the pathwise part of
     ``w``. A per-sample cost downstream of the node is averaged over all ``2K`` points and its
-    gradient is ARMS over the copula samples. First order only, like [`ARMS`][storch.method.arms.ARMS].
+    gradient is ARMS over the copula samples. First order only, like `storch.method.arms.ARMS`.
 
     Args:
         plate_name: node / plate name.
         n_samples: ``K ≥ 2``, the samples inside the bound (and the copula's samples).
-        copula: as for [`ARMS`][storch.method.arms.ARMS].
+        copula: as for `storch.method.arms.ARMS`.
 
     Examples:
         >>> import torch, storch
@@ -330,7 +330,7 @@ class ARMSMultiSample(JointBoundRecords, _ARMSBase):
 
     def register_bound(self, cost_name: str, plate: Plate, costs: Tensor) -> None:
         """Remember the copula samples' costs of the bound registered as ``cost_name``
-        (called by [`arms_iwae_bound`][storch.method.arms.arms_iwae_bound])."""
+        (called by `storch.method.arms.arms_iwae_bound`)."""
         self._bounds[cost_name] = _Bound(plate, costs)
 
     def _copula_costs(self, tensor: StochasticTensor, cost: CostTensor) -> torch.Tensor:
@@ -378,7 +378,7 @@ def _check_bound_node(log_w: torch.Tensor, z: StochasticTensor) -> ARMSMultiSamp
 
 
 def arms_iwae_bound(log_w: torch.Tensor, z: StochasticTensor, name: str = "iwae_bound") -> Tensor:
-    """The bound ``L = log (1/K) Σ_k w_k`` of an [`ARMSMultiSample`][storch.method.arms.ARMSMultiSample]
+    """The bound ``L = log (1/K) Σ_k w_k`` of an `storch.method.arms.ARMSMultiSample`
     node's ``K`` i.i.d. samples, registered as the cost ``−L`` under ``name``.
 
     ``log_w`` holds the log-weights of all ``2K`` points of the node's plate; those of the copula

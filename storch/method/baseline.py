@@ -3,10 +3,10 @@
 A baseline that does not depend on the sample it multiplies keeps the estimator unbiased, for
 derivatives of every order, through the term ``(1 − □(l(x))) · a(x)`` (Storchastic §3.5).
 
-* [`MovingAverageBaseline`][storch.method.baseline.MovingAverageBaseline] — ``b ← β b + (1 − β) mean(f)``, updated
+* `storch.method.baseline.MovingAverageBaseline` — ``b ← β b + (1 − β) mean(f)``, updated
 *after* each backward
   pass, so the value used for a batch never depends on that batch (Williams 1992).
-* [`BatchAverageBaseline`][storch.method.baseline.BatchAverageBaseline] (the manual's ``BatchAverage``) — leave-one-out:
+* `storch.method.baseline.BatchAverageBaseline` (the manual's ``BatchAverage``) — leave-one-out:
   ``b_j = Σ_{m≠j} f_m / (n − 1)``, needs ``n ≥ 2``
   (Mnih & Rezende 2016; Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for free!").
 """
@@ -34,15 +34,15 @@ class Baseline(nn.Module, DeclaresStepState, ABC):
     """A control variate for the score function, computed per registered cost."""
 
     #: whether the baseline depends on the node's own sample, so that a method using it must add
-    #: [`correction`][storch.method.baseline.Baseline.correction] to stay unbiased (methods that cannot refuse such a
+    #: `storch.method.baseline.Baseline.correction` to stay unbiased (methods that cannot refuse such a
     # baseline when built)
     needs_correction: bool = False
     #: whether the baseline of a sample is computed from the *other* samples of its plate (leave-one-out):
     #: unbiased only when the samples are independent, so proposals that draw dependent samples
     #: (sampling without replacement) refuse it
     uses_other_samples: bool = False
-    #: what the baseline keeps between steps (see [`storch.state`][storch.state]): nothing. A subclass that
-    #: overrides [`update`][storch.method.baseline.Baseline.update] declares its own ``step_state`` in the
+    #: what the baseline keeps between steps (see `storch.state`): nothing. A subclass that
+    #: overrides `storch.method.baseline.Baseline.update` declares its own ``step_state`` in the
     #: same class body, or counts as keeping ``HOST`` state
     step_state = StepState.NONE
     state_hooks = ("update",)
@@ -61,11 +61,11 @@ class Baseline(nn.Module, DeclaresStepState, ABC):
         """An extra surrogate term beside ``(1 − □(l)) · b``, of forward value 0; ``None`` (default): none.
 
         A baseline that depends on the node's own sample ``x`` (a Q-function critic,
-        [`storch.method.critic.QCritic`][storch.method.critic.QCritic]) is biased by ``E[b(x) ∇log p(x)] = ∇E_p[b]``;
+        `storch.method.critic.QCritic`) is biased by ``E[b(x) ∇log p(x)] = ∇E_p[b]``;
         its
         correction ``E_p[b] − stopgrad(E_p[b])`` adds that gradient back. Methods that use baselines
         add it to their control-variate term, after
-        [`compute_baseline`][storch.method.baseline.Baseline.compute_baseline].
+        `storch.method.baseline.Baseline.compute_baseline`.
         """
         return None
 
@@ -79,7 +79,7 @@ class MovingAverageBaseline(Baseline):
     **Data-parallel training** (``torch.distributed`` with more than one rank): with ``sync=True``
     (the default) the baseline is *global*: ``m`` is the mean of the ranks' batch means (one
     all-reduce of a scalar per cost name and step,
-    [`storch.distributed.all_reduce_mean_`][storch.distributed.all_reduce_mean_]),
+    `storch.distributed.all_reduce_mean_`),
     so every rank holds the same average, equal to the one a single process would track over the
     whole minibatch (ranks with equal shard sizes), and a checkpoint written by rank 0 holds it all.
     With ``sync=False`` it is *per rank*: each rank averages its own shard's costs (no
@@ -91,7 +91,7 @@ class MovingAverageBaseline(Baseline):
     ``state_dict()`` holds the averages (key ``_extra_state``), so a checkpoint resumes exactly.
 
     Each cost name's average lives in a buffer (made on first use, not saved as a buffer: the
-    averages are the extra state) and is updated in place, so [`storch.compile_step`][storch.compile_step] traces
+    averages are the extra state) and is updated in place, so `storch.compile_step` traces
     the update with the step and every replay carries it out.
 
     Args:
@@ -149,7 +149,7 @@ class MovingAverageBaseline(Baseline):
     def update(self) -> None:
         """Fold the costs of the last step into the averages; a NaN or infinite mean is skipped.
 
-        ([`storch.backward`][storch.backward] refuses non-finite costs before this runs; the guard also covers
+        (`storch.backward` refuses non-finite costs before this runs; the guard also covers
         a surrogate differentiated by hand.) No value is read back, so this never syncs a GPU.
         With ``sync`` under ``torch.distributed``, the means are first averaged across the ranks
         (sorted by cost name, one collective per device and dtype).
@@ -176,7 +176,7 @@ class MovingAverageBaseline(Baseline):
 
     def set_extra_state(self, state: Any) -> None:
         """Restore the averages saved by
-        [`get_extra_state`][storch.method.baseline.MovingAverageBaseline.get_extra_state] (``load_state_dict`` calls
+        `storch.method.baseline.MovingAverageBaseline.get_extra_state` (``load_state_dict`` calls
         it)."""
         if not isinstance(state, dict) or not isinstance(state.get("averages"), dict):
             raise ValueError(
@@ -249,9 +249,9 @@ class BatchAverageBaseline(Baseline):
 
 
 class UpdatesItsBaseline(DeclaresStepState):
-    """Mixin for methods with an optional ``self.baseline`` (a [`Baseline`][storch.method.baseline.Baseline]
+    """Mixin for methods with an optional ``self.baseline`` (a `storch.method.baseline.Baseline`
     or ``None``): the baseline is updated after each backward pass, and is a part of the method's state
-    ([`storch.state`][storch.state]). List it before the ``Method`` base."""
+    (`storch.state`). List it before the ``Method`` base."""
 
     baseline: Optional[Baseline]
     #: the mixin keeps nothing itself: the baseline's state counts as a part
@@ -268,7 +268,7 @@ class UpdatesItsBaseline(DeclaresStepState):
         return {**super().state_parts(), "baseline": getattr(self, "baseline", None)}
 
 
-#: The manual's name for [`BatchAverageBaseline`][storch.method.baseline.BatchAverageBaseline] (its tutorial calls the
+#: The manual's name for `storch.method.baseline.BatchAverageBaseline` (its tutorial calls the
 # leave-one-out baseline
 #: ``storch.method.baseline.BatchAverage``); the same class, e.g.
 #: ``ScoreFunction("z", 8, baseline_factory=BatchAverage)``.
@@ -298,7 +298,7 @@ _BY_NAME: dict[str, Callable[[], Baseline]] = {
 
 
 def make_baseline(factory: BaselineFactory) -> Baseline | None:
-    """Build a baseline from ``None``/``"none"``, a name, a [`Baseline`][storch.method.baseline.Baseline], or a
+    """Build a baseline from ``None``/``"none"``, a name, a `storch.method.baseline.Baseline`, or a
     zero-argument factory."""
     if factory is None or (isinstance(factory, str) and factory.lower() == "none"):
         return None

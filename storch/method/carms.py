@@ -149,7 +149,7 @@ class CARMS(Method):
     (see the module).
 
     The plate holds the ``n`` samples of one draw, each weighted ``1/n`` (``n`` cost evaluations,
-    whatever the number of variables). With two categories it is [`ARMS`][storch.method.arms.ARMS];
+    whatever the number of variables). With two categories it is `storch.method.arms.ARMS`;
     ``copula="independent"`` is leave-one-out REINFORCE. Unbiased for the first-order gradient with
     respect to the logits (or, by the chain rule, ``probs``); not for higher orders.
 

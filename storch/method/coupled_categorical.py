@@ -15,7 +15,7 @@ and ``z̃`` (from ``b̃_k = 1[1 − u_k < π_k]``), stopping at positions ``K`` 
 samples of ``Cat(p)`` (DisARM's antithetic pair, decision by decision). Let ``m = min(K, K̃)``,
 ``M = max(K, K̃)``, ``S`` the sample that stops first and ``L`` the other.
 
-**Stick-breaking DisARM** ([`CoupledCategorical`][storch.method.coupled_categorical.CoupledCategorical]).
+**Stick-breaking DisARM** (`storch.method.coupled_categorical.CoupledCategorical`).
 ``f(z)`` is a function of the independent ``b``, so DisARM on all ``C − 1`` decisions is unbiased
 for ``∂E f/∂φ``. Integrating out, given the pair, the decisions that a sample never reads (the
 paper's Rao-Blackwellisation) leaves, with ``Δ = ½ (f(L) − f(S))`` and ``π_k = σ(φ_k)``:
@@ -24,7 +24,7 @@ paper's Rao-Blackwellisation) leaves, with ``Δ = ½ (f(L) − f(S))`` and ``π_
     g_φ_k = Δ (1[k = M] − π_k)      for m < k ≤ M     (decisions only L reaches)
     g_φ_k = 0                        otherwise, and everywhere when K = K̃
 
-**Importance-weighted** ([`CoupledCategoricalIW`][storch.method.coupled_categorical.CoupledCategoricalIW],
+**Importance-weighted** (`storch.method.coupled_categorical.CoupledCategoricalIW`,
 the paper's derivation of DisARM). For any coupling ``q(z, z̃)`` of two ``Cat(p)`` samples,
 
     g_θ = ½ w(z, z̃) (f(z) − f(z̃)) (∇ log q(z) − ∇ log q(z̃)),    w = q(z) q(z̃) / q(z, z̃)
@@ -266,7 +266,7 @@ class CoupledCategorical(_CoupledCategoricalBase):
     categories; the pair ``z, z̃`` comes from antithetic uniforms ``u, 1 − u`` on the decisions, and
     the gradient is DisARM's along the decisions, with those a sample never reads integrated out
     (see the module). The plate holds ``2 · n_samples`` points, ``[z, z̃]`` per pair, each weighted
-    ``1/(2n)``: 2 cost evaluations per pair. ``C = 2`` is [`DisARM`][storch.method.arm.DisARM].
+    ``1/(2n)``: 2 cost evaluations per pair. ``C = 2`` is `storch.method.arm.DisARM`.
     Unbiased for the first-order gradient with respect to the logits (or ``probs``); the term is
     linear in the normalised logits, so ``backward(create_graph=True)`` leaves it out of second
     derivatives.
@@ -304,8 +304,8 @@ class CoupledCategoricalIW(_CoupledCategoricalBase):
     Tucker 2021): ``½ w (f(z) − f(z̃)) (∇ log q(z) − ∇ log q(z̃))``, ``w = q(z) q(z̃)/q(z, z̃)``.
 
     The same pairs and evaluation groups as
-    [`CoupledCategorical`][storch.method.coupled_categorical.CoupledCategorical] (2 cost evaluations
-    per pair); ``C = 2`` is [`DisARM`][storch.method.arm.DisARM]. The weight needs ``q(z, z̃) > 0``
+    `storch.method.coupled_categorical.CoupledCategorical` (2 cost evaluations
+    per pair); ``C = 2`` is `storch.method.arm.DisARM`. The weight needs ``q(z, z̃) > 0``
     for every two distinct values: both samples must be able to pass every decision but the last,
     ``π_k < ½`` for ``k < C − 2``. Ascending order (least probable first) guarantees it (each
     category is outweighed by the two or more after it, ``π_k ≤ ⅓``), so this estimator always uses

@@ -11,7 +11,7 @@ of), the paper's estimators of ``∇θ E[S]`` are
 
 **Why the value critic is unbiased.** ``V`` is a function of ``ŝ`` alone, so
 ``E_{x~q(·|ŝ)}[V(ŝ) ∇log q(x|ŝ)] = V(ŝ) ∇Σ_x q(x|ŝ) = V(ŝ) ∇1 = 0``: any function of
-non-descendants is a valid baseline (the paper's central observation). [`Critic`][storch.method.critic.Critic] feeds
+non-descendants is a valid baseline (the paper's central observation). `storch.method.critic.Critic` feeds
 ``V``
 the node's *distribution parameters* (and optionally the samples of its ancestor nodes): they are
 computed before ``x`` is drawn, from non-descendants of ``x`` only, never from ``x`` or anything
@@ -22,7 +22,7 @@ error ``(V(ŝ) − S)²`` (``S`` the detached downstream estimate), so the value
 depends on that step's samples. At its optimum ``V(ŝ) = E[S | ŝ]``, the expected downstream cost.
 
 **Why the Q critic is unbiased.** ``Q(ŝ, x)`` depends on the sample, so ``E[Q ∇log q] = ∇E_q[Q]``
-(``Q`` fixed) is not zero; the second term adds exactly that back. [`QCritic`][storch.method.critic.QCritic] computes
+(``Q`` fixed) is not zero; the second term adds exactly that back. `storch.method.critic.QCritic` computes
 it in
 closed form for factorised discrete nodes (``Bernoulli``, ``Categorical``, ``OneHotCategorical``):
 ``Q(ŝ, x) = Σ_d Q_d(ŝ, x_d)`` is additive over the node's ``D`` independent variables, so
@@ -32,9 +32,9 @@ the correction ``E_q[Q] − stopgrad(E_q[Q])`` (forward value 0) with ``Q`` deta
 With ``□`` read as ``q_θ'(x)/q_θ(x)``, the expected extra surrogate is
 ``(E_θ[Q] − E_θ'[Q]) + (E_θ'[Q] − E_θ[Q]) = 0`` for every ``θ'``, so every derivative is unbiased.
 
-Both are [`storch.method.baseline.Baseline`][storch.method.baseline.Baseline] objects: ``ScoreFunction("z",
+Both are `storch.method.baseline.Baseline` objects: ``ScoreFunction("z",
 baseline_factory="critic")`` or ``baseline_factory="q_critic"``, or an instance
-(``baseline_factory=Critic(lr=3e-3)``), also through [`storch.method.Infer`][storch.method.Infer]. One network per
+(``baseline_factory=Critic(lr=3e-3)``), also through `storch.method.Infer`. One network per
 registered cost name (built at first use, when the input size is known): with several costs
 downstream of a node, each gets its own ``V_c`` and the control variates add up to
 ``Σ_c V_c(ŝ) ≈ E[Σ_c S_c | ŝ]``. Each critic has its own optimizer, which steps once per
@@ -43,7 +43,7 @@ downstream of a node, each gets its own ``V_c`` and the control variates add up 
 Training targets are normalised: the critic predicts ``μ + σ · net(ŝ)``, with ``μ``, ``σ`` running
 averages (decay ``β``) of the mean and standard deviation of the targets seen in *earlier* steps.
 
-State protocol ([`storch.compile_step`][storch.compile_step]): each cost's head holds its network's parameters,
+State protocol (`storch.compile_step`): each cost's head holds its network's parameters,
 the target statistics (buffers ``first_moment``, ``second_moment``, ``updates``), the last training loss
 (buffer ``last_loss``) and its optimizer's state (buffers ``_optimizer_state_<i>_<key>``, as in
 `storch.method.learned_control_variate`); ``update`` changes them in place with tensor operations
@@ -129,7 +129,7 @@ def critic_inputs(distr: Distribution) -> list[torch.Tensor]:
     """The tensors a critic reads from ``distr``: the registered ones, else its parameters by name.
 
     Without a registered entry these are the distribution's parameter tensors
-    ([`storch.util.get_distr_parameters`][storch.util.get_distr_parameters], sorted by name; ``logits`` is left out when
+    (`storch.util.get_distr_parameters`, sorted by name; ``logits`` is left out when
     ``probs`` is there, as both describe the same thing).
 
     Examples:
@@ -260,17 +260,17 @@ class Critic(Baseline):
     it is unbiased for any ``V``, trained or not (Weber et al. 2019).
 
     The input ``ŝ`` is wired from the graph: the node's distribution parameters
-    ([`critic_inputs`][storch.method.critic.critic_inputs]: ``probs`` for Bernoulli and categorical nodes, the
+    (`storch.method.critic.critic_inputs`: ``probs`` for Bernoulli and categorical nodes, the
     parameter tensors
     otherwise), flattened per element of the node's parent plates, and with ``include_ancestors``
     also the samples of the stochastic nodes whose plates the distribution carries (its ancestors:
-    also non-descendants); for a step of a single-sample chain ([`storch.plate.ChainPlate`][storch.plate.ChainPlate])
+    also non-descendants); for a step of a single-sample chain (`storch.plate.ChainPlate`)
     that is the previous step's sample, not the earlier steps' (give the critic a state that
     summarises them). All of it is detached; the node's own sample is never an input.
 
     Args:
         network_factory: ``(in_features, out_features) -> nn.Module``, called once per cost name at
-            the first step (when the input size is known); default [`mlp`][storch.method.critic.mlp] with ``hidden``
+            the first step (when the input size is known); default `storch.method.critic.mlp` with ``hidden``
             units.
         hidden: hidden units of the default network.
         optimizer_factory: ``params -> optimizer``; default Adam with learning rate ``lr``.
@@ -279,11 +279,11 @@ class Critic(Baseline):
             critic is unbiased too.
         decay: ``β`` of the running mean and standard deviation that normalise the targets.
         include_ancestors: also feed the samples of the node's ancestor nodes.
-        inputs: ``distribution -> tensors`` replacing [`critic_inputs`][storch.method.critic.critic_inputs] (it sees the
+        inputs: ``distribution -> tensors`` replacing `storch.method.critic.critic_inputs` (it sees the
             distribution only, so it cannot reach the node's sample).
         sync: under ``torch.distributed`` with several ranks, average the critic's gradients and
             target statistics across ranks and broadcast a new network from rank 0, so that the
-            replicas stay identical ([`storch.distributed`][storch.distributed]). The networks are built lazily, so
+            replicas stay identical (`storch.distributed`). The networks are built lazily, so
             DDP never sees them.
 
     Attributes:
@@ -360,7 +360,7 @@ class Critic(Baseline):
     step_state = StepState.IN_PLACE
 
     def prepare_compiled_step(self) -> tuple:
-        """Called by [`storch.compile_step`][storch.compile_step] before each call: the optimizers'
+        """Called by `storch.compile_step` before each call: the optimizers'
         hyperparameters, which a trace bakes in."""
         if not self.train_critic:
             return ()
@@ -618,7 +618,7 @@ class Critic(Baseline):
         return {"heads": heads, "optimizers": optimizers}
 
     def set_extra_state(self, state: Any) -> None:
-        """Rebuild the networks saved by [`get_extra_state`][storch.method.critic.Critic.get_extra_state] (their
+        """Rebuild the networks saved by `storch.method.critic.Critic.get_extra_state` (their
         weights load next) and the
         optimizers' states."""
         valid = isinstance(state, dict) and all(isinstance(state.get(k), dict) for k in ("heads", "optimizers"))
@@ -684,23 +684,23 @@ class QCritic(Critic):
     ``ĝ = (S − Q(ŝ, x)) ∇log q(x | ŝ) + ∇ E_{x'~q}[Q(ŝ, x')]``, unbiased for any ``Q`` (see the
     module docstring, and Weber et al. 2019 on critics that condition on the node's value). ``Q`` is
     additive over the node's independent variables, ``Q(ŝ, x) = μ + σ Σ_d net(ŝ)[d, x_d]``: the
-    network maps ``ŝ`` (the node's distribution parameters, as for [`Critic`][storch.method.critic.Critic]) to one
+    network maps ``ŝ`` (the node's distribution parameters, as for `storch.method.critic.Critic`) to one
     value per
     variable ``d`` and value ``k`` of the node, and ``E_q[Q] = μ + σ Σ_d Σ_k q_d(k) net(ŝ)[d, k]`` is
     exact. It is trained on ``(Q(ŝ, x) − S)²`` after each backward pass.
 
     Supports the distributions with registered coordinates
-    ([`storch.method.local_expectation.register_coordinates`][storch.method.local_expectation.register_coordinates]:
+    (`storch.method.local_expectation.register_coordinates`:
     ``Bernoulli``, ``Categorical``,
     ``OneHotCategorical``, each with any batch shape). The correction is added by
-    [`storch.method.ScoreFunction`][storch.method.ScoreFunction] (and [`storch.method.Infer`][storch.method.Infer])
+    `storch.method.ScoreFunction` (and `storch.method.Infer`)
     through
-    [`correction`][storch.method.critic.QCritic.correction] (``needs_correction = True``); a method that cannot apply
+    `storch.method.critic.QCritic.correction` (``needs_correction = True``); a method that cannot apply
     it refuses the
-    baseline when it is built ([`storch.method.MAPO`][storch.method.MAPO]), and one that uses the baseline's value
+    baseline when it is built (`storch.method.MAPO`), and one that uses the baseline's value
     without it gets an error after the backward pass, since its gradient would be biased.
 
-    Takes the arguments of [`Critic`][storch.method.critic.Critic].
+    Takes the arguments of `storch.method.critic.Critic`.
 
     Examples:
         >>> import torch, storch

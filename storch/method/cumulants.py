@@ -7,7 +7,7 @@ stochastic backpropagation" (NeurIPS 2020 workshop; ``seeds/004_…``) reads, pe
 
     ∇θ E f(z) = Σ_{n≥1} (∇θ κ_n(θ) / n!) · E[∂ⁿf/∂zⁿ (z)]
 
-[`storch.method.gsb`][storch.method.gsb] truncates it at an order ``N``. Registered here (each ``κ_n`` has the shape of
+`storch.method.gsb` truncates it at an order ``N``. Registered here (each ``κ_n`` has the shape of
 one sample and is differentiable in the parameters; ``None`` marks a cumulant that is identically 0):
 
 =================================  ================================================  ===================
@@ -22,7 +22,7 @@ distribution                       cumulants                                    
 ``Independent(base, r)``           those of ``base``                                  as ``base``
 =================================  ================================================  ===================
 
-Register a new family with [`register_cumulants`][storch.method.cumulants.register_cumulants], in the manner of
+Register a new family with `storch.method.cumulants.register_cumulants`, in the manner of
 ``torch.distributions.kl.register_kl``.
 """
 
@@ -63,7 +63,7 @@ def supported_distributions() -> list[str]:
 
 def cumulant_terms(distr: Distribution, order: int) -> list[Optional[torch.Tensor]]:
     """``[κ_1, …, κ_order]`` with ``None`` for identically-zero cumulants (see
-    [`cumulants`][storch.method.cumulants.cumulants])."""
+    `storch.method.cumulants.cumulants`)."""
     order = check_count(order, "the order", "cumulants")
     fn = _lookup(distr)
     if fn is None:

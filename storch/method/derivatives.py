@@ -1,6 +1,6 @@
 """Pure per-coordinate derivatives ``∂ⁿf/∂z_jⁿ`` of a cost, for every coordinate ``j``, by autograd.
 
-Generalized stochastic backpropagation ([`storch.method.gsb`][storch.method.gsb]) needs, for a sample ``z`` of ``D``
+Generalized stochastic backpropagation (`storch.method.gsb`) needs, for a sample ``z`` of ``D``
 coordinates and a cost ``f``, the pure derivatives ``∂ⁿf/∂z_jⁿ`` for ``n = 1..N`` and all ``j`` (not the
 full derivative tensors). They come from one vector-Jacobian product per order:
 

@@ -28,7 +28,7 @@ which the last term removes. For ``j ≠ k``, ``x_j`` enters ``c_j ∇θ log q(x
 
 **Where g comes from.** The samples are detached from ``θ`` and made an autograd leaf, so the
 cost's graph reaches them; ``g_k`` is one vector-Jacobian product of the downstream estimate ``S``
-([`storch.inference`][storch.inference]) with respect to that leaf
+(`storch.inference`) with respect to that leaf
 (`storch.method.derivatives.pure_derivatives`).
 When a later node depends on ``x``, ``S`` holds its surrogate and ``g_k`` is the derivative of its
 estimate of ``E[f | x_k]``. A cost that does not depend differentiably on the samples (``detach``,
@@ -136,12 +136,12 @@ class DoubleControlVariate(Method):
     a ``mean``: ``Bernoulli``, ``OneHotCategorical``, and continuous distributions (index-valued
     ``Categorical`` is refused: use ``OneHotCategorical``). It owns its sampling (the samples become
     the autograd leaf of ``∇_x f``), so it is a method, not a baseline for
-    [`ScoreFunction`][storch.method.ScoreFunction]; with ``α = 0`` it is
+    `storch.method.ScoreFunction`; with ``α = 0`` it is
     ``ScoreFunction(..., baseline_factory="batch_average")``.
 
     State: two scalar buffers (running ``E[AᵀB]`` and ``E[‖B‖²]``, see the module docstring),
     updated in place after each backward pass, so ``state_dict`` holds them,
-    [`storch.compile_step`][storch.compile_step] replays the update, and under ``torch.distributed`` with
+    `storch.compile_step` replays the update, and under ``torch.distributed`` with
     ``sync`` the ranks average each step's statistics first (one all-reduce of three numbers), so
     every replica uses the same ``α``. The method has no ``nn.Parameter``.
 

@@ -2,7 +2,7 @@
 
     ∇θ E_{p_θ}[f(x)] = ∇θ Σ_x p_θ(x) f(x)
 
-Components: the whole support, enumerated ([`storch.sampling.Enumerate`][storch.sampling.Enumerate]); weight ``p(x)``,
+Components: the whole support, enumerated (`storch.sampling.Enumerate`); weight ``p(x)``,
 not detached; no gradient function; no control variate. Exact, at the price of one cost evaluation
 per joint configuration.
 """

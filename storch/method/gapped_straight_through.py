@@ -32,7 +32,7 @@ ST-GS's mean gradient stays of the size of the exact one there (its variance gro
 *gradient* vanishes, and its bias tends to the norm of the exact gradient. It is not exact for
 costs linear in the sample either (straight-through is). Bernoulli variables are two-class
 categoricals (the one-hot views of
-[`register_one_hot_view`][storch.method.straight_through.register_one_hot_view]).
+`storch.method.straight_through.register_one_hot_view`).
 """
 
 from __future__ import annotations
@@ -89,14 +89,14 @@ def gapped_straight_through(
     logits: torch.Tensor, hard: torch.Tensor, temperature: float | torch.Tensor = 1.0, gap: Gap = 1.0
 ) -> torch.Tensor:
     """``D + g − stopgrad(g)`` with ``g = softmax((θ + m)/τ)``, ``m`` the
-    [`gapped_perturbation`][storch.method.gapped_straight_through.gapped_perturbation].
+    `storch.method.gapped_straight_through.gapped_perturbation`.
 
     Args:
         logits: ``θ``, ``(*batch, C)`` (normalised or not).
         hard: one-hot samples ``D``, ``(..., *batch, C)``.
         temperature: ``τ`` of the relaxation.
         gap: ``κ``, or ``"p"`` for ``κ = −log(1 − π_D)/π_D``
-            ([`expected_gumbel_gap`][storch.method.gapped_straight_through.expected_gumbel_gap]).
+            (`storch.method.gapped_straight_through.expected_gumbel_gap`).
 
     Examples:
         >>> import torch

@@ -146,7 +146,7 @@ class GroupRecords:
     A method that lays out evaluation groups often needs more than the points themselves to build
     its estimate: the layout of a group (MVD), the sign vectors (SPSA), the uniforms (ARM). It
     decides them in ``proposal_dist``, which returns the plain samples, and reads them back in the
-    weighting function or ``estimator``, which see the node's [`StochasticTensor`][storch.tensor.StochasticTensor].
+    weighting function or ``estimator``, which see the node's `storch.tensor.StochasticTensor`.
     The record is keyed by the samples tensor (weakly, by identity: it lives as long as the node)
     and found again through ``node_of(tensor).samples``.
 

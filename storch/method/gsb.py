@@ -3,30 +3,30 @@
 Paper: Echraibi, Flocon Cholet, Gosselin & Vaton, "Generalized stochastic backpropagation" (NeurIPS 2020
 workshop "Beyond Backpropagation"; ``seeds/004_…``, theorem 1 and sections 3–5). Written with
 cumulants ``κ_n`` (the Taylor coefficients of the log characteristic function,
-``log φ(ω) = Σ_n κ_n (iω)^n / n!``; [`storch.method.cumulants`][storch.method.cumulants]), the theorem reads, for a
+``log φ(ω) = Σ_n κ_n (iω)^n / n!``; `storch.method.cumulants`), the theorem reads, for a
 factorised ``z`` with parameters θ and a cost ``f`` differentiable in ``z``,
 
     ∇θ E f(z) = Σ_j Σ_{n≥1} (∇θ κ_n(θ)_j / n!) · E[∂ⁿf/∂z_jⁿ (z)]
 
-(pure derivatives per coordinate ``j``). [`GSB`][storch.method.gsb.GSB] truncates the series at ``order = N``. Its
+(pure derivatives per coordinate ``j``). `storch.method.gsb.GSB` truncates the series at ``order = N``. Its
 surrogate term for one node (a control-variate term with forward value 0, no gradient function) is
 
     Σ_j Σ_{n=1..N} ((κ_n(θ)_j − stopgrad κ_n(θ)_j) / n!) · stopgrad(∂ⁿS/∂z_jⁿ)
 
-with ``S`` the downstream estimate of the cost ([`storch.inference`][storch.inference] hands it to the method per
+with ``S`` the downstream estimate of the cost (`storch.inference` hands it to the method per
 sample). The samples are drawn without any pathwise gradient into θ (``sample()``, detached) and made a
 leaf that autograd differentiates ``S`` with respect to; no score term is used. Gradients that reach θ
 by other paths (a cost that depends on θ directly, e.g. ``log q(z; θ)``) flow as usual.
 
-Dispatch by distribution type (registry [`register_gsb_rule`][storch.method.gsb.register_gsb_rule]; representations
-[`register_representation`][storch.method.gsb.register_representation]; cumulants
-[`storch.method.cumulants.register_cumulants`][storch.method.cumulants.register_cumulants]):
+Dispatch by distribution type (registry `storch.method.gsb.register_gsb_rule`; representations
+`storch.method.gsb.register_representation`; cumulants
+`storch.method.cumulants.register_cumulants`):
 
 ====================================  =============================================  ================  ===========================
 distribution                          rule                                           exact?            cost evaluations / sample
 ====================================  =============================================  ================  ===========================
 ``Normal``                            cumulants ``μ, σ²`` (eq. 14)                    at order ≥ 2      1 + min(N, 2) VJPs
-``Dirac`` ([`storch.distributions`][storch.distributions])  ``κ₁ = a``: plain backpropagation            at order ≥ 1
+``Dirac`` (`storch.distributions`)  ``κ₁ = a``: plain backpropagation            at order ≥ 1
 1 + 1 VJP
 ``Gamma``, ``Chi2``, ``Exponential``  ``κ_n = k (n−1)!/βⁿ`` (eq. 19)                  truncated         1 + N VJPs
 ``Laplace``                           ``κ₁ = μ``, ``κ_{2m} = 2(2m−1)! b^{2m}`` (eq. 18) truncated         1 + N VJPs
@@ -35,7 +35,7 @@ distribution                          rule                                      
                                       ``z = ζ₁/(ζ₁+ζ₂)`` (eq. 20)
 ``Dirichlet(α)``                      gammas ``ζ_k ~ Γ(α_k,1)``, ``z = ζ/Σζ`` (eq. 21)  truncated         1 + N VJPs (D = K per Dirichlet)
 ``Bernoulli``, ``Categorical``,       discrete rule (eqs. 16–17) =                   exact (unbiased)  1 + D·(K−1) points, no VJP
-``OneHotCategorical``                 [`LocalExpectation`][storch.method.local_expectation.LocalExpectation]
+``OneHotCategorical``                 `storch.method.local_expectation.LocalExpectation`
 ``Poisson(λ)``                        ``κ_n = λ`` on integers: ``∇λ E f =             exact (unbiased)  1 + D points, no VJP
                                       E[f(z + e_j) − f(z)]`` (finite difference,
                                       `storch.distributions.measure_valued`)
@@ -158,7 +158,7 @@ _REPRESENTATIONS: TypeRegistry[Representation] = GSB_REPRESENTATIONS  # made in 
 
 
 def representation_for(distr: Distribution) -> Optional[Representation]:
-    """The [`Representation`][storch.method.gsb.Representation] registered for ``type(distr)`` or a base class, else
+    """The `storch.method.gsb.Representation` registered for ``type(distr)`` or a base class, else
     ``None``.
 
     Examples:
@@ -189,7 +189,7 @@ _REPRESENTATIONS.register_default(Dirichlet)(Representation(_dirichlet_latent, l
 
 # --------------------------------------------------------------------------- rules
 class GSBRule(ABC):
-    """How [`GSB`][storch.method.gsb.GSB] samples a distribution family and builds its surrogate term."""
+    """How `storch.method.gsb.GSB` samples a distribution family and builds its surrogate term."""
 
     @abstractmethod
     def sample(self, method: "GSB", distr: Distribution, plates: Sequence[Plate], n: int) -> torch.Tensor:
@@ -387,7 +387,7 @@ class GSB(Method):
     """Generalized stochastic backpropagation, truncated at ``order`` (Echraibi et al. 2020, ``seeds/004_…``).
 
     ``∇θ E f(z) ≈ Σ_j Σ_{n=1..N} (∇θ κ_n(θ)_j / n!) · E[∂ⁿf/∂z_jⁿ]`` for continuous factorised
-    distributions (cumulants [`storch.method.cumulants`][storch.method.cumulants]; Beta and Dirichlet through their
+    distributions (cumulants `storch.method.cumulants`; Beta and Dirichlet through their
     gamma
     representation); the discrete rule for Bernoulli / categorical (local expectations) and Poisson
     (finite differences). See the module docstring for the table of distributions, exactness and cost.

@@ -10,7 +10,7 @@ variance grows. Relaxations are registered per distribution type in
 Components: n i.i.d. relaxed ``rsample`` draws, weight ``1/n``, no gradient function, no control
 variate. The temperature follows ``τ_t = max(τ_min, τ_0 · exp(−r · t))`` after ``t`` backward passes;
 ``t`` and ``τ_t`` are buffers updated in place by tensor operations (`AnnealedTemperature`), so a
-step replayed by [`storch.compile_step`][storch.compile_step] anneals exactly as an eager one.
+step replayed by `storch.compile_step` anneals exactly as an eager one.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Sparse Gumbel relaxations (biased): Gumbel-sparsemax and Gumbel-1.5-entmax.
 
-As Gumbel-softmax ([`GumbelSoftmax`][storch.method.gumbel.GumbelSoftmax]), the discrete sample of a categorical
+As Gumbel-softmax (`storch.method.gumbel.GumbelSoftmax`), the discrete sample of a categorical
 with log-probabilities ``log p`` is replaced by a relaxed, reparameterised sample at temperature ``τ``, but the
 perturbed scores ``z = log p + G`` (``G`` i.i.d. standard Gumbel, so ``argmax z ~ Cat(p)``) are mapped onto the
 simplex by a sparse projection instead of ``softmax``:
@@ -15,18 +15,18 @@ sample *is* that one-hot vector whenever the two largest scores are more than ``
 (1.5-entmax) apart. The gradient is pathwise through the projection (its exact Jacobian): on the support of
 ``y`` sparsemax's is ``I − 11ᵀ/|S|``; outside, and on one-hot samples, it is zero. The gradient is biased;
 the bias vanishes as ``τ → 0`` while the variance grows, as for Gumbel-softmax (measured in
-[`GumbelSparseMax`][storch.method.gumbel_sparse.GumbelSparseMax]). With ``straight_through`` the forward value
+`storch.method.gumbel_sparse.GumbelSparseMax`). With ``straight_through`` the forward value
 is the discrete sample ``onehot(argmax z)`` and the backward pass uses the relaxed one.
 
 Distributions are seen as categoricals through their registered one-hot view
-([`register_one_hot_view`][storch.method.straight_through.register_one_hot_view]: ``OneHotCategorical``;
+(`storch.method.straight_through.register_one_hot_view`: ``OneHotCategorical``;
 ``Bernoulli`` as the two classes ``(1 − x, x)``, where sparsemax of the Gumbel-perturbed pair is the hard
 sigmoid ``clamp((φ + L)/(2τ) + ½, 0, 1)`` of the logistic-perturbed logit). Components: n i.i.d. relaxed draws,
 weight ``1/n``, no gradient function, no control variate. The temperature follows
 ``τ_t = max(τ_min, τ_0 · exp(−r · t))`` after ``t`` backward passes, as for Gumbel-softmax.
 
-The projections come from the ``entmax`` package (Peters & Niculae, MIT; a core dependency of storch,
-``entmax==1.3``): sort-based forward passes with exact closed-form backward passes
+The projections come from the ``entmax`` package (Peters & Niculae, MIT; storch's ``entmax`` extra,
+``pip install "storch[entmax]"``): sort-based forward passes with exact closed-form backward passes
 (``sparsemax``, ``entmax15``). It is imported when a projection is first used, so ``import storch`` works
 without it.
 """
@@ -47,14 +47,15 @@ from storch.method.straight_through import hard_forward, one_hot_view_for, requi
 __all__ = ["GumbelSparseMax", "GumbelEntmax", "sparsemax", "entmax15", "gumbel_perturb"]
 
 
+#: the error of GumbelSparseMax / GumbelEntmax without the ``entmax`` package
+ENTMAX_MISSING = 'GumbelSparseMax and GumbelEntmax need the entmax package: pip install "storch[entmax]"'
+
+
 def _entmax() -> ModuleType:
     try:
         return importlib.import_module("entmax")
     except ImportError as error:
-        raise ImportError(
-            "GumbelSparseMax and GumbelEntmax project onto the simplex with the 'entmax' package, which is not "
-            "installed. Install storch's dependencies again (pip install -e .) or run pip install entmax==1.3."
-        ) from error
+        raise ImportError(ENTMAX_MISSING) from error
 
 
 def sparsemax(scores: torch.Tensor) -> torch.Tensor:
@@ -119,7 +120,7 @@ class GumbelSparseMax(_GumbelProjection):
     """Gumbel-sparsemax: relaxed samples ``sparsemax((log p + G)/τ)`` of ``OneHotCategorical`` or ``Bernoulli`` nodes.
 
     Sparse, and exactly one-hot when the two largest perturbed scores are more than ``τ`` apart. Same
-    arguments and temperature schedule as [`GumbelSoftmax`][storch.method.gumbel.GumbelSoftmax].
+    arguments and temperature schedule as `storch.method.gumbel.GumbelSoftmax`.
 
     Measured bias (the problems of ``tests/test_gumbel_sparse.py``, which checks these with 2·10⁵ samples;
     here 10⁶ samples; the norm of the mean gradient minus the exact one, Monte Carlo error about 0.002 for the
@@ -160,10 +161,10 @@ class GumbelEntmax(_GumbelProjection):
 
     Between Gumbel-softmax and Gumbel-sparsemax: sparse, exactly one-hot when the two largest perturbed
     scores are more than ``2τ`` apart, and smoother than sparsemax near the boundary of its support. Same
-    arguments and temperature schedule as [`GumbelSoftmax`][storch.method.gumbel.GumbelSoftmax].
+    arguments and temperature schedule as `storch.method.gumbel.GumbelSoftmax`.
 
     Measured bias (``tests/test_gumbel_sparse.py``, 10⁶ samples, the problems of
-    [`GumbelSparseMax`][storch.method.gumbel_sparse.GumbelSparseMax]): Bernoullis 0.066 at ``τ = 2``, 0.029 at
+    `storch.method.gumbel_sparse.GumbelSparseMax`): Bernoullis 0.066 at ``τ = 2``, 0.029 at
     ``τ = 0.5``, 0.006 at ``τ = 0.1`` (Gumbel-softmax 0.074, 0.044, 0.012); categorical 1.10, 0.35 and 0.08
     (1.39, 0.67, 0.14); relaxed expected cost 1.27, 2.07, 2.42, and 2.50 at ``τ = 0.02`` (exact 2.526);
     total variance of a one-sample categorical gradient 1.3, 14, 94 and 500 at ``τ = 2, 0.5, 0.1, 0.02``

@@ -7,7 +7,7 @@ An estimator with a learned control variate ``c_φ`` gives, for every ``φ``, an
     ∇_φ Var(ĝ_φ) = ∇_φ E‖ĝ_φ‖² = E[∇_φ ‖ĝ_φ‖²],
 
 so ``∇_φ ‖ĝ_φ‖²``, differentiated through the same sample, is an unbiased estimate of the gradient
-of the variance. `LearnedControlVariate` takes one step on it per [`storch.backward`][storch.backward]:
+of the variance. `LearnedControlVariate` takes one step on it per `storch.backward`:
 
 1. ``ĝ = ∂/∂θ Σ_x w(x) term(x)``, the derivative of the node's own surrogate terms (every plate
    reduced with its weight, so minibatch means and sample weights are included) with respect to
@@ -26,7 +26,7 @@ and the in-place optimizer step leaves the graph valid for higher-order derivati
 The draws that the estimator needs besides the samples (relaxed samples with their graph) are kept
 per node from the proposal to the estimator; see `LearnedControlVariate.keep_draw`.
 
-Data-parallel training ([`storch.distributed`][storch.distributed]): with a process group of more than one rank,
+Data-parallel training (`storch.distributed`): with a process group of more than one rank,
 step 3 first averages ``φ.grad`` across the ranks (one all-reduce per step; a rank where a
 parameter got no gradient contributes zeros), and the first training step broadcasts ``φ`` from
 rank 0, so that every replica holds the same ``φ`` and optimizer state. ``sync=False`` trains
@@ -36,7 +36,7 @@ Checkpoints: `LearnedControlVariate.state_dict` holds ``φ`` and, under the key
 ``_extra_state``, the state of the method's own optimizer (made lazily at the first step), so
 ``load_state_dict`` into a freshly built method resumes training exactly.
 
-State protocol ([`storch.compile_step`][storch.compile_step]): every tensor the variance step changes is a
+State protocol (`storch.compile_step`): every tensor the variance step changes is a
 parameter or a buffer of the method, updated in place. ``φ`` are parameters; the optimizer's state
 tensors (Adam's moments and step count, SGD's momentum) are non-persistent buffers named
 ``_optimizer_state_<i>_<key>`` (``i`` the parameter's position in the optimizer), made by its first
@@ -85,7 +85,7 @@ _SIMPLE_TYPES = (bool, int, float, str, type(None))
 def default_optimizer(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
     """Adam with learning rate ``lr``, fused where torch has the kernels (floating-point parameters on
     the CPU or a GPU): one kernel per step, and a step count kept as a tensor, so that
-    [`storch.compile_step`][storch.compile_step] can replay the step."""
+    `storch.compile_step` can replay the step."""
     fused = bool(params) and all(p.is_floating_point() and p.device.type in _FUSED_DEVICES for p in params)
     return torch.optim.Adam(params, lr=lr, fused=True) if fused else torch.optim.Adam(params, lr=lr)
 
@@ -277,7 +277,7 @@ class LearnedControlVariate(Method):
             keeps ``φ`` fixed (``φ.grad`` is still cleared after each backward).
         sync: under ``torch.distributed`` with more than one rank, average ``φ.grad`` across the
             ranks before each optimizer step and broadcast ``φ`` from rank 0 at the first one, so
-            that the replicas stay identical ([`storch.distributed`][storch.distributed]); ``False``: each rank
+            that the replicas stay identical (`storch.distributed`); ``False``: each rank
             trains its own ``φ``. No effect in a single process.
     """
 
@@ -412,7 +412,7 @@ class LearnedControlVariate(Method):
         drop_optimizer_state(self)
 
     def prepare_compiled_step(self) -> tuple:
-        """Called by [`storch.compile_step`][storch.compile_step] before each call: build the optimizer (outside
+        """Called by `storch.compile_step` before each call: build the optimizer (outside
         the trace) and return its hyperparameters, which the trace bakes in (a new learning rate is a new
         trace)."""
         if not self.train_control_variate or not self.control_variate_parameters():

@@ -18,7 +18,7 @@ evaluated at all ``n·M`` points in one vectorised pass (`storch.method.groups`)
 
 Chains: one evaluation plate for all the nodes. A local-expectation node whose distribution's newest
 plate is the evaluation plate of another local-expectation node (``z₂ ~ p(z₂ | z₁)``, both sampled with
-[`LocalExpectation`][storch.method.local_expectation.LocalExpectation], ``n_samples=1`` for the downstream one) does
+`storch.method.local_expectation.LocalExpectation`, ``n_samples=1`` for the downstream one) does
 not add a plate of its own, which
 would make the cost's points the *product* ``M₁·M₂``. It extends the upstream plate instead: each
 group gets ``D₂(K₂−1)`` more points, so a chain of nodes costs the *sum* ``1 + Σ_s D_s(K_s−1)`` per
@@ -30,12 +30,12 @@ sample. On the extended plate (named after the newest node), point ``m`` of a gr
 * for ``m ≥ M₁``: ``z₁`` as sampled and ``z₂``'s own one-coordinate changes of its point-0 draw.
 
 Tensors computed from ``z₁`` alone are re-indexed to the extended plate where they meet ``z₂``
-(an [`AncestralPlate`][storch.plate.AncestralPlate] step: ``z₁``'s values at the points ``m ≥ M₁`` are its
+(an `storch.plate.AncestralPlate` step: ``z₁``'s values at the points ``m ≥ M₁`` are its
 sample). A node computed from any step of a chain extends its newest step (branches ``z₁ → z₂``,
 ``z₁ → z₃`` share one plate); a *sibling*, whose distribution does not come from the chain, joins it
 with ``joint_with=`` (its one draw per group is then the same at every upstream point). Nodes of other
 methods drawn from a chain's points come before the chain in the surrogate recursion
-([`surrogate_order`][storch.plate.Plate.surrogate_order]), so their scores are part of the cost ``C`` below. A node
+(`storch.plate.Plate.surrogate_order`), so their scores are part of the cost ``C`` below. A node
 joins only if its distribution's other plates are older than the chain's first step.
 ``LocalExpectation(..., joint=False)`` keeps the nested form: a plate of its own, the cost at the
 product of the points.
@@ -63,7 +63,7 @@ higher derivatives are biased (three-coordinate terms are missing). The nested f
 same orders: its inner estimate is the downstream node's own surrogate at every point.
 
 The values a coordinate can take and their probabilities are registered per distribution type
-([`register_coordinates`][storch.method.local_expectation.register_coordinates]); setting a coordinate to a value is
+(`storch.method.local_expectation.register_coordinates`); setting a coordinate to a value is
 then the same for every type.
 """
 

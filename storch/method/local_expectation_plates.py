@@ -1,18 +1,18 @@
 """Evaluation plates of local-expectation nodes, shared along chains.
 
 A local-expectation node lays out ``n`` groups of points on its plate
-([`LocalExpectationPlate`][storch.method.local_expectation_plates.LocalExpectationPlate]):
+(`storch.method.local_expectation_plates.LocalExpectationPlate`):
 the sample and its one-coordinate changes. A node computed from another local-expectation node (or
 joined to it with ``joint_with``) extends that plate's groups with its own changes instead of adding a
-plate ([`extended_points`][storch.method.local_expectation_plates.extended_points]), so a chain costs the sum of its
+plate (`storch.method.local_expectation_plates.extended_points`), so a chain costs the sum of its
 nodes' points, not their product; the
-math of the estimator on such a plate is in [`storch.method.local_expectation`][storch.method.local_expectation]. This
+math of the estimator on such a plate is in `storch.method.local_expectation`. This
 module decides
-whether a node joins ([`chain_to_extend`][storch.method.local_expectation_plates.chain_to_extend]), draws the points,
+whether a node joins (`storch.method.local_expectation_plates.chain_to_extend`), draws the points,
 moves a joined node's distribution
-to its plate ([`move_to_plate`][storch.method.local_expectation_plates.move_to_plate]) and refuses, before allocating,
+to its plate (`storch.method.local_expectation_plates.move_to_plate`) and refuses, before allocating,
 points that would not fit
-([`check_fits`][storch.method.local_expectation_plates.check_fits]).
+(`storch.method.local_expectation_plates.check_fits`).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class PointGroup:
     sample alone for the first node of a chain). For a node whose distribution was computed from the
     chain: ``drawn_from``, that distribution as it was when the node was drawn (on the chain step it
     carried; the node's own distribution object is then moved to the node's plate, see
-    [`move_to_plate`][storch.method.local_expectation_plates.move_to_plate]), and ``source``, the position among that
+    `storch.method.local_expectation_plates.move_to_plate`), and ``source``, the position among that
     step's points of each upstream
     point (``None`` when it carried the upstream step itself).
     """
@@ -305,7 +305,7 @@ def _probs_of(distr: Distribution, who: str) -> torch.Tensor:
 
 def own_points(distr: Distribution, plates: Sequence[Plate], n: int, who: str):
     """A plate of its own: ``n`` groups of the sample and its changes; ``(samples, group, other plates,
-    parent index)`` as [`extended_points`][storch.method.local_expectation_plates.extended_points]."""
+    parent index)`` as `storch.method.local_expectation_plates.extended_points`."""
     n_vars, k = variable_counts(distr, len(plates), who)
     size = 1 + n_vars * (k - 1)
     shape = (n * size,) + tuple(distr.batch_shape) + tuple(distr.event_shape)
@@ -322,7 +322,7 @@ def extended_points(distr: Distribution, plates: Sequence[Plate], tip: "LocalExp
     group and variable, shared by the points), then the changes of the draw at point 0.
 
     Returns the samples ``(n·M, *other plates, *batch, *event)``, their
-    [`PointGroup`][storch.method.local_expectation_plates.PointGroup], the plates
+    `storch.method.local_expectation_plates.PointGroup`, the plates
     of the samples besides the new one, and the new plate's ``parent_index``.
     """
     coordinates = require_coordinates(distr, who)

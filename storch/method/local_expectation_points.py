@@ -2,11 +2,11 @@
 
 A factorised Bernoulli or categorical distribution has ``D`` independent variables (its non-plate
 batch dimensions), each taking one of ``K`` values.
-[`Coordinates`][storch.method.local_expectation_points.Coordinates] says, per distribution type,
+`storch.method.local_expectation_points.Coordinates` says, per distribution type,
 what the values are and how probable each is;
-[`local_expectation_points`][storch.method.local_expectation_points.local_expectation_points] lays out, for each
+`storch.method.local_expectation_points.local_expectation_points` lays out, for each
 sample, the sample itself and its ``D·(K−1)`` one-coordinate changes (every value but the sample's
-own, variable by variable), the points at which [`storch.method.local_expectation`][storch.method.local_expectation]
+own, variable by variable), the points at which `storch.method.local_expectation`
 evaluates the
 cost.
 """
@@ -53,7 +53,7 @@ _COORDINATES: TypeRegistry[Coordinates] = COORDINATES  # made in storch.registri
 
 
 def coordinates_for(distr: Distribution) -> Optional[Coordinates]:
-    """The [`Coordinates`][storch.method.local_expectation_points.Coordinates] registered for ``type(distr)`` or its
+    """The `storch.method.local_expectation_points.Coordinates` registered for ``type(distr)`` or its
     most specific base class, else ``None``.
 
     Examples:

@@ -1,8 +1,8 @@
 """The surrogate term of local expectations, for one node or a chain of nodes on one plate.
 
-Each node of a chain is a *segment* of its plate's groups ([`Segment`][storch.method.local_expectation_term.Segment]);
+Each node of a chain is a *segment* of its plate's groups (`storch.method.local_expectation_term.Segment`);
 its term, per group, is
-``T_s`` of [`storch.method.local_expectation`][storch.method.local_expectation]'s docstring, and the chain's term is
+``T_s`` of `storch.method.local_expectation`'s docstring, and the chain's term is
 their sum,
 spread over the group's points.
 """
@@ -47,8 +47,8 @@ class Segment:
 
 
 def _segment(node, group: PointGroup) -> Segment:
-    """The [`Segment`][storch.method.local_expectation_term.Segment] of ``node`` (a
-    [`StochasticNode`][storch.tensor.StochasticNode])."""
+    """The `storch.method.local_expectation_term.Segment` of ``node`` (a
+    `storch.tensor.StochasticNode`)."""
     distr, samples = node.distribution, node.samples
     parents = tuple(node.layout.plates[1:])
     other = tuple(samples.shape[1: 1 + len(parents)])
@@ -113,7 +113,7 @@ def _segment_term(segment: Segment, per_group: Tensor, groups: Plate, later: Seq
 
 def local_expectation_term(tensor: StochasticTensor, cost: torch.Tensor) -> Tensor:
     """The surrogate term, per point, of a node sampled with
-    [`local_expectation_points`][storch.method.local_expectation_points], or of
+    `storch.method.local_expectation_points`, or of
     the chain of local-expectation nodes that ends at ``tensor``'s node.
 
     ``Σ_s Σ_d Σ_j (q_dj − stopgrad q_dj) · □(½ Σ_{d'≠d} log p_{d'}(x_{d'})) · (C_s[m_dj] − C_s[0])``

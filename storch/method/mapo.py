@@ -152,17 +152,17 @@ _OLD_ATTRIBUTES = dict(zip(("_buf_tokens", "_buf_costs", "_buf_valid", "_exp_tok
 
 
 class MAPOMemory(nn.Module):
-    """The memory of a [`MAPO`][storch.method.mapo.MAPO] method: per key (datum), a buffer of the best
+    """The memory of a `storch.method.mapo.MAPO` method: per key (datum), a buffer of the best
     values found and their costs, and the values explored (with ``systematic_exploration``).
 
     The tensors are buffers of this module, so ``.to()``, ``copy.deepcopy`` and pickling carry them
     with the method, and they keep their dtypes under ``.double()`` or ``.half()``. They are not
     persistent: the method's ``state_dict`` holds them in its ``_extra_state`` entry
-    ([`state`][storch.method.mapo.MAPOMemory.state]), as before this module existed (as
-    [`MovingAverageBaseline`][storch.method.baseline.MovingAverageBaseline] keeps its averages), so
+    (`storch.method.mapo.MAPOMemory.state`), as before this module existed (as
+    `storch.method.baseline.MovingAverageBaseline` keeps its averages), so
     checkpoints of either version load. The buffers are each rank's own: inside a model wrapped in
     ``DistributedDataParallel``, call
-    [`storch.distributed.exclude_methods_from_ddp`][storch.distributed.exclude_methods_from_ddp] first.
+    `storch.distributed.exclude_methods_from_ddp` first.
 
     Attributes:
         buffer_tokens: ``(K, buffer_size, D)`` the buffered values' indices (long), ``D`` variables.
@@ -223,7 +223,7 @@ class MAPOMemory(nn.Module):
 
     def grow(self, max_key: int) -> None:
         """Make room for the keys up to ``max_key`` (at least doubling), with empty buffers; after
-        [`shape_values`][storch.method.mapo.MAPOMemory.shape_values]."""
+        `storch.method.mapo.MAPOMemory.shape_values`."""
         k = self.buffer_tokens.shape[0]
         if max_key < k:
             return
@@ -250,7 +250,7 @@ class MAPOMemory(nn.Module):
         return {**state, **{name: getattr(self, name).clone() for name in _MEMORY_TENSORS}}
 
     def load(self, state: Any, owner: str) -> None:
-        """Restore the memory from a dict written by [`state`][storch.method.mapo.MAPOMemory.state].
+        """Restore the memory from a dict written by `storch.method.mapo.MAPOMemory.state`.
 
         Raises:
             ValueError: if ``state`` is not such a dict (the message names ``owner``).
@@ -391,14 +391,14 @@ class MAPO(Method):
     seen so far (with cost ``< threshold``, if given). A call returns the buffer's values followed by
     ``n_samples`` values drawn from the policy restricted to the complement of the buffer, on one
     plate (``|B| + n_samples`` cost evaluations; buffers of other data that are shorter are padded
-    with rows of weight 0). After each [`storch.backward`][storch.backward], the sampled values and their
+    with rows of weight 0). After each `storch.backward`, the sampled values and their
     costs (the sum of the costs that carry this node, other plates averaged) update the buffer, and
     the buffer's costs are refreshed. Without clipping the estimator is unbiased for derivatives of
     every order, for any buffer; the buffer's part is exact and the sampled part is scaled by
     ``1 − π_B``, so the variance falls as the policy concentrates on the buffer.
 
     Supported: ``Categorical``, ``OneHotCategorical``, ``Bernoulli`` (any distribution registered
-    with [`storch.sampling.swor.register_wor_support`][storch.sampling.swor.register_wor_support]); non-plate batch
+    with `storch.sampling.swor.register_wor_support`); non-plate batch
     dimensions and
     ``Independent`` dimensions are the variables of one joint value, so a factorised sequence
     ``Independent(Categorical(logits=(L, V)), 1)`` is one node whose values are sequences. An
@@ -417,7 +417,7 @@ class MAPO(Method):
         threshold: only values of cost ``< threshold`` enter the buffer; ``None``: the best
             ``buffer_size`` values found, whatever their cost.
         baseline_factory: ``None`` (default), ``"batch_average"`` (leave-one-out among the samples,
-            ``n_samples ≥ 2``), ``"moving_average"`` or a [`Baseline`][storch.method.baseline.Baseline];
+            ``n_samples ≥ 2``), ``"moving_average"`` or a `storch.method.baseline.Baseline`;
             it multiplies the score of the conditional distribution ``π(·|y ∉ B)`` of the samples,
             so it keeps the estimator unbiased.
         systematic_exploration: also exclude the values sampled in earlier steps (per datum, up to
@@ -429,9 +429,9 @@ class MAPO(Method):
     Call it as ``MAPO("y", n_samples=4)(distribution)``, or ``(distribution, key=ids)`` with an
     integer tensor ``ids`` that names the data of the independent plates (their sizes, in the order
     of the distribution's plates) when minibatches are shuffled: by default a datum's buffer is that
-    of its position in the plates. [`add_to_memory`][storch.method.mapo.MAPO.add_to_memory] seeds buffers,
-    [`memory`][storch.method.mapo.MAPO.memory] reads one,
-    [`reset`][storch.method.mapo.MAPO.reset] forgets them all; the buffers are part of ``state_dict()``.
+    of its position in the plates. `storch.method.mapo.MAPO.add_to_memory` seeds buffers,
+    `storch.method.mapo.MAPO.memory` reads one,
+    `storch.method.mapo.MAPO.reset` forgets them all; the buffers are part of ``state_dict()``.
 
     Measured (``tests/test_mapo.py``; an 8-value categorical with a fixed cost per value, exact
     gradient norm 0.574): without clipping, every coordinate of the mean of 2000 estimates lies
@@ -605,7 +605,7 @@ class MAPO(Method):
 
     def memory(self, key: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The buffer of ``key``: values ``(m, *var_shape)`` (value indices) and their costs ``(m,)``,
-        best first (a cost of ``−inf``: added by [`add_to_memory`][storch.method.mapo.MAPO.add_to_memory] and not
+        best first (a cost of ``−inf``: added by `storch.method.mapo.MAPO.add_to_memory` and not
         evaluated yet)."""
         var_shape = self.store.var_shape if self.store.var_shape is not None else ()
         if key >= self.store.buffer_tokens.shape[0]:
@@ -670,11 +670,11 @@ class MAPO(Method):
 
     def get_extra_state(self) -> dict:
         """The memory (copies), for ``state_dict`` (key ``_extra_state``; see
-        [`MAPOMemory.state`][storch.method.mapo.MAPOMemory.state])."""
+        `storch.method.mapo.MAPOMemory.state`)."""
         return self.store.state()
 
     def set_extra_state(self, state: Any) -> None:
-        """Restore the memory saved by [`get_extra_state`][storch.method.mapo.MAPO.get_extra_state]
+        """Restore the memory saved by `storch.method.mapo.MAPO.get_extra_state`
         (``load_state_dict`` calls it)."""
         self.store.load(state, f"MAPO({self.plate_name!r})")
 

@@ -5,21 +5,21 @@ first node, as
 
     S_i = Σ_{x ∈ X_i} w_i(x) · [ □(l_i(x)) · S_{i+1}(x) + (1 − □(l_i(x))) · a_i(x) ]
 
-with ``□(l) = exp(l − stopgrad(l))``. The components of a [`Method`][storch.method.method.Method]:
+with ``□(l) = exp(l − stopgrad(l))``. The components of a `storch.method.method.Method`:
 
-1. **proposal** — a [`storch.sampling.SamplingMethod`][storch.sampling.SamplingMethod] draws ``X_i``;
-   [`Method.proposal_dist`][storch.method.method.Method.proposal_dist] overrides how Monte Carlo samples are drawn;
+1. **proposal** — a `storch.sampling.SamplingMethod` draws ``X_i``;
+   `storch.method.method.Method.proposal_dist` overrides how Monte Carlo samples are drawn;
 2. **weighting function** ``w_i`` — the proposal's ``weighting_function``
-   ([`Method.weighting_function`][storch.method.method.Method.weighting_function] overrides it for Monte Carlo
+   (`storch.method.method.Method.weighting_function` overrides it for Monte Carlo
    proposals);
-3. **gradient function** ``l_i`` — [`Method.gradient_function`][storch.method.method.Method.gradient_function]
+3. **gradient function** ``l_i`` — `storch.method.method.Method.gradient_function`
 (``None``: no score term);
-4. **control variate** ``a_i`` — [`Method.control_variate`][storch.method.method.Method.control_variate] (``None``:
+4. **control variate** ``a_i`` — `storch.method.method.Method.control_variate` (``None``:
 none).
 
 How to add an estimator
 -----------------------
-Subclass [`Method`][storch.method.method.Method] and override what differs from plain Monte Carlo. The surrogate is
+Subclass `storch.method.method.Method` and override what differs from plain Monte Carlo. The surrogate is
 unbiased for all orders of derivatives if, for every order ``n`` and every function ``g``,
 ``E_X[Σ_x w(x) ∇ⁿ(□(l(x)) g(x))] = ∇ⁿ E_p[g]`` and ``E_X[Σ_x w(x) ∇ⁿ((1 − □(l(x))) a(x))] = 0``.
 A score-function estimator with a leave-one-out baseline takes a few lines: it overrides
@@ -39,8 +39,8 @@ REBAR) lay out groups of evaluation points along their own plate and weight them
 `storch.method.groups`. Methods that learn from the gradient estimate (RELAX's control
 variate) set ``needs_graph_after_backward`` so that `update_parameters` can differentiate
 through the surrogate once more. A method whose `update_parameters` keeps state between steps
-declares how in its class attribute ``step_state`` ([`storch.state`][storch.state]); an override of
-`update_parameters` without one counts as state that [`storch.compile_step`][storch.compile_step] refuses.
+declares how in its class attribute ``step_state`` (`storch.state`); an override of
+`update_parameters` without one counts as state that `storch.compile_step` refuses.
 """
 
 from __future__ import annotations
@@ -119,8 +119,8 @@ def proposal_arguments(owner: str, sampling_method: Any, n_samples: Any) -> tupl
     ``sampling_method`` may also be the number of samples, the manual's (Storchastic's) spelling
     ``ScoreFunction("z", 8)``: an ``int`` in that slot means ``n_samples`` (an error if
     ``n_samples`` is also given with another value). Anything else there that is not a
-    [`storch.sampling.SamplingMethod`][storch.sampling.SamplingMethod] is a `TypeError`; counts are checked by
-    [`storch.sampling.method.check_count`][storch.sampling.method.check_count]. Idempotent: its result passed again
+    `storch.sampling.SamplingMethod` is a `TypeError`; counts are checked by
+    `storch.sampling.method.check_count`. Idempotent: its result passed again
     returns itself.
     """
     explicit = n_samples is not DEFAULT_N_SAMPLES
@@ -236,7 +236,7 @@ def log_prob(tensor: StochasticTensor) -> Tensor:
     """``log p(x)`` of each sample of ``tensor``, summed over all non-plate dimensions.
 
     Reuses the log-probability the model computed with
-    [`StochasticTensor.log_prob`][storch.tensor.StochasticTensor.log_prob], if it did.
+    `storch.tensor.StochasticTensor.log_prob`, if it did.
     """
     node = node_of(tensor)
     layout = node.layout
@@ -277,17 +277,17 @@ class Method(nn.Module, DeclaresStepState):
 
     Args:
         plate_name: the name of the node and of its plate.
-        sampling_method: the proposal; defaults to [`storch.sampling.MonteCarlo`][storch.sampling.MonteCarlo] with
+        sampling_method: the proposal; defaults to `storch.sampling.MonteCarlo` with
             ``n_samples``. An ``int`` here is ``n_samples`` (the manual's ``ScoreFunction("z", 8)``).
         n_samples: the number of Monte Carlo samples when no ``sampling_method`` is given: a
             positive ``int`` (``2.5`` or ``2.0`` is an error, not truncated).
 
     Calling the method on a ``torch.distributions.Distribution`` returns a
-    [`storch.StochasticTensor`][storch.StochasticTensor]. A method is an ``nn.Module``, so it can live inside a model.
+    `storch.StochasticTensor`. A method is an ``nn.Module``, so it can live inside a model.
 
     Examples:
         The plain score function in two lines: Monte Carlo samples (the default proposal, weights
-        ``1/n``) and the gradient function ``l(x) = log p(x)`` ([`log_prob`][storch.method.method.log_prob]):
+        ``1/n``) and the gradient function ``l(x) = log p(x)`` (`storch.method.method.log_prob`):
 
         >>> import torch, storch
         >>> from torch.distributions import Bernoulli
@@ -304,29 +304,29 @@ class Method(nn.Module, DeclaresStepState):
     """
 
     #: marks storch's estimators for the layers below that cannot import this class
-    #: ([`storch.distributed.exclude_methods_from_ddp`][storch.distributed.exclude_methods_from_ddp])
+    #: (`storch.distributed.exclude_methods_from_ddp`)
     is_storch_method: bool = True
     #: whether the samples carry pathwise gradients (``rsample``)
     reparameterized: bool = False
-    #: whether [`update_parameters`][storch.method.method.Method.update_parameters] differentiates through the
+    #: whether `storch.method.method.Method.update_parameters` differentiates through the
     # surrogate again (e.g. to train
     #: a control variate on the gradient variance); ``storch.backward`` then retains the graph
     needs_graph_after_backward: bool = False
     #: whether the method estimates gradients of a multi-sample bound over its samples jointly
-    #: (VIMCO), so that [`storch.method.iwae_bound`][storch.method.iwae_bound] may be taken over its plate although it
+    #: (VIMCO), so that `storch.method.iwae_bound` may be taken over its plate although it
     # is
     #: not reparameterized; such a method gets the bound through
-    # [`on_joint_bound`][storch.method.method.Method.on_joint_bound]
+    # `storch.method.method.Method.on_joint_bound`
     handles_joint_bound: bool = False
     #: whether a node drawn with a single plain Monte Carlo sample may be a step of a single-sample
-    #: chain ([`storch.plate.ChainPlate`][storch.plate.ChainPlate]): it then extends the chain its
+    #: chain (`storch.plate.ChainPlate`): it then extends the chain its
     #: distribution carries instead of adding a plate, so that rollouts of any length fit in torch's
     #: 64 dimensions. Methods whose estimator needs the node's plate next to its parents' (none
     #: in storch today) set it to ``False``.
     extends_chains: bool = True
     #: what the method keeps between steps apart from its parts (its ``sampling_method``; see
-    #: [`storch.state`][storch.state]): nothing. A subclass that overrides
-    #: [`update_parameters`][storch.method.method.Method.update_parameters] declares its own ``step_state``
+    #: `storch.state`): nothing. A subclass that overrides
+    #: `storch.method.method.Method.update_parameters` declares its own ``step_state``
     #: in the same class body, or counts as keeping ``HOST`` state
     step_state = StepState.NONE
     state_hooks = ("update_parameters",)
@@ -400,7 +400,7 @@ class Method(nn.Module, DeclaresStepState):
 
     def _draw(self, distr: Distribution, parents: PlateLayout) -> tuple[torch.Tensor, Plate, Sequence[Plate]]:
         """The proposal's samples on a new plate over all the distribution's plates; a single sample
-        starts or extends a single-sample chain (see [`storch.plate.ChainPlate`][storch.plate.ChainPlate])."""
+        starts or extends a single-sample chain (see `storch.plate.ChainPlate`)."""
         samples = self.sampling_method(distr, parents.plates, self.reparameterized)
         self._check_samples(distr, samples, parents.sizes)
         if samples.shape[0] != 1 or not self._draws_chain_steps():
@@ -522,16 +522,16 @@ class Method(nn.Module, DeclaresStepState):
         return l, elementwise(operator.mul, elementwise(operator.sub, 1.0, magic_box(l)), a)
 
     def on_joint_bound(self, cost_name: str, plate: Plate, log_w: Tensor, later: Sequence[Plate] = ()) -> None:
-        """Called by [`storch.method.iwae_bound`][storch.method.iwae_bound] when the bound over this node's ``plate`` is
+        """Called by `storch.method.iwae_bound` when the bound over this node's ``plate`` is
         registered as cost ``cost_name``, with the per-sample log-weights ``log_w``; ``later`` are
         the plates of reparameterized nodes sampled after this one. Does nothing by default."""
 
     def update_parameters(self, result_triples: Sequence[tuple]) -> None:
-        """Called once after each [`storch.backward`][storch.backward] that used this method."""
+        """Called once after each `storch.backward` that used this method."""
         self.sampling_method.update_parameters(result_triples)
 
     def state_parts(self) -> dict[str, Any]:
-        """The parts whose state joins the method's (see [`storch.state`][storch.state]): its proposal."""
+        """The parts whose state joins the method's (see `storch.state`): its proposal."""
         return {"sampling_method": getattr(self, "sampling_method", None)}
 
     def reset(self) -> None:

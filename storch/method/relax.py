@@ -215,7 +215,7 @@ class RELAX(LearnedControlVariate):
             per sample (extra dimensions are summed); ``None`` for REBAR alone.
         c_phi: the manual's (Storchastic's) keyword for ``control_variate``.
         in_dim: build the default control variate, a
-            [`ControlVariateNetwork`][storch.method.relax.ControlVariateNetwork] over the last
+            `storch.method.relax.ControlVariateNetwork` over the last
             dimensions of the relaxed sample: ``in_dim`` is their size(s), e.g. ``batch_shape`` for
             Bernoulli variables (``1`` for a scalar node) or ``(*batch_shape, n_values)`` for
             one-hot ones (the manual's ``RELAX("z", in_dim=…)``). Plates never count.
@@ -231,7 +231,7 @@ class RELAX(LearnedControlVariate):
         train_control_variate: ``False`` keeps the control variate fixed.
         sync: under ``torch.distributed``, average the control-variate gradients across ranks
             before each step so that every replica holds the same ``φ``, ``λ``, ``η``
-            ([`storch.distributed`][storch.distributed]); ``False`` trains them on each rank alone.
+            (`storch.distributed`); ``False`` trains them on each rank alone.
 
     Notes:
         * With ``rebar``, parameters that the cost reaches at the relaxed points other than through
@@ -361,10 +361,10 @@ class RELAX(LearnedControlVariate):
 
 
 class RelaxedCostTerm:
-    """How [`RELAX`][storch.method.relax.RELAX] uses the cost at the relaxed points in its control variate ``c``.
+    """How `storch.method.relax.RELAX` uses the cost at the relaxed points in its control variate ``c``.
 
     This one does not: one evaluation point per sample (the discrete ``b``), uniform weights, and
-    ``c`` left as the network made it. [`RebarTerm`][storch.method.relax.RebarTerm] adds REBAR's ``η f(σ_λ(z))``.
+    ``c`` left as the network made it. `storch.method.relax.RebarTerm` adds REBAR's ``η f(σ_λ(z))``.
     Stateless:
     the method keeps the parameters (``η``); one instance of each is shared.
     """
@@ -428,7 +428,7 @@ class REBAR(RELAX):
     plate, weighted ``[1/n, 0, 0]`` (so the model must accept relaxed values in place of discrete
     ones). ``η`` and the temperature ``λ`` are trained to minimise ``‖ĝ‖²`` (the gradient estimate
     with respect to the distribution's logits), one step per ``storch.backward()``; see
-    [`RELAX`][storch.method.relax.RELAX] for the optimizer and for what happens to their ``.grad``. Unbiased, for
+    `storch.method.relax.RELAX` for the optimizer and for what happens to their ``.grad``. Unbiased, for
     derivatives of every order when the cost is smooth in the relaxed input.
 
     Args:
@@ -486,7 +486,7 @@ class LAX(LearnedControlVariate):
     fixed sample in the score term. Unbiased, for derivatives of every order when ``c_φ`` is smooth
     enough. ``φ`` is trained to minimise ``‖ĝ‖²``, with ``ĝ`` the gradient
     estimate with respect to the distribution's parameter tensors (e.g. ``loc`` and ``scale``), one
-    step per ``storch.backward()``; see [`RELAX`][storch.method.relax.RELAX] for the optimizer and ``.grad`` handling.
+    step per ``storch.backward()``; see `storch.method.relax.RELAX` for the optimizer and ``.grad`` handling.
 
     Args:
         plate_name: node / plate name.
@@ -501,7 +501,7 @@ class LAX(LearnedControlVariate):
             (the replicas stay identical); ``False``: each rank alone.
         c_phi: the manual's (Storchastic's) keyword for ``control_variate``.
         in_dim: build the default control variate, a
-            [`ControlVariateNetwork`][storch.method.relax.ControlVariateNetwork] over the last
+            `storch.method.relax.ControlVariateNetwork` over the last
             dimensions of the sample (``in_dim`` their size(s), e.g. ``event_shape`` or
             ``batch_shape``; ``1`` for a scalar node), as the manual's ``LAX("z", in_dim=…)``.
 

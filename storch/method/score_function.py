@@ -4,7 +4,7 @@
 
 Components: n i.i.d. samples (no gradient through them), weight ``1/n``, gradient function
 ``l(x) = log p(x)`` (summed over event and non-plate batch dimensions), control variate ``a = b``, a
-baseline ([`storch.method.baseline`][storch.method.baseline]).
+baseline (`storch.method.baseline`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ class ScoreFunction(UpdatesItsBaseline, Method):
         baseline_factory: ``None`` or ``"none"`` (no baseline, the default), ``"moving_average"``,
             ``"batch_average"`` (leave-one-out, needs ``n_samples >= 2``), ``"critic"`` (a learned
             value function of the node's non-descendants), ``"q_critic"`` (a learned Q-function with
-            its exact expectation correction, discrete nodes; [`storch.method.critic`][storch.method.critic]), a
-            [`storch.method.baseline.Baseline`][storch.method.baseline.Baseline], or a zero-argument callable
+            its exact expectation correction, discrete nodes; `storch.method.critic`), a
+            `storch.method.baseline.Baseline`, or a zero-argument callable
             returning one.
 
     Examples:

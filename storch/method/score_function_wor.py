@@ -1,7 +1,7 @@
 """REINFORCE without replacement (Kool, van Hoof & Welling 2019, ICML; Kool et al. 2019/2020).
 
 Sample a set ``S`` of ``k`` distinct values (or sequences) by Gumbel-top-k / stochastic beam search
-([`storch.sampling.swor.SampleWithoutReplacement`][storch.sampling.swor.SampleWithoutReplacement]), with ``κ`` the
+(`storch.sampling.swor.SampleWithoutReplacement`), with ``κ`` the
 ``(k+1)``-th largest perturbed
 log-probability and ``q_κ(s) = 1 − exp(−exp(log p(s) − κ))``:
 
@@ -21,13 +21,13 @@ keeps the unbiased variant unbiased:
     Σ_{s∈S} p(s)/q_κ(s) · (f(s) − b) ∇log p(s),   E_S[Σ_{s∈S} p(s)/q_κ(s) ∇log p(s)] = ∇Σ_s p(s) = 0,
 
 so ``"moving_average"`` (the average of earlier steps' costs) applies, and so does any
-[`storch.method.baseline.Baseline`][storch.method.baseline.Baseline] computed from neither the sampled
+`storch.method.baseline.Baseline` computed from neither the sampled
 sequences nor their prefixes (e.g. from the data). The leave-one-out ``"batch_average"`` is computed
 from the other elements of ``S``, which depend on ``s`` (they are drawn without it): refused, as the
 normalised variant has its built-in baseline ``B`` and
-[`storch.method.UnorderedSetEstimator`][storch.method.UnorderedSetEstimator] an unbiased leave-one-out
+`storch.method.UnorderedSetEstimator` an unbiased leave-one-out
 baseline for sets without replacement. With the i.i.d. proposal
-[`storch.sampling.decoding.MCDecoder`][storch.sampling.decoding.MCDecoder] the estimator is the plain
+`storch.sampling.decoding.MCDecoder` the estimator is the plain
 score function over ``k`` independent sequences, and ``"batch_average"`` is unbiased too (Kool et al.
 2019, "Buy 4 REINFORCE samples, get a baseline for free!"). A critic of the node's distribution
 parameters is refused for both: at a decoding step they are computed from the earlier tokens of the
@@ -36,7 +36,7 @@ same sequence, and the gradient function is the log-probability of the whole pre
 Sequences. Call the same method object once per decoding step. At step ``t`` the distribution is
 built from tensors that carry the plate of step ``t − 1`` (same name); the method extends the ``k``
 prefixes by stochastic beam search (the ``k`` best of the ``k·V`` extensions) and returns the tokens
-of step ``t`` with a new plate of the same name (an [`storch.plate.AncestralPlate`][storch.plate.AncestralPlate]).
+of step ``t`` with a new plate of the same name (an `storch.plate.AncestralPlate`).
 Tensors
 of earlier steps (tokens, recurrent states) are re-indexed along the beams' ancestry whenever they
 meet tensors of later steps. A finished prefix (last token ``eos``) continues with ``eos`` with
@@ -44,7 +44,7 @@ probability 1. Step ``t``'s weights and gradient function use the log-probabilit
 prefix ``log p(x_{≤t}) = Σ_{s≤t} log p(x_s | x_{<s})`` and step ``t``'s ``κ``; a cost registered at
 step ``t`` (carrying step ``t``'s plate) is estimated with those prefixes, which are a sample
 without replacement of prefixes of length ``t``. With
-[`storch.sampling.decoding.MCDecoder`][storch.sampling.decoding.MCDecoder]
+`storch.sampling.decoding.MCDecoder`
 as the proposal the same method is the plain score function over i.i.d. sequences.
 
 Several variables per step. When step ``t``'s distribution has batch dimensions beyond its plates
@@ -154,16 +154,16 @@ class ScoreFunctionWOR(UpdatesItsBaseline, Method):
             ``biased=True`` keeps the normalised weights without ``B``; ``True`` with
             ``biased=False`` is refused, since ``B`` is computed from the same samples and would bias
             the unbiased estimator (for an unbiased estimator with a built-in baseline use
-            [`UnorderedSetEstimator`][storch.method.UnorderedSetEstimator]). Note that Storchastic's
+            `storch.method.UnorderedSetEstimator`). Note that Storchastic's
             default was ``biased=True``; storch's is ``False``.
-        sampling_method: a [`storch.sampling.swor.SequenceSampler`][storch.sampling.swor.SequenceSampler] to use
+        sampling_method: a `storch.sampling.swor.SequenceSampler` to use
             instead of the
-            default [`SampleWithoutReplacement`][storch.method.score_function_wor.SampleWithoutReplacement] (a
+            default `storch.method.score_function_wor.SampleWithoutReplacement` (a
             subclass, or
-            [`storch.sampling.decoding.MCDecoder`][storch.sampling.decoding.MCDecoder] for i.i.d. sequences).
-        baseline_factory: a baseline ``b``, as for [`storch.method.ScoreFunction`][storch.method.ScoreFunction]:
+            `storch.sampling.decoding.MCDecoder` for i.i.d. sequences).
+        baseline_factory: a baseline ``b``, as for `storch.method.ScoreFunction`:
             ``None`` (default), ``"moving_average"``, ``"batch_average"``, a
-            [`storch.method.baseline.Baseline`][storch.method.baseline.Baseline] or a zero-argument
+            `storch.method.baseline.Baseline` or a zero-argument
             callable returning one; the gradient becomes ``Σ_S w(s) (f(s) − b) ∇log p(s)``. Only
             baselines that keep the estimator unbiased are accepted (see the module docstring):
             with ``biased=False``, ``"moving_average"`` and baselines independent of the sampled

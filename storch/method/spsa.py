@@ -18,7 +18,7 @@ require grad, mapped to unconstrained space with ``torch.distributions.biject_to
 ``c`` is a relative step for positive parameters. Parameters with discrete constraints (e.g. a
 Binomial's ``total_count``) are never perturbed. The perturbed distribution is rebuilt with the same
 type; wrappers (``OneHotCategorical``, ``Independent``) are registered in this module
-([`register_spsa_wrapper`][storch.method.spsa.register_spsa_wrapper]), so any distribution whose parameters are stored
+(`storch.method.spsa.register_spsa_wrapper`), so any distribution whose parameters are stored
 under their
 constructor names works.
 

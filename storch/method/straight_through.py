@@ -4,16 +4,16 @@ Every estimator here returns the discrete one-hot sample ``D ~ Cat(π)``, ``π =
 forward pass and ``D + g − stopgrad(g)`` for some differentiable ``g(θ)``, so that the gradient of
 ``f(D)`` is ``(∂g/∂θ)ᵀ ∇f(D)``: the cost's gradient at the discrete sample, pushed back through ``g``.
 
-* [`StraightThrough`][storch.method.straight_through.StraightThrough] (Bengio et al. 2013, "Estimating or propagating
+* `storch.method.straight_through.StraightThrough` (Bengio et al. 2013, "Estimating or propagating
 gradients through
   stochastic neurons"): ``g = π``. Exact for costs linear in the one-hot sample.
-* [`GumbelRao`][storch.method.straight_through.GumbelRao] (Paulus et al. 2021, "Rao-Blackwellizing the
+* `storch.method.straight_through.GumbelRao` (Paulus et al. 2021, "Rao-Blackwellizing the
 straight-through Gumbel-softmax
   gradient estimator"): ``g = (1/K) Σ_k softmax(z̃_k/τ)`` with ``z̃_k ~ p(z | D)`` the Gumbel
-  perturbations conditioned on the sample ([`storch.conditional_gumbel_rsample`][storch.conditional_gumbel_rsample]).
+  perturbations conditioned on the sample (`storch.conditional_gumbel_rsample`).
   It has the
   mean of straight-through Gumbel-softmax at the same ``τ`` and a lower variance.
-* [`ReinMax`][storch.method.straight_through.ReinMax] (Liu et al. 2023, "Bridging discrete and backpropagation:
+* `storch.method.straight_through.ReinMax` (Liu et al. 2023, "Bridging discrete and backpropagation:
 straight-through and
   beyond"): ``π₁ = (D + softmax(θ/τ))/2``, ``π₁ ← softmax(stopgrad(log π₁ − θ) + θ)``,
   ``g = 2π₁ − π/2``: Heun's (trapezoid) rule where straight-through uses Euler's, so at ``τ = 1`` it
@@ -21,7 +21,7 @@ straight-through and
 
 Bernoulli variables are handled as two-class categoricals over ``(1 − x, x)`` with logits
 ``(log σ(−φ), log σ(φ))``; the one-hot view of each distribution type is registered with
-[`register_one_hot_view`][storch.method.straight_through.register_one_hot_view]. Only first derivatives are defined
+`storch.method.straight_through.register_one_hot_view`. Only first derivatives are defined
 (none of these is unbiased).
 """
 
@@ -70,7 +70,7 @@ _VIEWS: TypeRegistry[OneHotView] = ONE_HOT_VIEWS  # made in storch.registries, f
 
 
 def one_hot_view_for(distr: Distribution) -> Optional[OneHotView]:
-    """The [`OneHotView`][storch.method.straight_through.OneHotView] registered for ``type(distr)`` or its most
+    """The `storch.method.straight_through.OneHotView` registered for ``type(distr)`` or its most
     specific base class, else ``None``.
 
     Examples:

@@ -3,7 +3,7 @@ discrete random variables by sampling without replacement") and its Gumbel-softm
 
 For a set ``S`` of ``k`` distinct values drawn without replacement (Gumbel-top-k) and the
 leave-one-out ratio ``R(S, s) = P^{D∖{s}}(S∖{s}) / P^D(S)``
-([`storch.sampling.unordered_set`][storch.sampling.unordered_set]),
+(`storch.sampling.unordered_set`),
 
     ∇ E_p[f] = E_S[ Σ_{s∈S} p(s) R(S, s) ∇log p(s) · (f(s) − B(S, s)) ],
     B(S, s) = p(s) f(s) + Σ_{s'∈S, s'≠s} p(s') R^{D∖{s}}(S, s') f(s'),
@@ -14,15 +14,15 @@ and ``S∖{s}`` as a set from ``D∖{s}``; its expectation given ``s ∈ S`` is 
 ``s``, so it is a valid baseline.
 
 Components: proposal Gumbel-top-k
-    ([`storch.sampling.unordered_set.UnorderedSet`][storch.sampling.unordered_set.UnorderedSet]); weight
+    (`storch.sampling.unordered_set.UnorderedSet`); weight
 ``p(s) R(S, s)`` (detached); gradient function ``log p(s)``; control variate ``B(S, s)`` (detached).
 Since ``E_S[Σ_{s∈S} p(s) R(S, s) h(s, S∖{s})] = Σ_s p(s) E_{S'~P^{D∖{s}}}[h(s, S')]``, both conditions
 of the Storchastic theorem hold for every order, so derivatives of every order are unbiased, with
 and without the baseline.
 
-[`UnorderedSetGumbelSoftmax`][storch.method.unordered_set.UnorderedSetGumbelSoftmax] instead relaxes the elements of
+`storch.method.unordered_set.UnorderedSetGumbelSoftmax` instead relaxes the elements of
 the set
-([`storch.sampling.unordered_set.GumbelSoftmaxWOR`][storch.sampling.unordered_set.GumbelSoftmaxWOR]) and
+(`storch.sampling.unordered_set.GumbelSoftmaxWOR`) and
 differentiates pathwise: biased.
 """
 
@@ -56,7 +56,7 @@ class UnorderedSetEstimator(ScoreFunctionWOR):
         eos: the end-of-sequence value index, for sequences decoded step by step.
 
     Sequences: call the same method once per decoding step, as for
-    [`storch.method.score_function_wor.ScoreFunctionWOR`][storch.method.score_function_wor.ScoreFunctionWOR]
+    `storch.method.score_function_wor.ScoreFunctionWOR`
     (stochastic beam search). The set of step ``t`` is a
     sample without replacement of prefixes of length ``t``, so a cost registered at step ``t`` is
     estimated with the unordered set weights and baseline of those prefixes (``p`` = the prefix
@@ -125,11 +125,11 @@ class UnorderedSetEstimator(ScoreFunctionWOR):
 class UnorderedSetGumbelSoftmax(Method):
     """Gumbel-softmax relaxation of the elements of an unordered set (biased).
 
-    Samples [`storch.sampling.unordered_set.GumbelSoftmaxWOR`][storch.sampling.unordered_set.GumbelSoftmaxWOR]: ``k``
+    Samples `storch.sampling.unordered_set.GumbelSoftmaxWOR`: ``k``
     relaxed samples ``y_s`` whose
     ``τ → 0`` limits are the Gumbel-top-k set ``S``, weighted by ``w(s) = p(s) R(S, s)``,
     differentiable with ``S`` held fixed. The gradient ``Σ_{s∈S} ∇(w(s) f(y_s))`` is pathwise; it is
-    **biased** (the relaxation, as for [`storch.method.GumbelSoftmax`][storch.method.GumbelSoftmax], and the jumps of
+    **biased** (the relaxation, as for `storch.method.GumbelSoftmax`, and the jumps of
     the
     weights where the set changes), first order only. The forward value ``Σ_s w(s) f(y_s)`` is
     unbiased for ``E_p[f]`` with ``straight_through`` (discrete forward values) and tends to it as

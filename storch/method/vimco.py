@@ -10,9 +10,9 @@ sample's learning signal is the bound minus the bound with that sample replaced 
 mean of the others. ``L_{−k}`` does not depend on ``z_k``, so the baseline adds no bias.
 
 How it fits the surrogate. ``L`` is a function of all ``K`` samples jointly, not a mean of per-sample
-costs, so [`iwae_bound`][storch.method.vimco.iwae_bound] registers the cost ``−L`` *repeated on every sample* of the
+costs, so `storch.method.vimco.iwae_bound` registers the cost ``−L`` *repeated on every sample* of the
 node's plate
-(its plate mean is ``−L``, and the node stays on the cost's path). [`VIMCO`][storch.method.vimco.VIMCO] then
+(its plate mean is ``−L``, and the node stays on the cost's path). `storch.method.vimco.VIMCO` then
 differentiates
 the joint sample: its gradient function is the joint log-probability ``Σ_k log q(z_k)`` (the same
 for every sample), so that ``Σ_k (1/K) □(Σ_j log q(z_j)) S_k`` is the DiCE surrogate of the
@@ -21,8 +21,8 @@ first derivative is the VIMCO estimator above; every order is unbiased (DiCE of 
 plus a zero-mean term, since ``L_{−k}`` is detached and free of ``z_k``). No core change is needed.
 
 Plain IWAE with reparameterization: sample the node with a reparameterized method
-([`storch.method.Reparameterization`][storch.method.Reparameterization]) and call the same
-[`iwae_bound`][storch.method.vimco.iwae_bound]; the gradient is
+(`storch.method.Reparameterization`) and call the same
+`storch.method.vimco.iwae_bound`; the gradient is
 then pathwise through ``L``.
 """
 
@@ -84,7 +84,7 @@ class _Bound:
 class VIMCO(JointBoundRecords, Method):
     """Score-function estimator of multi-sample bounds with VIMCO's leave-one-out baselines.
 
-    Use it with [`iwae_bound`][storch.method.vimco.iwae_bound], which registers the bound as a cost and gives this
+    Use it with `storch.method.vimco.iwae_bound`, which registers the bound as a cost and gives this
     method the
     per-sample log-weights. Unbiased for derivatives of every order; ``K`` cost evaluations (one per
     sample, the bound computed once from them). Other costs downstream of the node are handled as by
@@ -126,7 +126,7 @@ class VIMCO(JointBoundRecords, Method):
     def register_bound(self, cost_name: str, plate: Plate, log_w: Tensor, later: Sequence[Plate] = ()) -> None:
         """Remember the leave-one-out baselines of the bound registered as cost ``cost_name``.
 
-        Called by [`iwae_bound`][storch.method.vimco.iwae_bound]. ``later`` are the plates of reparameterized nodes
+        Called by `storch.method.vimco.iwae_bound`. ``later`` are the plates of reparameterized nodes
         sampled after
         this one: the cost reaches this node with them reduced, so the baselines are reduced too.
         """
@@ -184,14 +184,14 @@ def iwae_bound(
     """The multi-sample bound ``L = log (1/K) Σ_k w_k`` over ``z``'s samples, registered as a cost.
 
     Registers the cost ``−L`` (to minimise) under ``name``, repeated on each of the ``K`` samples so
-    that the node stays on its path, and, for a [`VIMCO`][storch.method.vimco.VIMCO] node, hands the node the
+    that the node stays on its path, and, for a `storch.method.vimco.VIMCO` node, hands the node the
     leave-one-out baselines. With a reparameterized node (``Reparameterization``, or ``Infer`` on a
     distribution with ``rsample``) this is the IWAE bound with pathwise gradients.
 
     Args:
         log_w: per-sample log-weights ``log p(x, z_k) − log q(z_k | x)``, a storch tensor with
             ``z``'s plate (and e.g. a minibatch plate), one value per plate combination.
-        z: the node (its [`storch.StochasticTensor`][storch.StochasticTensor]), its plate or its plate name.
+        z: the node (its `storch.StochasticTensor`), its plate or its plate name.
         name: the name of the registered cost.
 
     Returns:

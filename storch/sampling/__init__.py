@@ -1,9 +1,9 @@
 """Sampling methods (``storch.sampling``): the proposal component of an estimator.
 
 `storch.sampling.seq` gives the manual's module path to classes defined in
-[`storch.sampling.swor`][storch.sampling.swor], [`storch.sampling.decoding`][storch.sampling.decoding] and
-[`storch.plate`][storch.plate];
-[`storch.sampling.unordered_set`][storch.sampling.unordered_set] is both the manual's path and the home of unordered
+`storch.sampling.swor`, `storch.sampling.decoding` and
+`storch.plate`;
+`storch.sampling.unordered_set` is both the manual's path and the home of unordered
 sets.
 """
 

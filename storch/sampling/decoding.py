@@ -2,7 +2,7 @@
 
 Draw ``k`` independent sequences token by token: at step ``t`` each of the ``k`` prefixes gets one
 token from ``p(x_t | x_<t)``; a finished prefix (last token ``eos``) continues with ``eos`` with
-probability 1. Each step has its own plate (an [`storch.plate.AncestralPlate`][storch.plate.AncestralPlate] whose parent
+probability 1. Each step has its own plate (an `storch.plate.AncestralPlate` whose parent
 index is the identity), so tensors of different steps combine without bookkeeping. Each prefix has
 weight ``1/k``, and with the score function over the whole prefix,
 
@@ -33,14 +33,14 @@ class MCDecoder(SequenceSampler):
     """``k`` i.i.d. sequences decoded step by step (ancestral sampling), each with weight ``1/k``.
 
     Use it as the proposal of
-    [`storch.method.score_function_wor.ScoreFunctionWOR`][storch.method.score_function_wor.ScoreFunctionWOR], which
+    `storch.method.score_function_wor.ScoreFunctionWOR`, which
     then is the plain
     score function over sequences: ``ScoreFunctionWOR("seq", k, sampling_method=MCDecoder("seq", k,
     eos=EOS))``, called once per step as for sampling without replacement.
 
     Baselines: pass ``baseline_factory="batch_average"`` (leave-one-out over the ``k`` sequences,
     ``k ≥ 2``) or ``"moving_average"`` to the method, as for
-    [`storch.method.ScoreFunction`][storch.method.ScoreFunction].
+    `storch.method.ScoreFunction`.
 
     Args:
         plate_name: the name of the plates of the steps.

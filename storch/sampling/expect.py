@@ -1,4 +1,4 @@
-"""Enumeration of a finite support: the proposal of [`storch.method.Expect`][storch.method.Expect].
+"""Enumeration of a finite support: the proposal of `storch.method.Expect`.
 
 All joint configurations of the distribution's independent (non-plate) batch elements are
 enumerated, ``K^D`` of them for ``D`` variables with ``K`` values each, and weighted by their joint

@@ -4,7 +4,7 @@
 
 Components (Storchastic, §3, the "importance sampling" row): ``n`` i.i.d. samples of ``r``, weight
 ``w(x) = p(x) / (n r(x))``, **detached**, and gradient function ``l(x) = log p(x)`` (the score of the
-*target*, which [`storch.method.ScoreFunction`][storch.method.ScoreFunction] supplies). For every order ``k`` and
+*target*, which `storch.method.ScoreFunction` supplies). For every order ``k`` and
 every ``g``,
 ``E_r[Σ_x w(x) ∇ᵏ(□(log p(x)) g(x))] = Σ_x p(x) ∇ᵏ(□(log p(x)) g(x)) = ∇ᵏ E_p[g]``, so derivatives
 of every order are unbiased (also with a baseline that does not depend on the sample it multiplies,

@@ -1,14 +1,14 @@
 """Sampling methods: the *proposal* component of a gradient estimator.
 
-A [`SamplingMethod`][storch.sampling.method.SamplingMethod] turns a distribution into a set of samples (the node's
+A `storch.sampling.method.SamplingMethod` turns a distribution into a set of samples (the node's
 plate) and, through
-[`SamplingMethod.weighting_function`][storch.sampling.method.SamplingMethod.weighting_function], gives each sample its
+`storch.sampling.method.SamplingMethod.weighting_function`, gives each sample its
 weight in the surrogate loss
 (``1/n`` for Monte Carlo, ``p(x)`` for enumeration, importance weights for other proposals).
 
 Samples are plain tensors with the new sample dimension first, followed by the plates of the
 distribution's parameters, its remaining batch dimensions and its event dimensions. The calling
-[`storch.method.Method`][storch.method.Method] wraps them into a [`storch.StochasticTensor`][storch.StochasticTensor].
+`storch.method.Method` wraps them into a `storch.StochasticTensor`.
 """
 
 from __future__ import annotations
@@ -76,23 +76,23 @@ def check_count(value: Any, name: str, owner: str, minimum: int = 1) -> int:
 
 
 class SamplingMethod(nn.Module, DeclaresStepState, ABC):
-    """Base class of proposals. Subclasses implement [`sample`][storch.sampling.method.SamplingMethod.sample].
+    """Base class of proposals. Subclasses implement `storch.sampling.method.SamplingMethod.sample`.
 
     Hooks:
-        * [`sample`][storch.sampling.method.SamplingMethod.sample] — draw the sample set;
-        * [`weighting_function`][storch.sampling.method.SamplingMethod.weighting_function] — weight of each sample
+        * `storch.sampling.method.SamplingMethod.sample` — draw the sample set;
+        * `storch.sampling.method.SamplingMethod.weighting_function` — weight of each sample
         (``None``: uniform ``1/n``);
-        * [`delegate`][storch.sampling.method.SamplingMethod.delegate] — the estimator that owns this proposal (set by
-          [`storch.method.Method`][storch.method.Method]); plain Monte Carlo draws and weights come from its
+        * `storch.sampling.method.SamplingMethod.delegate` — the estimator that owns this proposal (set by
+          `storch.method.Method`); plain Monte Carlo draws and weights come from its
           ``proposal_dist`` and ``weighting_function`` (e.g. ``rsample`` instead of ``sample``), so
           estimators and proposals combine freely;
-        * [`set_mc_sample`][storch.sampling.method.SamplingMethod.set_mc_sample],
-        [`set_mc_weighting_function`][storch.sampling.method.SamplingMethod.set_mc_weighting_function] — replace those
+        * `storch.sampling.method.SamplingMethod.set_mc_sample`,
+        `storch.sampling.method.SamplingMethod.set_mc_weighting_function` — replace those
         two functions
           explicitly (the manual's hooks; they take precedence over the delegate);
-        * [`update_parameters`][storch.sampling.method.SamplingMethod.update_parameters] — called once after every
-        [`storch.backward`][storch.backward];
-        * [`reset`][storch.sampling.method.SamplingMethod.reset] — forget any state.
+        * `storch.sampling.method.SamplingMethod.update_parameters` — called once after every
+        `storch.backward`;
+        * `storch.sampling.method.SamplingMethod.reset` — forget any state.
 
     Examples:
         A proposal that always draws the most probable value of a Bernoulli (a deterministic,
@@ -113,8 +113,8 @@ class SamplingMethod(nn.Module, DeclaresStepState, ABC):
     #: the number of samples drawn, where it is fixed in advance (subclasses set it; 1 otherwise,
     #: e.g. for enumeration, whose number depends on the distribution)
     n_samples: int = 1
-    #: what the proposal keeps between steps (see [`storch.state`][storch.state]): nothing. A subclass that
-    #: overrides [`update_parameters`][storch.sampling.method.SamplingMethod.update_parameters] declares its
+    #: what the proposal keeps between steps (see `storch.state`): nothing. A subclass that
+    #: overrides `storch.sampling.method.SamplingMethod.update_parameters` declares its
     #: own ``step_state`` in the same class body, or counts as keeping ``HOST`` state
     step_state = StepState.NONE
     state_hooks = ("update_parameters",)
@@ -133,7 +133,7 @@ class SamplingMethod(nn.Module, DeclaresStepState, ABC):
         return self.__dict__.get("_delegate")
 
     def set_delegate(self, method: Optional["Method"]) -> "SamplingMethod":
-        """Make ``method`` the [`delegate`][storch.sampling.method.SamplingMethod.delegate] of this proposal (done by
+        """Make ``method`` the `storch.sampling.method.SamplingMethod.delegate` of this proposal (done by
         ``Method.__init__``).
 
         The estimator is held as a plain reference, not registered as a submodule: the estimator
@@ -178,7 +178,7 @@ class SamplingMethod(nn.Module, DeclaresStepState, ABC):
         return self
 
     def update_parameters(self, result_triples: Sequence[tuple]) -> None:
-        """Called after each [`storch.backward`][storch.backward] with ``(node, cost, contribution)`` triples."""
+        """Called after each `storch.backward` with ``(node, cost, contribution)`` triples."""
 
     def reset(self) -> None:
         """Forget any state kept between samples."""

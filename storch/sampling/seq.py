@@ -3,18 +3,18 @@
 Storchastic 0.3.7 kept its sequence decoders and their plate in ``storch/sampling/seq.py``. In
 storch they live elsewhere, and this module gives them the manual's names:
 
-* [`AncestralPlate`][storch.sampling.seq.AncestralPlate] —
-[`storch.plate.AncestralPlate`][storch.plate.AncestralPlate], the plate of one decoding step
+* `storch.sampling.seq.AncestralPlate` —
+`storch.plate.AncestralPlate`, the plate of one decoding step
   (the same class; its constructor is storch's, see docs/migrating.md);
 * `SequenceDecoding` and `IterDecoding` — both
-  [`storch.sampling.swor.SequenceSampler`][storch.sampling.swor.SequenceSampler], the base class of proposals that
+  `storch.sampling.swor.SequenceSampler`, the base class of proposals that
   draw sets and
   extend them step by step (storch's hooks are ``draw``/``extend``/``weights`` instead of
   Storchastic's ``decode``/``decode_step``); subclasses include
-  [`storch.sampling.swor.SampleWithoutReplacement`][storch.sampling.swor.SampleWithoutReplacement] and
-  [`MCDecoder`][storch.sampling.seq.MCDecoder];
-* [`MCDecoder`][storch.sampling.seq.MCDecoder] —
-[`storch.sampling.decoding.MCDecoder`][storch.sampling.decoding.MCDecoder], ancestral sampling of ``k``
+  `storch.sampling.swor.SampleWithoutReplacement` and
+  `storch.sampling.seq.MCDecoder`;
+* `storch.sampling.seq.MCDecoder` —
+`storch.sampling.decoding.MCDecoder`, ancestral sampling of ``k``
   independent sequences.
 
 The helpers `right_expand_as`, `left_expand_as` and `expand_with_ignore_as`
@@ -39,12 +39,12 @@ __all__ = [
     "right_expand_as", "left_expand_as", "expand_with_ignore_as",
 ]
 
-#: The manual's name for [`storch.sampling.swor.SequenceSampler`][storch.sampling.swor.SequenceSampler] (the same
+#: The manual's name for `storch.sampling.swor.SequenceSampler` (the same
 # class).
 SequenceDecoding = SequenceSampler
 
 #: The manual's name for the base class of decoders that sample variable by variable; in storch
-#: that is [`storch.sampling.swor.SequenceSampler`][storch.sampling.swor.SequenceSampler] too (the same class).
+#: that is `storch.sampling.swor.SequenceSampler` too (the same class).
 IterDecoding = SequenceSampler
 
 

@@ -25,34 +25,32 @@ log-probability (summed over the variables and steps).
 
 Extension points (for estimators built on this proposal, e.g. the unordered set estimator):
 
-* [`SequenceSampler`][storch.sampling.swor.SequenceSampler] — the base class:
-[`draw`][storch.sampling.swor.SequenceSampler.draw] (a set in one call),
-  [`extend`][storch.sampling.swor.SequenceSampler.extend] (extend the previous step of a sequence), and
-  [`weights`][storch.sampling.swor.SequenceSampler.weights];
-  [`gumbel_top_k_step`][storch.sampling.swor.gumbel_top_k_step] is one step of stochastic beam search
+* `storch.sampling.swor.SequenceSampler` — the base class:
+`storch.sampling.swor.SequenceSampler.draw` (a set in one call),
+  `storch.sampling.swor.SequenceSampler.extend` (extend the previous step of a sequence), and
+  `storch.sampling.swor.SequenceSampler.weights`;
+  `storch.sampling.swor.gumbel_top_k_step` is one step of stochastic beam search
   on plain tensors (returns parent indices, tokens, log-probabilities, perturbed values and ``κ``).
 
-* [`WORState`][storch.sampling.swor.WORState] — the sampled set of one step: ``log_prob`` (log-probability of each
+* `storch.sampling.swor.WORState` — the sampled set of one step: ``log_prob`` (log-probability of each
 sampled
   element or prefix, summed over variables/steps, differentiable), ``perturbed`` (its perturbed
   log-probability), ``kappa`` (the ``(k+1)``-th largest perturbed value, ``−∞`` when the support is
   covered), ``tokens``, ``parent_index``, ``finished``. Beam dimension first, then the batch (plate)
   dimensions of the distribution.
-* [`SampleWithoutReplacement.weights`][storch.sampling.swor.SampleWithoutReplacement.weights] — the plate weight of
-each element from a
-  [`WORState`][storch.sampling.swor.WORState]; override it to weight the set differently.
-* [`SampleWithoutReplacement.state_of`][storch.sampling.swor.SampleWithoutReplacement.state_of] — the
-[`WORState`][storch.sampling.swor.WORState] behind a sampled tensor's plate.
-* [`log_inclusion_probability`][storch.sampling.swor.log_inclusion_probability] — ``log q_κ(s)``;
-[`wor_support`][storch.sampling.swor.wor_support] and
-  [`register_wor_support`][storch.sampling.swor.register_wor_support] — the registry of distributions with an
-  enumerable support.
-* [`log1mexp`][storch.sampling.swor.log1mexp] (the manual's ``loglmexp``) and
-[`cond_gumbel_sample`][storch.sampling.swor.cond_gumbel_sample] — the numerics.
-* [`SumAndSampleRest`][storch.sampling.swor.SumAndSampleRest] (the manual's constructor:
-[`SumAndSample`][storch.sampling.swor.SumAndSample]) — sum the most
+* `storch.sampling.swor.SampleWithoutReplacement.weights` — the plate weight of each element from
+  a `storch.sampling.swor.WORState`; override it to weight the set differently.
+* `storch.sampling.swor.SampleWithoutReplacement.state_of` — the
+  `storch.sampling.swor.WORState` behind a sampled tensor's plate.
+* `storch.sampling.swor.log_inclusion_probability` — ``log q_κ(s)``;
+  `storch.sampling.swor.wor_support` and `storch.sampling.swor.register_wor_support` — the
+  registry of distributions with an enumerable support.
+* `storch.sampling.swor.log1mexp` (the manual's ``loglmexp``) and
+`storch.sampling.swor.cond_gumbel_sample` — the numerics.
+* `storch.sampling.swor.SumAndSampleRest` (the manual's constructor:
+`storch.sampling.swor.SumAndSample`) — sum the most
   probable values exactly and sample the rest, i.i.d. or without replacement (the proposal of
-  [`storch.method.RaoBlackwellSF`][storch.method.RaoBlackwellSF]).
+  `storch.method.RaoBlackwellSF`).
 """
 
 from __future__ import annotations
@@ -109,7 +107,7 @@ _SUPPORTS: TypeRegistry[_SupportFn] = WOR_SUPPORTS  # made in storch.registries,
 
 
 def wor_support(distr: Distribution) -> WORSupport:
-    """The registered [`WORSupport`][storch.sampling.swor.WORSupport] of ``distr`` (the most specific registered base
+    """The registered `storch.sampling.swor.WORSupport` of ``distr`` (the most specific registered base
     class)."""
     fn = _SUPPORTS.lookup(distr)
     if fn is not None:
@@ -159,7 +157,7 @@ def log1mexp(a: torch.Tensor) -> torch.Tensor:
     return torch.where(a > -0.6931471805599453, torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(a)))
 
 
-#: The manual's spelling of [`log1mexp`][storch.sampling.swor.log1mexp] (``storch.sampling.swor.loglmexp``): the same
+#: The manual's spelling of `storch.sampling.swor.log1mexp` (``storch.sampling.swor.loglmexp``): the same
 # function.
 loglmexp = log1mexp
 
@@ -302,11 +300,11 @@ class WORState:
 class SequenceSampler(SamplingMethod):
     """Base class of proposals that draw sets of values and extend them step by step (sequences).
 
-    Subclasses implement [`draw`][storch.sampling.swor.SequenceSampler.draw] (the set of one call),
-    [`extend`][storch.sampling.swor.SequenceSampler.extend] (extend the set of the
-    previous step of a sequence) and [`weights`][storch.sampling.swor.SequenceSampler.weights].
-    [`storch.method.score_function_wor.ScoreFunctionWOR`][storch.method.score_function_wor.ScoreFunctionWOR]
-    calls them; each step's [`WORState`][storch.sampling.swor.WORState] lives on its plate (``plate.info``).
+    Subclasses implement `storch.sampling.swor.SequenceSampler.draw` (the set of one call),
+    `storch.sampling.swor.SequenceSampler.extend` (extend the set of the
+    previous step of a sequence) and `storch.sampling.swor.SequenceSampler.weights`.
+    `storch.method.score_function_wor.ScoreFunctionWOR`
+    calls them; each step's `storch.sampling.swor.WORState` lives on its plate (``plate.info``).
 
     Args:
         plate_name: the plate of the sampled set.
@@ -347,14 +345,14 @@ class SequenceSampler(SamplingMethod):
                 the plates of its parameters (the previous step's plate at ``beam_dim``), then the
                 step's variables ``var_shape`` (none for one variable per beam; several are one
                 token whose value is the tuple of theirs).
-            parent: the previous step's [`WORState`][storch.sampling.swor.WORState], laid out as ``distr``'s other
+            parent: the previous step's `storch.sampling.swor.WORState`, laid out as ``distr``'s other
                 plates
                 (beam dimension first).
             beam_dim: the position of the previous step's plate among ``distr``'s batch dimensions.
 
         Returns:
             the samples ``(n', *other plates, *var_shape, *event_shape)`` and the step's
-            [`WORState`][storch.sampling.swor.WORState] (``log_prob`` is that of the whole prefix, the step's
+            `storch.sampling.swor.WORState` (``log_prob`` is that of the whole prefix, the step's
             variables summed, differentiable; ``parent_index`` is ``(n', *other plates)``).
         """
 
@@ -372,7 +370,7 @@ class SequenceSampler(SamplingMethod):
         return samples
 
     def state_of(self, tensor: "StochasticTensor") -> WORState:
-        """The [`WORState`][storch.sampling.swor.WORState] behind ``tensor``'s plate."""
+        """The `storch.sampling.swor.WORState` behind ``tensor``'s plate."""
         info = tensor.plate.info
         if not isinstance(info, WORState):
             raise ValueError(
@@ -474,7 +472,7 @@ class SampleWithoutReplacement(SequenceSampler):
     ICML). Several independent variables (non-plate batch dimensions) are sampled jointly: the set
     holds distinct *joint* configurations, drawn by stochastic beam search over the variables.
     Called step by step on a sequence
-    ([`storch.method.score_function_wor.ScoreFunctionWOR`][storch.method.score_function_wor.ScoreFunctionWOR]) it runs
+    (`storch.method.score_function_wor.ScoreFunctionWOR`) it runs
     stochastic beam search over prefixes.
 
     Args:
@@ -516,7 +514,7 @@ class SampleWithoutReplacement(SequenceSampler):
             n_plates: the number of plate dimensions.
 
         Returns:
-            the samples ``(n, *batch_shape, *event_shape)`` and the [`WORState`][storch.sampling.swor.WORState].
+            the samples ``(n, *batch_shape, *event_shape)`` and the `storch.sampling.swor.WORState`.
         """
         support = wor_support(distr)
         log_probs = support.log_probs
@@ -627,7 +625,7 @@ def check_single_variable(owner: str, distr: Distribution, n_plates: int) -> Non
 class SumAndSampleRest(SamplingMethod):
     """The ``k − 1`` most probable values, then ``n_sampled`` samples of the remaining values.
 
-    The proposal of [`storch.method.RaoBlackwellSF`][storch.method.RaoBlackwellSF] (Liu et al. 2019). With ``C`` the
+    The proposal of `storch.method.RaoBlackwellSF` (Liu et al. 2019). With ``C`` the
     summed
     values and ``q = p(C)``,
 
@@ -636,7 +634,7 @@ class SumAndSampleRest(SamplingMethod):
     so the samples are weighted (detached) ``p(x)`` on ``C`` and, for i.i.d. samples of the rest,
     ``(1 − q)/n_sampled``. With ``without_replacement`` the ``n_sampled`` values of the rest are
     distinct, drawn by Gumbel-top-k, and weighted ``p(x)/q_κ(x)`` (priority sampling, Kool, van
-    Hoof & Welling 2019; [`log_inclusion_probability`][storch.sampling.swor.log_inclusion_probability]): also
+    Hoof & Welling 2019; `storch.sampling.swor.log_inclusion_probability`): also
     unbiased, and exact when they
     are all the remaining values. One discrete variable with enumerable support per element of
     the distribution's plates.
@@ -749,12 +747,12 @@ class SumAndSample(SumAndSampleRest):
     """The manual's ``SumAndSample``: sum the ``sum_size`` most probable values exactly and sample
     ``sample_size`` of the others, weighted so that the estimate is unbiased.
 
-    Storchastic 0.3.7's constructor for [`SumAndSampleRest`][storch.sampling.swor.SumAndSampleRest] (the same
+    Storchastic 0.3.7's constructor for `storch.sampling.swor.SumAndSampleRest` (the same
     proposal, with
     ``k = sum_size + 1`` and ``n_sampled = sample_size``): one discrete variable with enumerable
     support per element of the distribution's plates. Use it as the proposal of a score-function
     estimator, ``ScoreFunction("z", sampling_method=SumAndSample("z", 2, 3))``, or use
-    [`storch.method.RaoBlackwellSF`][storch.method.RaoBlackwellSF], which builds it.
+    `storch.method.RaoBlackwellSF`, which builds it.
 
     Args:
         plate_name: the node's plate.
@@ -763,8 +761,8 @@ class SumAndSample(SumAndSampleRest):
         without_replacement: draw the samples distinct (Gumbel-top-k, weights ``p(x)/q_κ(x)``)
             instead of i.i.d. (weights ``(1 − p(summed))/sample_size``).
         eos: must be ``None``: sequences are decoded by
-            [`storch.method.score_function_wor.ScoreFunctionWOR`][storch.method.score_function_wor.ScoreFunctionWOR]
-            and [`storch.method.UnorderedSetEstimator`][storch.method.UnorderedSetEstimator], not by this proposal.
+            `storch.method.score_function_wor.ScoreFunctionWOR`
+            and `storch.method.UnorderedSetEstimator`, not by this proposal.
 
     Examples:
         >>> import torch

@@ -1,11 +1,11 @@
 """Unordered sets sampled without replacement, and their leave-one-out weights (Kool, van Hoof &
 Welling 2020, ICLR, "Estimating gradients for discrete random variables by sampling without
 replacement"). This is also the manual's module path (Storchastic's
-``storch/sampling/unordered_set.py``) for [`UnorderedSet`][storch.sampling.unordered_set.UnorderedSet] and
-[`GumbelSoftmaxWOR`][storch.sampling.unordered_set.GumbelSoftmaxWOR].
+``storch/sampling/unordered_set.py``) for `storch.sampling.unordered_set.UnorderedSet` and
+`storch.sampling.unordered_set.GumbelSoftmaxWOR`.
 
 A Gumbel-top-k sample
-([`storch.sampling.swor.SampleWithoutReplacement`][storch.sampling.swor.SampleWithoutReplacement]) is a set ``S`` of
+(`storch.sampling.swor.SampleWithoutReplacement`) is a set ``S`` of
 ``k`` distinct values of domain ``D``. Forgetting the order, its probability is
 
     P^D(S) = ∫₀¹ Π_{s∈S} (1 − u^{a_s}) du,      a_s = p(s) / p(D∖S),   p(D∖S) = 1 − Σ_{s∈S} p(s),
@@ -214,11 +214,11 @@ class UnorderedSet(SampleWithoutReplacement):
     """A Gumbel-top-k set of ``k`` distinct values, weighted by ``p(s) R(S, s)`` (detached).
 
     With these weights ``Σ_{s∈S} p(s) R(S, s) f(s)`` is unbiased for ``E_p[f]``; with the gradient
-    function ``log p(s)`` ([`storch.method.UnorderedSetEstimator`][storch.method.UnorderedSetEstimator]) derivatives
+    function ``log p(s)`` (`storch.method.UnorderedSetEstimator`) derivatives
     of every
     order are unbiased. Several variables in one node are sampled jointly (distinct joint values,
     by stochastic beam search), and ``p`` is then their joint probability; decoded step by step
-    (sequences, through [`storch.method.UnorderedSetEstimator`][storch.method.UnorderedSetEstimator]), the set of each
+    (sequences, through `storch.method.UnorderedSetEstimator`), the set of each
     step is a
     sample of prefixes and ``p`` the prefix probability.
 
@@ -302,21 +302,21 @@ class GumbelSoftmaxWOR(AnnealedTemperature, UnorderedSet):
 
     Perturb ``φ = log p + G`` (``G`` i.i.d. standard Gumbel, ``φ`` reparameterised in ``p``); the set
     ``S`` is the ``k`` largest ``φ`` in decreasing order, weighted by ``p(s) R(S, s)`` as in
-    [`UnorderedSet`][storch.sampling.unordered_set.UnorderedSet] but differentiable in ``p`` (with ``S`` held fixed).
+    `storch.sampling.unordered_set.UnorderedSet` but differentiable in ``p`` (with ``S`` held fixed).
     The ``j``-th relaxed sample is the successive softmax of Xie & Ermon 2019
     (relaxed top-k): ``y_1 = softmax(φ/τ)``, ``y_{j+1} = softmax(w_{j+1}/τ)`` with
     ``w_{j+1} = w_j + log(1 − y_j)``, ``w_1 = φ``; as ``τ → 0``, ``y_j`` tends to the one-hot
     vector of the ``j``-th element of ``S``. With ``straight_through`` the forward value is that
     one-hot vector and the gradient is the relaxed one's.
 
-    Used with a pathwise method ([`storch.method.UnorderedSetGumbelSoftmax`][storch.method.UnorderedSetGumbelSoftmax])
+    Used with a pathwise method (`storch.method.UnorderedSetGumbelSoftmax`)
     it gives
     ``Σ_{s∈S} [∇w(s) f(y_s) + w(s) ∇f(y_s)]``: **biased** (the relaxation, and the jumps of the
     weights where the set changes, which no pathwise derivative sees). Differentiating the weights
     matters: with them detached the ``∇p(s)`` term is lost and the bias does not vanish as ``τ → 0``
     (measured bias norm 0.68 instead of 0.32 at ``k = 2, τ = 0.1`` on the tests' problem). Used with
     a method that does not need pathwise samples it returns the discrete set, like
-    [`UnorderedSet`][storch.sampling.unordered_set.UnorderedSet]. One discrete variable per plate element
+    `storch.sampling.unordered_set.UnorderedSet`. One discrete variable per plate element
     (OneHotCategorical, Bernoulli).
 
     Args:
