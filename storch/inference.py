@@ -572,12 +572,12 @@ def backward(
 
     Returns:
         The estimate of the expected total cost (a plain, detached 0-dim tensor): the forward value
-        of the surrogate loss. With a relaxation that feeds relaxed (continuous) samples to the
-        costs (`GumbelSoftmax` and `UnorderedSetGumbelSoftmax` without ``straight_through``) it
-        is the relaxed objective at the current temperature, not the expected cost of the discrete
-        model; to report the latter, evaluate the model with discrete samples (e.g. under
-        `Expect`, or with ``straight_through=True``). Straight-through estimators, `RELAX` and
-        `REBAR` evaluate the costs at the discrete samples, so they return the plain estimate.
+            of the surrogate loss. With a relaxation that feeds relaxed (continuous) samples to the
+            costs (`GumbelSoftmax` and `UnorderedSetGumbelSoftmax` without ``straight_through``) it
+            is the relaxed objective at the current temperature, not the expected cost of the discrete
+            model; to report the latter, evaluate the model with discrete samples (e.g. under
+            `Expect`, or with ``straight_through=True``). Straight-through estimators, `RELAX` and
+            `REBAR` evaluate the costs at the discrete samples, so they return the plain estimate.
 
     Examples:
         >>> import torch, storch

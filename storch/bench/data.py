@@ -3,7 +3,7 @@
 * ``digits`` (default): scikit-learn's 8x8 digits, binarized (64 inputs), split 1297 / 250 / 250
   with a fixed permutation. Needs no files.
 * ``binarized-mnist``: the static binarization of Larochelle & Murray (50000 / 10000 / 10000),
-  [`storch.datasets.load_binarized_mnist`][storch.datasets.load_binarized_mnist].
+  `storch.datasets.load_binarized_mnist`.
 * ``mnist``: grey MNIST (IDX or ``mnist_uint8.npz``), the last 10000 training images as the
   validation set, binarised dynamically (a fresh Bernoulli draw per training minibatch); the
   evaluation sets are binarised once with a fixed seed.

@@ -5,7 +5,7 @@ Every model describes its latent layers (`Latent`) and one generative story,
 
 * training: ``sample(i, name, q)`` is the storch method of layer ``i`` and the inputs carry the
   ``data`` plate, so each term keeps the plates of the nodes it depends on and is registered with
-  [`storch.add_cost`][storch.add_cost];
+  `storch.add_cost`;
 * evaluation: ``sample`` draws ``K`` plain samples ancestrally and the same terms give the
   importance weights ``log w = log p(x, z) − log q(z | x)`` (shape ``(K, B)``).
 

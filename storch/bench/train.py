@@ -17,7 +17,7 @@ rank builds the same model (same seed), wrapped in ``DistributedDataParallel``; 
 same minibatch of ``--batch-size`` data and trains on its own contiguous slice of ``batch-size / N``
 of them, with a random stream of its own for the estimators' samples. DDP averages the model's
 gradients, so one step is the step of one process on the whole minibatch with ``N`` times as many
-independent samples drawn. The methods keep their own state in sync ([`storch.distributed`][storch.distributed]).
+independent samples drawn. The methods keep their own state in sync (`storch.distributed`).
 Rank 0 alone evaluates, prints and writes files; a checkpoint holds every rank's random state and
 method state, and resumes with the same number of ranks.
 
@@ -255,7 +255,7 @@ class Run:
         return float(loss)
 
     def _compile_step(self) -> CompiledStep:
-        """The training step under [`storch.compile_step`][storch.compile_step] (the model and the methods' modules)."""
+        """The training step under `storch.compile_step` (the model and the methods' modules)."""
         if self.world > 1:
             raise ValueError("--compile-step does not run with --distributed (DDP's gradient hooks are not "
                              "traced); train eagerly on several ranks")

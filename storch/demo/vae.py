@@ -6,7 +6,7 @@ Generative story (the manual's, with the posterior given by its logits)::
     z ~ q  (by the chosen method);  cost KL(q ‖ uniform prior);  x̂ = D_θ(z);  cost BCE(x̂, x)
 
 By default the data are scikit-learn's 8×8 digits, binarized
-([`storch.datasets.load_digits_binarized`][storch.datasets.load_digits_binarized]),
+(`storch.datasets.load_digits_binarized`),
 with a 64-256-128-(2×10)-128-256-64 network; ``--mnist DIR`` uses binarized MNIST and the manual's
 784-512-256-(2×10)-256-512-784 network.
 
@@ -333,9 +333,9 @@ def quick_config(seed: int = 0, **kw) -> VAEConfig:
 def load_mnist_data(directory: str) -> tuple[str, torch.Tensor]:
     """Binarized MNIST training images from ``directory`` (never downloads).
 
-    Tries [`storch.datasets.load_binarized_mnist`][storch.datasets.load_binarized_mnist] (Larochelle & Murray's fixed
+    Tries `storch.datasets.load_binarized_mnist` (Larochelle & Murray's fixed
     binarization)
-    and falls back to [`storch.datasets.load_mnist`][storch.datasets.load_mnist] with one Bernoulli draw per pixel
+    and falls back to `storch.datasets.load_mnist` with one Bernoulli draw per pixel
     (seed 0).
     """
     from storch.datasets import dynamic_binarize, load_binarized_mnist, load_mnist

@@ -91,8 +91,8 @@ def sample_outside(
 
     Returns:
         ``(tokens, outside)``: ``(n, F, D)`` value indices and ``(F,)`` the mass ``1 − π(excluded)``
-        (float64; exactly 0 when the excluded values cover the support). Where nothing is left to
-        sample, the tokens are drawn from the unrestricted distribution.
+            (float64; exactly 0 when the excluded values cover the support). Where nothing is left to
+            sample, the tokens are drawn from the unrestricted distribution.
 
     Examples:
         >>> import torch

@@ -248,7 +248,7 @@ def gumbel_top_k_step(
 
     Returns:
         ``(parent_index, token, log_p, perturbed, kappa)``: the ``min(k, n·V)`` best extensions
-        (beam dimension first, best first) and the new ``κ``.
+            (beam dimension first, best first) and the new ``κ``.
     """
     n, size = extension_log_p.shape[0], extension_log_p.shape[-1]
     cand_log_p = parent_log_p.unsqueeze(-1) + extension_log_p
@@ -352,8 +352,8 @@ class SequenceSampler(SamplingMethod):
 
         Returns:
             the samples ``(n', *other plates, *var_shape, *event_shape)`` and the step's
-            `storch.sampling.swor.WORState` (``log_prob`` is that of the whole prefix, the step's
-            variables summed, differentiable; ``parent_index`` is ``(n', *other plates)``).
+                `storch.sampling.swor.WORState` (``log_prob`` is that of the whole prefix, the step's
+                variables summed, differentiable; ``parent_index`` is ``(n', *other plates)``).
         """
 
     @abstractmethod
