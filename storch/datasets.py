@@ -1,22 +1,20 @@
 """Data sets for discrete-latent models: a bundled default and loaders for standard files.
 
-* [`load_digits_binarized`][storch.datasets.load_digits_binarized] -- scikit-learn's 8x8 digits, binarized. It ships
+* `storch.datasets.load_digits_binarized` -- scikit-learn's 8x8 digits, binarized. It ships
 with an installed
   package, so examples and tests run anywhere without data files.
-* [`load_mnist`][storch.datasets.load_mnist] -- grey-scale MNIST (LeCun et al.) from the original IDX files
+* `storch.datasets.load_mnist` -- grey-scale MNIST (LeCun et al.) from the original IDX files
   (``train-images-idx3-ubyte`` ..., plain or ``.gz``) or from ``mnist_uint8.npz``.
-* [`load_binarized_mnist`][storch.datasets.load_binarized_mnist] -- the fixed ("static") binarization of Larochelle &
-Murray (2011),
-  train/valid/test = 50000/10000/10000, from the original ``binarized_mnist_{split}.amat`` text
+* `storch.datasets.load_binarized_mnist` -- the fixed ("static") binarization of Larochelle & Murray
+  (2011), train/valid/test = 50000/10000/10000, from the original ``binarized_mnist_{split}.amat`` text
   files or from ``binarized_mnist_packed.npz`` (``np.packbits`` rows).
-* [`load_omniglot`][storch.datasets.load_omniglot] -- the 28x28 Omniglot of the IWAE paper (``chardata.mat``).
-* [`dynamic_binarize`][storch.datasets.dynamic_binarize] -- draw Bernoulli(x) pixels, redrawn for every minibatch
-("dynamic"
+* `storch.datasets.load_omniglot` -- the 28x28 Omniglot of the IWAE paper (``chardata.mat``).
+* `storch.datasets.dynamic_binarize` -- draw Bernoulli(x) pixels, redrawn for every minibatch ("dynamic"
   binarization); a loader cannot do this once and for all, so it is a separate step.
-* [`minibatches`][storch.datasets.minibatches] -- iterate over (shuffled) minibatches of one or several tensors.
+* `storch.datasets.minibatches` -- iterate over (shuffled) minibatches of one or several tensors.
 * `random_subset` -- a random subset of rows, to evaluate on part of a split (never a prefix: the
   binarized MNIST test split is sorted by digit).
-* [`read_idx`][storch.datasets.read_idx] / [`write_idx`][storch.datasets.write_idx] -- the IDX file format.
+* `storch.datasets.read_idx` / `storch.datasets.write_idx` -- the IDX file format.
 
 Every loader reads from a directory the caller names and never downloads anything; a missing file
 raises `FileNotFoundError` that names the directory, the files looked for and how to get them.
@@ -135,7 +133,7 @@ def read_idx(path: PathLike) -> np.ndarray:
 def write_idx(path: PathLike, array: np.ndarray) -> None:
     """Write ``array`` as an IDX file; gzip-compressed when ``path`` ends in ``.gz``.
 
-    Supported dtypes: uint8, int8, int16, int32, float32, float64 (see [`read_idx`][storch.datasets.read_idx]).
+    Supported dtypes: uint8, int8, int16, int32, float32, float64 (see `storch.datasets.read_idx`).
 
     Examples:
         >>> import os, tempfile
@@ -236,8 +234,8 @@ def load_mnist(directory: PathLike, split: str = "train") -> Tuple[torch.Tensor,
     ``mnist_uint8.npz`` with arrays ``x_train``, ``y_train``, ``x_test``, ``y_test``.
 
     For a binary likelihood, either binarize each minibatch with
-    [`dynamic_binarize`][storch.datasets.dynamic_binarize], or use
-    the standard fixed binarization from [`load_binarized_mnist`][storch.datasets.load_binarized_mnist].
+    `storch.datasets.dynamic_binarize`, or use
+    the standard fixed binarization from `storch.datasets.load_binarized_mnist`.
 
     Args:
         directory: the folder holding the files.
@@ -245,7 +243,7 @@ def load_mnist(directory: PathLike, split: str = "train") -> Tuple[torch.Tensor,
 
     Returns:
         ``(images, labels)``: float32 tensor of shape (N, 784) with values in [0, 1] (grey / 255)
-        and int64 labels of shape (N,).
+            and int64 labels of shape (N,).
 
     Example (with a tiny IDX file pair written on the spot):
         >>> import os, tempfile
@@ -334,7 +332,7 @@ def load_binarized_mnist(
 
     Returns:
         ``(images, labels)``: float32 tensor of 0/1 of shape (N, 784), and int64 labels of shape
-        (N,) or ``None`` when no labels file is present.
+            (N,) or ``None`` when no labels file is present.
 
     Example (with a tiny packed file written on the spot):
         >>> import os, tempfile
@@ -390,7 +388,7 @@ def load_omniglot(
     ``testdata``: 784 x 8070) stored column-major, so each image is transposed back, as the IWAE
     code does (``reshape((-1, 28, 28)).reshape((-1, 784), order="F")``). The alphabet of each image
     (one-hot rows ``target`` / ``testtarget``) is returned as a label when present. Binarize with
-    [`dynamic_binarize`][storch.datasets.dynamic_binarize] per minibatch, as is customary. Reading ``.mat`` needs scipy.
+    `storch.datasets.dynamic_binarize` per minibatch, as is customary. Reading ``.mat`` needs scipy.
 
     Args:
         directory: the folder holding ``chardata.mat``.
@@ -398,7 +396,7 @@ def load_omniglot(
 
     Returns:
         ``(images, alphabet)``: float32 tensor of shape (N, 784) in [0, 1] and int64 alphabet
-        indices of shape (N,) (or ``None`` when the file has no targets).
+            indices of shape (N,) (or ``None`` when the file has no targets).
 
     Example (with a tiny file written on the spot):
         >>> import os, tempfile
