@@ -1,5 +1,5 @@
 """Screenshots of the built documentation, with a check that the pages are neither blank nor unstyled
-and that no code block runs past the right edge of the page.
+and that no code block or table runs past the right edge of the page.
 
 Usage (``make docs`` runs it after ``mkdocs build --strict``)::
 
@@ -13,8 +13,17 @@ estimator page (``estimators/score-function.html``) of ``SITE_DIR`` (default ``s
 * **styled**: the Material theme's header bar is there, i.e. most of the top 40 pixel rows have the
   theme's primary colour (indigo, ``#4051b5``); an unstyled page (missing CSS) has a white top.
 
-Then it loads every page of the site at a 1280-pixel width (one browser run, the pages in turn in
-a frame) and measures its code blocks (``pre > code``):
+Then it loads every page of the site at a 1280-pixel width (one browser run per page, in a frame)
+and checks it:
+
+* **styled and not blank**: the theme's header bar has its primary colour and the page has text;
+* **tables fit**: no table of the page's content is cut off at the right edge, i.e. hidden past the
+  table's own box, the theme's scroll wrapper around it or the content column (a table that only
+  shows its right part by scrolling counts as cut off), and no word of a table cell is broken
+  across two lines inside the word (``Reparameteri`` / ``zation``; breaks at a space, hyphen, dash,
+  slash, dot, comma, ``=``, ``(``, ``)`` or ``_`` are fine);
+
+and measures its code blocks (``pre > code``):
 
 * **not cut off**: no code block is wider than its box (``scrollWidth > clientWidth``), i.e. no line
   runs past the right edge (the site's CSS wraps long lines; without it they would be cut off);
@@ -108,14 +117,49 @@ def check_image(path: Path) -> list[str]:
     return problems
 
 
-# Loads each page in turn into a 1280-pixel-wide frame and measures its code blocks; the results go,
+# Loads each page in turn into a 1280-pixel-wide frame and measures its code blocks and tables; the results go,
 # as JSON, into a <pre id="result"> that --dump-dom prints.
 _MEASURE_JS = r"""
 const pages = %(pages)s;
 const results = {};
 const frame = document.getElementById("page");
 function measure(doc) {
-  const out = {blocks: 0, chars: null, cut: [], wide: []};
+  const out = {blocks: 0, chars: null, cut: [], wide: [], tables: 0, tables_cut: [], broken: [],
+               height: doc.documentElement.scrollHeight, styled: null, text: 0};
+  const header = doc.querySelector(".md-header");
+  out.styled = header ? doc.defaultView.getComputedStyle(header).backgroundColor : null;
+  const article = doc.querySelector("article") || doc.body;
+  out.text = article.textContent.trim().length;
+  const right = article.getBoundingClientRect().right;
+  doc.querySelectorAll("article table").forEach((table) => {
+    if (!(table.clientWidth > 0)) return;  // not displayed
+    out.tables++;
+    // hidden to the right: the table's own scroll box, the theme's scroll wrapper around it, and
+    // what lies past the content column
+    let hidden = table.scrollWidth - table.clientWidth;
+    const wrap = table.closest(".md-typeset__scrollwrap");
+    if (wrap) hidden = Math.max(hidden, wrap.scrollWidth - wrap.clientWidth);
+    hidden = Math.max(hidden, Math.ceil(table.getBoundingClientRect().right - right));
+    const head = (table.querySelector("th, td") || table).textContent.trim();
+    const label = [...table.querySelectorAll("th")].map((th) => th.textContent.trim()).join(" | ");
+    if (hidden > 1) out.tables_cut.push({px: hidden, head: (label || head).slice(0, 70)});
+    // a word of a cell broken across two lines (not at a space, hyphen, slash or dot)
+    table.querySelectorAll("th, td").forEach((cell) => {
+      const walker = doc.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+      for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+        const re = /[^\s\-\/.,=(|)_\u2013\u2014\u2026]+/g;
+        let match;
+        while ((match = re.exec(node.data)) !== null) {
+          if (match[0].length < 2) continue;
+          const range = doc.createRange();
+          range.setStart(node, match.index);
+          range.setEnd(node, match.index + match[0].length);
+          const tops = new Set([...range.getClientRects()].filter((r) => r.width > 0).map((r) => Math.round(r.top)));
+          if (tops.size > 1) out.broken.push(match[0].slice(0, 40));
+        }
+      }
+    });
+  });
   doc.querySelectorAll("pre > code").forEach((code) => {
     const style = doc.defaultView.getComputedStyle(code);
     const probe = doc.createElement("span");
@@ -155,11 +199,15 @@ next();
 
 
 def measure_code(browser: str, site: Path, pages: list[str]) -> dict[str, dict]:
-    """For each page (a path relative to ``site``), its code blocks at a ``WIDTH``-pixel window.
+    """For each page (a path relative to ``site``), its code blocks and tables at a ``WIDTH``-pixel window.
 
     Each entry: ``blocks`` (how many), ``chars`` (the fewest characters per line a block holds),
     ``cut`` and ``wide`` (the beginnings of the longest lines of the blocks wider than their box,
-    and of those whose longest line is wider than the block holds).
+    and of those whose longest line is wider than the block holds); ``tables`` (how many),
+    ``tables_cut`` (``{"px": hidden pixels, "head": the column headings}`` of each table cut off at
+    the right), ``broken`` (the words of table cells broken across lines inside the word);
+    ``height`` (the page's height in pixels), ``styled`` (the header's background colour, CSS
+    ``rgb(...)``) and ``text`` (characters of text of the page's content).
 
     One browser run per page (about a second each): one run loading every page in turn into a frame
     stalled on this site with 33 pages, though each page alone measures at once.
@@ -189,6 +237,38 @@ def _measure_pages(browser: str, site: Path, pages: list[str]) -> dict[str, dict
     if not found:
         raise RuntimeError(f"{browser} measured no page (exit {result.returncode}):\n{result.stderr[-2000:]}")
     return json.loads(html.unescape(found.group(1)))
+
+
+def check_tables(measured: dict[str, dict]) -> list[str]:
+    """What is wrong with the tables of ``measure_code``'s measurements: ``[]`` when every one fits."""
+    problems = []
+    for page, m in sorted(measured.items()):
+        if "error" in m:
+            continue  # check_code reports it
+        cut = m.get("tables_cut", [])
+        if cut:
+            widest = max(cut, key=lambda t: t["px"])
+            problems.append(f"{page}: {len(cut)} table(s) cut off at the right edge at {WIDTH} px, up to "
+                            f"{widest['px']} px hidden (columns {widest['head']!r})")
+        broken = m.get("broken", [])
+        if broken:
+            problems.append(f"{page}: {len(broken)} word(s) of table cells broken inside the word, "
+                            f"the first {broken[0]!r}")
+    return problems
+
+
+def check_styled(measured: dict[str, dict], primary: tuple[int, int, int] = PRIMARY) -> list[str]:
+    """Pages of ``measure_code``'s measurements without the theme's header colour or without text."""
+    problems = []
+    want = "rgb({}, {}, {})".format(*primary)
+    for page, m in sorted(measured.items()):
+        if "error" in m or "styled" not in m:
+            continue
+        if m["styled"] != want:
+            problems.append(f"{page}: unstyled: the header is {m['styled'] or 'missing'}, not the theme's {want}")
+        if m.get("text", 0) < 20:
+            problems.append(f"{page}: blank: {m.get('text', 0)} characters of text")
+    return problems
 
 
 def check_code(measured: dict[str, dict], width: int = CODE_WIDTH) -> tuple[list[str], list[str]]:
@@ -240,15 +320,18 @@ def main(argv: list[str]) -> int:
     )
     measured = measure_code(browser, site, pages)
     problems, notes = check_code(measured)
+    problems += check_tables(measured) + check_styled(measured)
     blocks = sum(m.get("blocks", 0) for m in measured.values())
+    tables = sum(m.get("tables", 0) for m in measured.values())
     for note in notes:
         print(f"docs_screenshot: note: {note}")
     for problem in problems:
         print(f"docs_screenshot: FAILED: {problem}")
     if not problems:
         chars = min((m["chars"] for m in measured.values() if m.get("chars") is not None), default=None)
-        print(f"docs_screenshot: code blocks at {WIDTH} px: {blocks} blocks on {len(pages)} pages, "
-              f"none cut off, {chars} characters per line: ok")
+        print(f"docs_screenshot: {len(pages)} pages at {WIDTH} px, styled: {blocks} code blocks and "
+              f"{tables} tables, none cut off, no word of a table broken, {chars} characters per code "
+              f"line: ok")
     failed |= bool(problems)
     return 1 if failed else 0
 

@@ -179,3 +179,118 @@ def test_screenshot_check_without_a_browser_installs_nothing(monkeypatch, capsys
     assert shot.main(["docs_screenshot.py", str(tmp_path), "--require-browser"]) == 1
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines == [shot.NO_BROWSER, shot.NO_BROWSER] and "apt-get install chromium-headless-shell" in lines[0]
+
+
+def test_table_check_on_measurements() -> None:
+    """A table cut off at the right edge, or a word of a cell broken inside it, fails the page."""
+    shot = _screenshot()
+    fine = {"blocks": 0, "chars": None, "cut": [], "wide": [], "tables": 4, "tables_cut": [], "broken": []}
+    assert shot.check_tables({"results.html": fine}) == []
+    problems = shot.check_tables({
+        "results.html": {**fine, "tables_cut": [{"px": 38, "head": "estimator | ms/step"},
+                                                {"px": 453, "head": "model | test −log p(x)"}]},
+        "estimators/index.html": {**fine, "broken": ["Reparameterization", "ScoreFunction"]},
+        "broken.html": {"error": "no frame"},  # check_code reports it
+    })
+    assert [p.split(":")[0] for p in problems] == ["estimators/index.html", "results.html"]
+    assert "2 word(s)" in problems[0] and "'Reparameterization'" in problems[0]
+    assert "2 table(s) cut off" in problems[1] and "up to 453 px" in problems[1] and "test −log p(x)" in problems[1]
+
+
+def test_styled_check_on_measurements() -> None:
+    shot = _screenshot()
+    styled = {"styled": "rgb(64, 81, 181)", "text": 5000}
+    assert shot.check_styled({"index.html": styled, "old.html": {"error": "x"}}) == []
+    problems = shot.check_styled({
+        "a.html": {"styled": None, "text": 5000},
+        "b.html": {"styled": "rgb(255, 255, 255)", "text": 0},
+    })
+    assert problems == [
+        "a.html: unstyled: the header is missing, not the theme's rgb(64, 81, 181)",
+        "b.html: unstyled: the header is rgb(255, 255, 255), not the theme's rgb(64, 81, 181)",
+        "b.html: blank: 0 characters of text",
+    ]
+
+
+def test_measurement_script_measures_tables_and_words() -> None:
+    """The browser side measures what the checks read (the script itself runs in Chromium)."""
+    js = _screenshot()._MEASURE_JS
+    for key in ("tables_cut", "broken", "scrollWidth", "md-typeset__scrollwrap", "getClientRects", "styled"):
+        assert key in js
+
+
+# --------------------------------------------------------------------------------------------
+# the site's hooks (scripts/docs_hooks.py)
+# --------------------------------------------------------------------------------------------
+
+hooks = _load("docs_hooks")
+FILES = frozenset({"benchmarks/sbn_step.py", "benchmarks/README.md", "docs/results/tables.py",
+                   "tests/test_arm.py", "storch/method/expect.py", "storch/sampling/expect.py"})
+REPO = "https://github.com/storch-dev/storch"
+
+
+def test_hook_links_code_spans_that_name_repository_files() -> None:
+    page = ("<p>See <code>benchmarks/sbn_step.py</code>, <code>docs/results/</code> and "
+            "<code>test_arm.py</code>.</p>")
+    linked = hooks.link_file_mentions(page, FILES, REPO + "/")
+    assert linked == (
+        f'<p>See <a href="{REPO}/blob/main/benchmarks/sbn_step.py" title="benchmarks/sbn_step.py in the '
+        'repository"><code>benchmarks/sbn_step.py</code></a>, '
+        f'<a href="{REPO}/tree/main/docs/results" title="docs/results in the repository">'
+        '<code>docs/results/</code></a> and '
+        f'<a href="{REPO}/blob/main/tests/test_arm.py" title="tests/test_arm.py in the repository">'
+        "<code>test_arm.py</code></a>.</p>"
+    )
+
+
+def test_hook_leaves_everything_else_as_it_is() -> None:
+    page = (
+        "<p><code>runs/arm</code> <code>summary.json</code> <code>expect.py</code> <code>x = 1</code> "
+        "<code>benchmarks/sbn_step.py --check</code> <code>/benchmarks/README.md</code></p>"
+        '<pre><span></span><code>python benchmarks/sbn_step.py</code></pre>'
+        '<pre><code>benchmarks/sbn_step.py</code></pre>'
+        '<p><a href="x.html"><code>benchmarks/sbn_step.py</code></a></p>'
+        '<h2 id="a"><code>benchmarks/README.md</code></h2>'
+    )  # run outputs, an ambiguous name, code, a command, an absolute path; code blocks, links, headings
+    assert hooks.link_file_mentions(page, FILES, REPO) == page
+
+
+def test_hook_breaks_names_in_tables_at_their_dots() -> None:
+    page = ("<p><code>storch.sampling.MCDecoder</code></p><table><tr><td><code>storch.sampling.MCDecoder(k=2)"
+            "</code> <code>SampleWithoutReplacement</code></td></tr></table>")
+    assert hooks.break_names_in_tables(page) == (
+        "<p><code>storch.sampling.MCDecoder</code></p><table><tr><td><code>storch.<wbr>sampling.<wbr>"
+        "MCDecoder(<wbr>k=<wbr>2)</code> <code>SampleWithoutReplacement</code></td></tr></table>"
+    )
+
+
+def test_hook_reads_the_repository_and_is_registered() -> None:
+    files = hooks.repository_files()
+    assert {"benchmarks/sbn_step.py", "docs/results.md", "scripts/docs_lint.py"} <= files
+    assert not any(f.startswith(("site/", ".venv/")) for f in files)
+    assert hooks.resolve("benchmarks/", files) == ("benchmarks", True)
+    assert hooks.resolve("sbn_step.py", files) == ("benchmarks/sbn_step.py", False)
+    config = (ROOT / "mkdocs.yml").read_text()
+    assert "- scripts/docs_hooks.py" in config and f"repo_url: {REPO}\n" in config
+
+
+def test_hook_on_a_page() -> None:
+    html_in = "<table><tr><td><code>benchmarks/README.md</code></td></tr></table>"
+    out = hooks.on_page_content(html_in, page=None, config={"repo_url": REPO}, files=None)
+    assert f'href="{REPO}/blob/main/benchmarks/README.md"' in out and "benchmarks/<wbr>README.<wbr>md" in out
+    assert hooks.on_page_content("<p><code>benchmarks/README.md</code></p>", None, {}, None) == (
+        "<p><code>benchmarks/README.md</code></p>"
+    )
+
+
+def test_hook_without_git_walks_the_tree(monkeypatch, tmp_path: Path) -> None:
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "run.py").write_text("")
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "index.html").write_text("")
+
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(hooks.subprocess, "run", no_git)
+    assert hooks.repository_files.__wrapped__(tmp_path) == frozenset({"benchmarks/run.py"})
