@@ -192,13 +192,16 @@ def test_cli_seeds_compare_and_plots(tmp_path, capsys):
             "--var-reps", "2", "--latent-dim", "10", "--seed", "0", "1", "--out", str(tmp_path), "--no-progress"]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
-    assert "test -log p(x)" in out and "±" in out
+    assert "-log p(x)" in out and "±" in out
+    tables = [line for line in out.splitlines() if str(tmp_path) not in line]  # the run folders aside
+    assert max(len(line) for line in tables) <= cli.TABLE_WIDTH  # both tables fit a terminal
     dirs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
     assert [d.name[-5:] for d in dirs] == ["seed0", "seed1"]
     assert all((d / "plots.png").is_file() for d in dirs)  # matplotlib is in the test extra
     assert cli.main(["compare", str(tmp_path)]) == 0
     table = capsys.readouterr().out
     assert "disarm(n=1)" in table and "    2 " in table  # one group of two seeds
+    assert max(len(line) for line in table.splitlines() if str(tmp_path) not in line) <= cli.TABLE_WIDTH
     assert cli.main(args) == 2  # the folders exist: refused without --overwrite
 
 
@@ -291,7 +294,7 @@ def test_evaluate_refuses_runs_it_cannot_trust(tmp_path, digits, capsys):
     (tmp_path / "stale" / "summary.json").write_text(json.dumps({**summary, "steps": 9}))  # trained on past it
     assert cli.main(["evaluate", str(tmp_path / "nockpt"), str(tmp_path / "stale")]) == 1
     out = capsys.readouterr().out
-    assert "has no checkpoint.pt (train with --checkpoint-every N)" in out
+    assert "has no checkpoint.pt (train with --checkpoint-every N)" in out  # evaluate: its own message
     assert "its checkpoint is from step 6, but the run ended at step 9" in out
     assert not (tmp_path / "stale" / "test_eval.json").exists()
 

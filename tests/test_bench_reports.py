@@ -94,7 +94,7 @@ def test_a_relaxation_reports_its_relaxed_elbo_next_to_the_hard_one(tmp_path, di
     assert other["relaxed"] is False and other["train_relaxed_nelbo"] is None
     assert all(r["train_relaxed_nelbo"] == "" for r in _rows(tmp_path / "disarm"))
     table = cli.compare_table([s, other])
-    assert "relaxed -ELBO" in table and "hard (discrete) samples" in table
+    assert " relaxed " in table.splitlines()[0] and "hard (discrete) samples" in table
 
 
 # ------------------------------------------------------------------ threads
@@ -133,8 +133,8 @@ def test_compare_one_seed_shows_no_spread_and_writes_a_plot(tmp_path, capsys, on
     capsys.readouterr()
     assert cli.main(["compare", str(tmp_path / "runs")]) == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith("sbn-linear")]
-    assert len(rows) == 2 and all(" 1 " in r and "±" not in r for r in rows)
+    rows = [line for line in out.splitlines() if line.startswith(("  disarm(", "  rloo("))]
+    assert "sbn-linear on digits" in out and len(rows) == 2 and all(" 1 " in r and "±" not in r for r in rows)
     assert (tmp_path / "runs" / "compare.png").is_file()  # the default: next to the runs
     assert cli.main(["compare", str(tmp_path / "runs"), "--plot", str(tmp_path / "mine.png")]) == 0
     assert (tmp_path / "mine.png").is_file()
@@ -264,3 +264,95 @@ def test_no_memory_check_trains_anyway_and_the_header_prints_the_estimate(tmp_pa
     assert "9 evaluation points per datum, 90 per step\n  memory: about" in out and "1 MiB available on cpu" in out
     summary = json.loads(next(tmp_path.rglob("summary.json")).read_text())
     assert summary["estimated_memory_mb"] > 0
+
+
+# ------------------------------------------------------------------ at a terminal's width
+
+
+def _summary(label, model="sbn-linear", data="digits", seed=0, scale=1.0):
+    return {"model": model, "data": data, "label": label, "seed": seed, "evals_per_datum": 201,
+            "test_nelbo": 101.25 * scale, "test_nll": 95.5 * scale, "valid_nelbo": 100.75 * scale,
+            "train_nelbo": 99.125 * scale, "train_relaxed_nelbo": None, "grad_logvar": 12.5,
+            "ms_per_step": 1234.5, "peak_memory_mb": 123456.0}
+
+
+LONG_LABEL = "relax(temperature=0.5,baseline=batch_average,n=12)/iwae cuda:0 compiled"
+
+
+def test_the_tables_fit_in_120_columns_and_keep_every_figure():
+    runs = [_summary("disarm(n=1)"), _summary("disarm(n=1)", seed=1, scale=1.01),
+            _summary(LONG_LABEL, model="categorical-vae", data="binarized-mnist", scale=10.0)]
+    table = cli.run_table(runs)
+    assert max(len(line) for line in table.splitlines()) <= cli.TABLE_WIDTH
+    lines = table.splitlines()
+    assert "sbn-linear on digits" in lines and "categorical-vae on binarized-mnist" in lines
+    # the long label stands on its own line, its figures on the next one
+    i = lines.index(f"  {LONG_LABEL}")
+    assert "1012.50" in lines[i + 1] and "123456" in lines[i + 1] and "1234.50" in lines[i + 1]
+    compared = cli.compare_table(runs)
+    assert max(len(line) for line in compared.splitlines()) <= cli.TABLE_WIDTH
+    assert "101.76±0.72" in compared  # the two seeds of disarm: mean ± std of 101.25 and 102.2625
+    rows = {r["estimator"]: r for r in cli.compare_rows(runs)}  # the CSV keeps what the table leaves out
+    assert rows["disarm(n=1)"]["seeds"] == 2 and rows["disarm(n=1)"]["peak_memory_mb_mean"] == 123456.0
+    assert rows[LONG_LABEL]["grad_logvar_mean"] == 12.5 and rows[LONG_LABEL]["grad_logvar_std"] == ""
+
+
+def test_compare_writes_its_files_where_its_help_says(tmp_path, capsys, one_thread):
+    with pytest.raises(SystemExit):
+        cli.main(["compare", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "default: compare.csv in the folder of the runs" in help_text
+    assert "default: compare.png in the folder of the runs" in help_text
+    assert "RUN_DIR itself when one is given, otherwise the deepest folder that holds every RUN_DIR" in help_text
+    for name in ("a", "b"):
+        assert cli.main(CLI_QUICK + ["--out", str(tmp_path / "runs" / name), "--no-progress"]) == 0
+    capsys.readouterr()
+    for args, folder in ([[str(tmp_path / "runs")], tmp_path / "runs"],  # one RUN_DIR: the files go into it
+                         [[str(tmp_path / "runs" / "a"), str(tmp_path / "runs" / "b")], tmp_path / "runs"],
+                         [[str(tmp_path / "runs" / "a")], tmp_path / "runs" / "a"]):
+        assert cli.main(["compare", *args]) == 0
+        out = capsys.readouterr().out
+        assert f"csv: {folder / 'compare.csv'}" in out and f"plot: {folder / 'compare.png'}" in out
+        assert (folder / "compare.csv").is_file() and (folder / "compare.png").is_file()
+        (folder / "compare.csv").unlink()
+        (folder / "compare.png").unlink()
+    assert cli.main(["compare", str(tmp_path / "runs"), "--csv", str(tmp_path / "t.csv"), "--no-plot"]) == 0
+    with open(tmp_path / "t.csv") as f:
+        assert [r["seeds"] for r in csv.DictReader(f)] == ["2"]  # runs a and b: one setting, two runs of seed 0
+    assert not (tmp_path / "runs" / "compare.png").exists()
+
+
+def test_an_existing_run_without_checkpoints_is_not_sent_to_resume(tmp_path, capsys, one_thread):
+    args = CLI_QUICK + ["--out", str(tmp_path), "--no-progress"]
+    assert cli.main(args) == 0
+    run_dir = next(p for p in tmp_path.iterdir() if p.is_dir())
+    capsys.readouterr()
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--overwrite" in err and "--checkpoint-every" in err and "--resume" not in err
+    assert cli.main(["--resume", str(run_dir), "--no-progress"]) == 2  # asked anyway: what to do, in one line
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "trained without --checkpoint-every" in err
+    assert "--overwrite --checkpoint-every N" in err
+    assert cli.main(["--resume", str(tmp_path), "--no-progress"]) == 2  # not a run folder
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "not a storch-bench run folder" in err
+    # with checkpoints, the hint is --resume, and it works
+    assert cli.main(args + ["--overwrite", "--checkpoint-every", "3"]) == 0
+    capsys.readouterr()
+    assert cli.main(args + ["--checkpoint-every", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--resume {run_dir}" in err
+    assert cli.main(["--resume", str(run_dir), "--steps", "6", "--no-progress"]) == 0
+
+
+def test_a_run_without_tqdm_says_so_in_one_line(tmp_path, digits, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # as if not installed
+    train._note_no_tqdm.cache_clear()
+    lines = []
+    train.run({**QUICK, "steps": 3}, tmp_path / "a", progress=True, data=digits, log=lines.append)
+    train.run({**QUICK, "steps": 3}, tmp_path / "b", progress=True, data=digits, log=lines.append)
+    notes = [line for line in lines if "tqdm" in line]
+    assert notes == [train.NO_TQDM]  # once per process
+    assert 'pip install "storch[bench]"' in train.NO_TQDM
+    train._note_no_tqdm.cache_clear()

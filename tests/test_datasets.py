@@ -5,6 +5,7 @@ Synthetic files in tmp_path check the formats; one test reads the real data in .
 
 import ast
 import gzip
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -236,9 +237,19 @@ def test_load_digits_binarized():
     assert 0.2 < x.mean().item() < 0.6
     from sklearn.datasets import load_digits
 
-    grey = torch.from_numpy(load_digits().data)
-    assert torch.equal(x, (grey >= 8).float())
+    digits = load_digits()
+    assert torch.equal(x, (torch.from_numpy(digits.data) >= 8).float())
+    assert torch.equal(y, torch.from_numpy(digits.target).long())
     assert D.load_digits_binarized(threshold=1.0)[0].mean() > x.mean()
+
+
+def test_load_digits_binarized_needs_no_scikit_learn(monkeypatch):
+    # the digits ship inside the package: a core install (no extras) loads them
+    for name in [m for m in sys.modules if m == "sklearn" or m.startswith("sklearn.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # `import sklearn` raises ImportError
+    x, y = D.load_digits_binarized()
+    assert x.shape == (1797, 64) and y.shape == (1797,)
 
 
 def test_dynamic_binarize():

@@ -478,7 +478,7 @@ def _main(args) -> int:
     if not main_rank:
         return 0
     out(run_table(summaries))
-    out("\nrun folders: " + " ".join(str(d) for d in dirs))
+    out("\nrun folders:\n" + "\n".join(f"  {d}" for d in dirs))
     if len(summaries) > 1:
         out()
         out(compare_table(summaries))
