@@ -309,7 +309,7 @@ def test_datasets_module_is_standalone():
         elif isinstance(node, ast.ImportFrom):
             assert node.level == 0, "no relative imports in storch.datasets"
             top.add(node.module.split(".")[0])
-    assert top <= {"__future__", "gzip", "os", "pathlib", "typing", "numpy", "torch"}, top
+    assert top <= {"__future__", "gzip", "importlib", "os", "pathlib", "typing", "numpy", "torch"}, top
 
 
 # --------------------------------------------------------------------------------------------
