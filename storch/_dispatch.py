@@ -275,7 +275,7 @@ def register_operation(
         ...     return 2 * t.sum(dim)
         >>> _ = register_operation(scaled_sum, dim_args=(1,))
         >>> x = storch.denote_independent(torch.ones(3, 4), 0, "data")
-        >>> scaled_sum(x, -1)._tensor.tolist()
+        >>> scaled_sum(x, -1).plain().tolist()
         [8.0, 8.0, 8.0]
         >>> scaled_sum(x, 0)
         Traceback (most recent call last):
@@ -909,7 +909,7 @@ def reindex_ancestral(t: torch.Tensor, src: PlateLayout, union: PlateLayout) -> 
         >>> second = AncestralPlate("seq", 3, ancestor=first, parent_index=torch.tensor([1, 1, 0]))
         >>> old = storch.Tensor(torch.tensor([10.0, 20.0]), [first])
         >>> new = storch.Tensor(torch.zeros(3), [second])
-        >>> (old + new)._tensor.tolist()
+        >>> (old + new).plain().tolist()
         [20.0, 20.0, 10.0]
     """
     newest = {p.chain_name: p for p in union.plates if isinstance(p, AncestralPlate)}

@@ -94,7 +94,7 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
         >>> import torch, storch
         >>> x = storch.denote_independent(torch.arange(6.0).reshape(3, 2), 0, "data")
         >>> y = storch.cat([x, torch.tensor([9.0])], -1)   # the plain tensor is repeated over "data"
-        >>> y.shape, y._tensor.tolist()
+        >>> y.shape, y.plain().tolist()
         (torch.Size([3, 3]), [[0.0, 1.0, 9.0], [2.0, 3.0, 9.0], [4.0, 5.0, 9.0]])
         >>> storch.cat([x, x], 1).shape == torch.cat([x, x], 1).shape == (3, 4)
         True
@@ -132,7 +132,7 @@ def gather(input: torch.Tensor, dim: Union[str, Plate, int], index: torch.Tensor
     Examples:
         >>> import torch, storch
         >>> x = storch.denote_independent(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), 0, "data")
-        >>> storch.gather(x, -1, torch.tensor([1]))._tensor.tolist()   # element 1 of each sample
+        >>> storch.gather(x, -1, torch.tensor([1])).plain().tolist()   # element 1 of each sample
         [[2.0], [4.0]]
         >>> storch.gather(x, "data", torch.tensor(1)).tolist()          # sample 1 of the plate
         [3.0, 4.0]

@@ -86,9 +86,9 @@ class Tensor(torch.Tensor):
         >>> samples.plate_names, tuple(samples.shape)
         (['s'], (3, 2))
         >>> event_sum = samples.sum(-1)                 # event dimensions reduce as for one sample
-        >>> event_sum._tensor.tolist(), storch.reduce_plates(event_sum, "s").item()
+        >>> event_sum.plain().tolist(), storch.reduce_plates(event_sum, "s").item()
         ([3.0, 7.0, 11.0], 7.0)
-        >>> (samples * torch.tensor([1.0, -1.0]))._tensor.tolist()   # a plain tensor is one sample's event
+        >>> (samples * torch.tensor([1.0, -1.0])).plain().tolist()   # a plain tensor is one sample's event
         [[1.0, -2.0], [3.0, -4.0], [5.0, -6.0]]
 
     Plates align automatically in every torch operation; see `storch._dispatch`.
@@ -153,15 +153,31 @@ class Tensor(torch.Tensor):
         with _Disable():
             return self.shape[len(self._layout.sizes):]
 
+    def plain(self) -> torch.Tensor:
+        """The data as a plain ``torch.Tensor``: a view, plate dimensions included, in the same graph.
+
+        What to reach for when a tensor holds several samples and you want their raw values (``.item()``
+        and ``.tolist()`` refuse a tensor with a plate of size > 1), or to hand them to code that
+        should not see plates. Operations on the result are plain torch: nothing aligns plates, and
+        gradients flow back into ``t``.
+
+        Examples:
+            >>> import torch, storch
+            >>> t = storch.Tensor(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), [storch.Plate("s", 2)])
+            >>> type(t.plain()).__name__, t.plain().tolist(), t.plain().sum(0).tolist()
+            ('Tensor', [[1.0, 2.0], [3.0, 4.0]], [4.0, 6.0])
+        """
+        return alias(self)
+
     @property
     def _tensor(self) -> torch.Tensor:
-        """A plain ``torch.Tensor`` view of the data, plate dimensions included."""
+        """Storchastic's name for ``t.plain()``."""
         return alias(self)
 
     def detach_tensor(self) -> torch.Tensor:
         """The data as a plain ``torch.Tensor``, detached from the graph, plate dimensions included.
 
-        Storchastic's name; the same as ``t._tensor.detach()``. For a detached storch tensor that keeps
+        Storchastic's name; the same as ``t.plain().detach()``. For a detached storch tensor that keeps
         its plates, use ``t.detach()``.
         """
         return alias(self).detach()
@@ -180,7 +196,7 @@ class Tensor(torch.Tensor):
             raise IllegalStorchExposeError(
                 f"{what} needs a single value, but this tensor holds several samples along plates "
                 f"{', '.join(big)}. Reduce them first, e.g. storch.reduce_plates(t) for the weighted "
-                "mean over all plates, or use t._tensor for the raw values."
+                "mean over all plates, or t.plain() for the raw values."
             )
 
     __bool__ = _single_value(torch.Tensor.__bool__, "bool()")
@@ -211,7 +227,7 @@ class Tensor(torch.Tensor):
     def __reduce_ex__(self, proto: int):
         raise TypeError(
             "storch tensors hold references to their stochastic nodes and cannot be pickled; "
-            "save t._tensor (a plain tensor) and t.plate_names instead."
+            "save t.plain() (a plain tensor) and t.plate_names instead."
         )
 
 
@@ -389,7 +405,7 @@ class StochasticTensor(Tensor):
             >>> logits = torch.tensor([0.3, -1.2], requires_grad=True)
             >>> q = Bernoulli(logits=logits)
             >>> z = storch.method.ScoreFunction("z", n_samples=3)(q)
-            >>> torch.equal(z.log_prob()._tensor, q.log_prob(z)._tensor), z.log_prob().plate_names
+            >>> torch.equal(z.log_prob().plain(), q.log_prob(z).plain()), z.log_prob().plate_names
             (True, ['z'])
         """
         node = self._node
@@ -418,7 +434,7 @@ class CostTensor(Tensor):
         >>> p = torch.tensor(0.25, requires_grad=True)
         >>> x = storch.method.Expect("x")(Bernoulli(p))          # x = 0 (weight 0.75) and x = 1 (0.25)
         >>> storch.add_cost(3.0 * x + 1.0, "cost")
-        >>> [(type(c).__name__, c.name, c._tensor.tolist()) for c in storch.registered_costs()]
+        >>> [(type(c).__name__, c.name, c.plain().tolist()) for c in storch.registered_costs()]
         [('CostTensor', 'cost', [1.0, 4.0])]
         >>> storch.backward().item(), p.grad.item()                # E[3x + 1] = 1.75, d/dp = 3
         (1.75, 3.0)

@@ -58,7 +58,7 @@ def elementwise(op: Callable[[Any, Any], torch.Tensor], a: Any, b: Any) -> Any:
         >>> import operator, torch, storch
         >>> x = storch.denote_independent(torch.tensor([1.0, 2.0]), 0, "data")
         >>> y = elementwise(operator.mul, x, x)
-        >>> y._tensor.tolist(), y.plate_names, elementwise(operator.sub, 1.0, x).plate_names
+        >>> y.plain().tolist(), y.plate_names, elementwise(operator.sub, 1.0, x).plate_names
         ([1.0, 4.0], ['data'], ['data'])
     """
     a_storch, b_storch = isinstance(a, Tensor), isinstance(b, Tensor)

@@ -249,7 +249,7 @@ def test_storch_tensors_cannot_be_pickled():
     import pickle
 
     z = ScoreFunction("z", n_samples=2)(Normal(0.0, 1.0))
-    with pytest.raises(TypeError, match="_tensor"):
+    with pytest.raises(TypeError, match=r"t\.plain\(\)"):
         pickle.dumps(z)
 
 

@@ -52,7 +52,7 @@ def result_tensors(leaves: list) -> list[torch.Tensor]:
             raise CompileStepError(
                 f"storch.compile_step: the step returns a storch tensor (plates {leaf.plate_names}); its "
                 "plates exist during the trace only. Return plain tensors: the value of "
-                "storch.backward(), storch.reduce_plates(t), or t._tensor for the raw values."
+                "storch.backward(), storch.reduce_plates(t), or t.plain() for the raw values."
             )
         if isinstance(leaf, torch.Tensor):
             tensors.append(leaf.detach())

@@ -30,9 +30,9 @@ class Expect(Method):
         >>> from torch.distributions import Bernoulli
         >>> p = torch.tensor([0.2, 0.6], requires_grad=True)
         >>> x = Expect("x")(Bernoulli(p))
-        >>> x.shape, x._tensor.tolist()                 # the 4 joint values
+        >>> x.shape, x.plain().tolist()                 # the 4 joint values
         (torch.Size([4, 2]), [[0.0, 0.0], [0.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
-        >>> [round(w, 4) for w in x.plate.weight._tensor.tolist()]   # their probabilities
+        >>> [round(w, 4) for w in x.plate.weight.plain().tolist()]   # their probabilities
         [0.32, 0.48, 0.08, 0.12]
         >>> storch.add_cost((x * torch.tensor([1.0, 2.0])).sum(-1), "f")
         >>> round(storch.backward().item(), 4), p.grad.tolist()   # E f = p₁ + 2 p₂, exactly

@@ -176,7 +176,7 @@ class GappedStraightThrough(StraightThroughFamily):
         >>> from torch.distributions import OneHotCategorical
         >>> theta = torch.zeros(3, requires_grad=True)
         >>> z = GappedStraightThrough("z", n_samples=4)(OneHotCategorical(logits=theta))
-        >>> bool(((z._tensor == 0) | (z._tensor == 1)).all()), z.shape
+        >>> bool(((z.plain() == 0) | (z.plain() == 1)).all()), z.shape
         (True, torch.Size([4, 3]))
         >>> storch.add_cost((z * torch.tensor([1., 2., 3.])).sum(-1), "f")
         >>> _ = storch.backward()

@@ -27,7 +27,7 @@ Examples:
     >>> per_group.plates[0].size, tuple(per_group.shape)
     (3, (3, 2))
     >>> difference = per_group[..., 1] - per_group[..., 0]
-    >>> spread_groups(difference, cost, plate, 2)._tensor.tolist()
+    >>> spread_groups(difference, cost, plate, 2).plain().tolist()
     [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
 """
 

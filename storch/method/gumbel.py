@@ -48,7 +48,7 @@ class GumbelSoftmax(AnnealedTemperature, Method):
         >>> import torch
         >>> from torch.distributions import OneHotCategorical
         >>> z = GumbelSoftmax("z", n_samples=3, initial_temperature=0.5)(OneHotCategorical(logits=torch.zeros(4)))
-        >>> z.shape, bool(torch.allclose(z._tensor.sum(-1), torch.ones(3)))
+        >>> z.shape, bool(torch.allclose(z.plain().sum(-1), torch.ones(3)))
         (torch.Size([3, 4]), True)
     """
 

@@ -148,7 +148,7 @@ class GumbelSparseMax(_GumbelProjection):
         >>> from torch.distributions import OneHotCategorical
         >>> _ = torch.manual_seed(0)
         >>> z = GumbelSparseMax("z", n_samples=3, initial_temperature=0.1)(OneHotCategorical(logits=torch.zeros(4)))
-        >>> z.shape, bool(torch.allclose(z._tensor.sum(-1), torch.ones(3))), bool((z._tensor == 0).any())
+        >>> z.shape, bool(torch.allclose(z.plain().sum(-1), torch.ones(3))), bool((z.plain() == 0).any())
         (torch.Size([3, 4]), True, True)
     """
 
@@ -183,7 +183,7 @@ class GumbelEntmax(_GumbelProjection):
         >>> import torch
         >>> from torch.distributions import Bernoulli
         >>> x = GumbelEntmax("x", n_samples=5, straight_through=True)(Bernoulli(logits=torch.zeros(2)))
-        >>> x.shape, set(x._tensor.unique().tolist()) <= {0.0, 1.0}
+        >>> x.shape, set(x.plain().unique().tolist()) <= {0.0, 1.0}
         (torch.Size([5, 2]), True)
     """
 

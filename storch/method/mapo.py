@@ -455,7 +455,7 @@ class MAPO(Method):
         >>> mapo = MAPO("y", n_samples=2, buffer_size=2)
         >>> mapo.add_to_memory(torch.tensor([3]))            # a known good value, summed exactly
         >>> y = mapo(Categorical(logits=theta))
-        >>> y.shape, int(y._tensor[0]), bool((y._tensor[1:] != 3).all())   # buffer row, then samples
+        >>> y.shape, int(y.plain()[0]), bool((y.plain()[1:] != 3).all())   # buffer row, then samples
         (torch.Size([3]), 3, True)
         >>> storch.add_cost(cost[y], "f")
         >>> _ = storch.backward()

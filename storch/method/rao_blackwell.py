@@ -62,7 +62,7 @@ class RaoBlackwellSF(Method):
         >>> _ = torch.manual_seed(0)
         >>> theta = torch.tensor([2.0, 0.0, -1.0, 0.5], requires_grad=True)
         >>> z = RaoBlackwellSF("z", k=3, n_sampled=1000)(OneHotCategorical(logits=theta))
-        >>> z._tensor[:2].argmax(-1).tolist()   # the two most probable values, summed exactly
+        >>> z.plain()[:2].argmax(-1).tolist()   # the two most probable values, summed exactly
         [0, 3]
         >>> v = torch.tensor([1.0, 2.0, 3.0, 4.0])
         >>> storch.add_cost((z * v).sum(-1), "f")

@@ -450,7 +450,7 @@ class REBAR(RELAX):
         >>> from torch.distributions import OneHotCategorical
         >>> logits = torch.zeros(4, requires_grad=True)
         >>> z = REBAR("z", n_samples=2)(OneHotCategorical(logits=logits))
-        >>> z.shape, z.plates[0].weight._tensor.tolist()  # groups [b, σ(z), σ(z̃)]
+        >>> z.shape, z.plates[0].weight.plain().tolist()  # groups [b, σ(z), σ(z̃)]
         (torch.Size([6, 4]), [0.5, 0.0, 0.0, 0.5, 0.0, 0.0])
         >>> storch.add_cost((z * torch.tensor([1.0, 2.0, 3.0, 4.0])).sum(-1), "f")
         >>> estimate = storch.backward()                   # the mean of f over the two discrete samples

@@ -182,7 +182,7 @@ class ScoreFunctionWOR(UpdatesItsBaseline, Method):
         >>> from torch.distributions import OneHotCategorical
         >>> theta = torch.zeros(5, requires_grad=True)
         >>> z = ScoreFunctionWOR("z", k=3)(OneHotCategorical(logits=theta))
-        >>> z.shape, int(z._tensor.sum(0).max())     # 3 distinct one-hot values
+        >>> z.shape, int(z.plain().sum(0).max())     # 3 distinct one-hot values
         (torch.Size([3, 5]), 1)
         >>> storch.add_cost((z * torch.arange(5.0)).sum(-1), "f")
         >>> _ = storch.backward()

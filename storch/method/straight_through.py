@@ -239,7 +239,7 @@ class StraightThrough(StraightThroughFamily):
         >>> from torch.distributions import OneHotCategorical
         >>> theta = torch.zeros(3, requires_grad=True)
         >>> z = StraightThrough("z", n_samples=4)(OneHotCategorical(logits=theta))
-        >>> bool(((z._tensor == 0) | (z._tensor == 1)).all())
+        >>> bool(((z.plain() == 0) | (z.plain() == 1)).all())
         True
         >>> storch.add_cost((z * torch.tensor([1., 2., 3.])).sum(-1), "f")
         >>> _ = storch.backward()

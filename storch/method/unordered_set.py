@@ -67,7 +67,7 @@ class UnorderedSetEstimator(ScoreFunctionWOR):
         >>> from torch.distributions import OneHotCategorical
         >>> theta = torch.tensor([1.0, 0.0, -1.0, 0.5, 0.2], requires_grad=True)
         >>> z = UnorderedSetEstimator("z", k=3)(OneHotCategorical(logits=theta))
-        >>> z.shape, int(z._tensor.sum(0).max())     # 3 distinct values
+        >>> z.shape, int(z.plain().sum(0).max())     # 3 distinct values
         (torch.Size([3, 5]), 1)
         >>> storch.add_cost((z * torch.arange(5.0)).sum(-1), "f")
         >>> _ = storch.backward(); theta.grad.shape
@@ -170,7 +170,7 @@ class UnorderedSetGumbelSoftmax(Method):
         >>> theta = torch.tensor([1.0, 0.0, -1.0, 0.5], requires_grad=True)
         >>> v = torch.tensor([1.0, 2.0, 3.0, 4.0])
         >>> z = UnorderedSetGumbelSoftmax("z", k=2, initial_temperature=0.5)(OneHotCategorical(logits=theta))
-        >>> z.shape, bool(torch.allclose(z._tensor.sum(-1), torch.ones(2)))   # 2 relaxed one-hot samples
+        >>> z.shape, bool(torch.allclose(z.plain().sum(-1), torch.ones(2)))   # 2 relaxed one-hot samples
         (torch.Size([2, 4]), True)
         >>> storch.add_cost((z * v).sum(-1), "f")
         >>> _ = storch.backward()

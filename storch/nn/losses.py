@@ -34,7 +34,7 @@ def b_binary_cross_entropy(
         >>> x = storch.denote_independent(torch.tensor([[1., 0.], [0., 1.]]), 0, "data")
         >>> p = storch.denote_independent(torch.full((2, 2), 0.5), 0, "data")
         >>> loss = storch.nn.b_binary_cross_entropy(p, x)
-        >>> loss.plates[0].name, [round(v, 4) for v in loss._tensor.tolist()]
+        >>> loss.plates[0].name, [round(v, 4) for v in loss.plain().tolist()]
         ('data', [1.3863, 1.3863])
     """
     loss = F.binary_cross_entropy(input, target, weight=weight, reduction="none")

@@ -62,8 +62,8 @@ class ImportanceSampling(SamplingMethod):
         >>> r = OneHotCategorical(probs=torch.tensor([0.5, 0.25, 0.25]))
         >>> z = ScoreFunction("z", sampling_method=ImportanceSampling("z", 1000, r))(
         ...     OneHotCategorical(logits=theta))
-        >>> w = z.plate.weight._tensor    # one weight p(x)/(n r(x)) per sample
-        >>> w.shape, bool(torch.allclose(w, (1 / 3) / (1000 * r.probs[z._tensor.argmax(-1)])))
+        >>> w = z.plate.weight.plain()    # one weight p(x)/(n r(x)) per sample
+        >>> w.shape, bool(torch.allclose(w, (1 / 3) / (1000 * r.probs[z.plain().argmax(-1)])))
         (torch.Size([1000]), True)
         >>> storch.add_cost((z * torch.tensor([1.0, 2.0, 3.0])).sum(-1), "f")
         >>> _ = storch.backward()   # exact: ∂/∂θ Σ_k π_k v_k = π (v − πᵀv) = [−1/3, 0, 1/3]

@@ -105,7 +105,7 @@ class SamplingMethod(nn.Module, DeclaresStepState, ABC):
         ...         return (distr.probs > 0.5).to(distr.probs.dtype).unsqueeze(0)   # (1, *batch)
         >>> probs = torch.tensor([0.2, 0.9])
         >>> x = storch.method.ScoreFunction("x", sampling_method=Mode("x"))(Bernoulli(probs))
-        >>> x._tensor.tolist(), x.plates[0].weight.item()
+        >>> x.plain().tolist(), x.plates[0].weight.item()
         ([[0.0, 1.0]], 1.0)
         >>> storch.reset()
     """

@@ -234,7 +234,7 @@ class UnorderedSet(SampleWithoutReplacement):
         >>> from storch.method.score_function import ScoreFunction
         >>> theta = torch.tensor([1.0, 0.0, -1.0, 0.5])
         >>> z = ScoreFunction("z", sampling_method=UnorderedSet("z", 2))(Categorical(logits=theta))
-        >>> z.n, len(set(z._tensor.tolist()))
+        >>> z.n, len(set(z.plain().tolist()))
         (2, 2)
     """
 
