@@ -309,14 +309,13 @@ class Method(nn.Module, DeclaresStepState):
     #: whether the samples carry pathwise gradients (``rsample``)
     reparameterized: bool = False
     #: whether `storch.method.method.Method.update_parameters` differentiates through the
-    # surrogate again (e.g. to train
-    #: a control variate on the gradient variance); ``storch.backward`` then retains the graph
+    #: surrogate again (e.g. to train a control variate on the gradient variance);
+    #: ``storch.backward`` then retains the graph
     needs_graph_after_backward: bool = False
     #: whether the method estimates gradients of a multi-sample bound over its samples jointly
-    #: (VIMCO), so that `storch.method.iwae_bound` may be taken over its plate although it
-    # is
+    #: (VIMCO), so that `storch.method.iwae_bound` may be taken over its plate although it is
     #: not reparameterized; such a method gets the bound through
-    # `storch.method.method.Method.on_joint_bound`
+    #: `storch.method.method.Method.on_joint_bound`
     handles_joint_bound: bool = False
     #: whether a node drawn with a single plain Monte Carlo sample may be a step of a single-sample
     #: chain (`storch.plate.ChainPlate`): it then extends the chain its
@@ -330,6 +329,9 @@ class Method(nn.Module, DeclaresStepState):
     #: in the same class body, or counts as keeping ``HOST`` state
     step_state = StepState.NONE
     state_hooks = ("update_parameters",)
+    #: ``method(distribution)`` runs ``forward`` through ``nn.Module.__call__`` (hooks run), the same
+    #: function; declared here so that type checkers and editors see the node it returns
+    __call__: Callable[..., StochasticTensor] = nn.Module.__call__
 
     def __init__(
         self, plate_name: str, sampling_method: SamplingMethod | None = None, n_samples: int = DEFAULT_N_SAMPLES
