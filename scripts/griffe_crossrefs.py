@@ -15,9 +15,12 @@ Loaded by ``mkdocs.yml`` (the ``extensions`` option of the mkdocstrings Python h
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable, Iterator
 
-import griffe
+try:
+    import griffe
+except ImportError:  # without the docs extra, link_names still imports (tests/test_docstrings.py)
+    griffe = None  # type: ignore[assignment]
 
 # A name in single backticks: `storch.x.y` or `storch.x.y()`, not part of ``double`` backticks or of
 # an existing [`...`][...] reference.
@@ -25,26 +28,13 @@ _NAME = re.compile(r"(?<![`\[])`(?P<path>storch(?:\.[A-Za-z_]\w*)*)(?P<call>\(\)
 _FENCE = re.compile(r"^\s*(```|~~~)")
 
 
-def _exists(pkg: griffe.Module, path: str) -> bool:
-    """Whether ``path`` names a public object of ``pkg`` (a member, an inherited one, or an alias)."""
-    parts = path.split(".")[1:]
-    if any(part.startswith("_") for part in parts):
-        return False
-    obj: Any = pkg
-    try:
-        for part in parts:
-            obj = obj.all_members[part]  # inherited members too
-    except (KeyError, griffe.AliasResolutionError, griffe.CyclicAliasError):
-        return False
-    return True
-
-
-def link_names(text: str, pkg: griffe.Module) -> str:
-    """``text`` with every `storch.…` name in single backticks made an optional cross-reference."""
+def link_names(text: str, exists: Callable[[str], bool]) -> str:
+    """``text`` with every `storch.…` name in single backticks for which ``exists`` holds made an
+    optional cross-reference; code blocks and doctests are left as they are."""
 
     def link(match: re.Match[str]) -> str:
         path = match["path"]
-        if not _exists(pkg, path):
+        if not exists(path):
             return match[0]
         return f'<autoref identifier="{path}" optional><code>{path}{match["call"] or ""}</code></autoref>'
 
@@ -58,20 +48,34 @@ def link_names(text: str, pkg: griffe.Module) -> str:
     return "\n".join(out)
 
 
-def _objects(obj: griffe.Object):
-    """``obj`` and every object defined in it (aliases skipped: they share their target's docstring)."""
-    yield obj
-    for member in obj.members.values():
-        if not member.is_alias:
-            yield from _objects(member)
+if griffe is not None:
 
+    def _exists(pkg: griffe.Module, path: str) -> bool:
+        """Whether ``path`` names a public object of ``pkg`` (a member, an inherited one, an alias)."""
+        parts = path.split(".")[1:]
+        if any(part.startswith("_") for part in parts):
+            return False
+        obj: Any = pkg
+        try:
+            for part in parts:
+                obj = obj.all_members[part]  # inherited members too
+        except (KeyError, griffe.AliasResolutionError, griffe.CyclicAliasError):
+            return False
+        return True
 
-class CrossRefs(griffe.Extension):
-    """Rewrites plain `storch.…` names in docstrings into optional autorefs cross-references."""
+    def _objects(obj: griffe.Object) -> Iterator[griffe.Object]:
+        """``obj`` and every object defined in it (aliases skipped: they share their target's docstring)."""
+        yield obj
+        for member in obj.members.values():
+            if not member.is_alias:
+                yield from _objects(member)
 
-    def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
-        if pkg.name != "storch":
-            return
-        for obj in _objects(pkg):
-            if obj.docstring is not None:
-                obj.docstring.value = link_names(obj.docstring.value, pkg)
+    class CrossRefs(griffe.Extension):
+        """Rewrites plain `storch.…` names in docstrings into optional autorefs cross-references."""
+
+        def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
+            if pkg.name != "storch":
+                return
+            for obj in _objects(pkg):
+                if obj.docstring is not None:
+                    obj.docstring.value = link_names(obj.docstring.value, lambda path: _exists(pkg, path))

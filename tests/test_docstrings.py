@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import re
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
 import pytest
 
-import storch
 
-ROOT = Path(storch.__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
+ROOT = REPO / "storch"
 
 # griffe's section title (``_RE_ADMONITION`` in griffe.docstrings.google): a line at column 0.
 _HEADER = re.compile(r"^(?P<type>\w[\s\w-]*):(\s+(?P<title>\S.*))?\s*$")
@@ -37,7 +38,19 @@ _NAMED = {
 _NAMED_ITEM = re.compile(r"^\*{0,2}\w+\s*(\(.+\))?:(\s|$)")
 _EXCEPTION_ITEM = re.compile(r"^[A-Za-z_][\w.]*\s*:(\s|$)")
 _XREF = re.compile(r"\]\[[A-Za-z_][\w.]*\]|\]\[\]")
-_NAME = re.compile(r"(?<![`\w])`(storch(?:\.[A-Za-z_]\w*)*)(?:\(\))?`(?!`)")
+
+
+def _load_crossrefs():
+    """``scripts/griffe_crossrefs.py``, the docs build's rule for which names become links."""
+    path = REPO / "scripts" / "griffe_crossrefs.py"
+    spec = importlib.util.spec_from_file_location("griffe_crossrefs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+crossrefs = _load_crossrefs()
+_NAME = crossrefs._NAME
 
 
 class Doc(NamedTuple):
@@ -49,7 +62,8 @@ def docstrings(root: Path = ROOT) -> Iterator[Doc]:
     """Every module, class and function docstring under ``root``."""
     for path in sorted(root.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        nodes = [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)))]
+        kinds = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        nodes = [tree, *(n for n in ast.walk(tree) if isinstance(n, kinds))]
         for node in nodes:
             text = ast.get_docstring(node, clean=True)
             if text:
@@ -123,9 +137,11 @@ def section_findings(text: str) -> list[str]:
                 f"first line (one item per returned value): {items[1]!r}"
             )
         elif kind in _EXCEPTIONS:
-            findings += [f"{kind}: not 'Exception: description': {item!r}" for item in items if not _EXCEPTION_ITEM.match(item)]
+            bad = [item for item in items if not _EXCEPTION_ITEM.match(item)]
+            findings += [f"{kind}: not 'Exception: description': {item!r}" for item in bad]
         elif kind in _NAMED:
-            findings += [f"{kind}: not 'name (type): description': {item!r}" for item in items if not _NAMED_ITEM.match(item)]
+            bad = [item for item in items if not _NAMED_ITEM.match(item)]
+            findings += [f"{kind}: not 'name (type): description': {item!r}" for item in bad]
     return findings
 
 
@@ -165,7 +181,7 @@ def test_no_cross_reference_markup_in_docstrings():
 
 
 def test_every_storch_name_in_backticks_exists():
-    names = {(d.where, m[1]) for d in DOCS for line in prose_lines(d.text) for m in _NAME.finditer(line)}
+    names = {(d.where, m["path"]) for d in DOCS for line in prose_lines(d.text) for m in _NAME.finditer(line)}
     assert len(names) > 300
     missing = sorted(f"{where}: `{name}`" for where, name in names if not resolves(name))
     assert not missing, "names in docstrings that are no storch object:\n" + "\n".join(missing)
@@ -199,9 +215,34 @@ def test_the_section_rule(text, expected):
 def test_the_markup_and_name_rules():
     assert _XREF.search("see [`add_cost`][storch.add_cost]") and _XREF.search("see [storch.add_cost][]")
     assert not _XREF.search("x[key][0] and `storch.add_cost`")
-    assert [m[1] for m in _NAME.finditer("`storch.backward()`, ``storch.x``, `storch.Plate`")] == [
+    assert [m["path"] for m in _NAME.finditer("`storch.backward()`, ``storch.x``, `storch.Plate`")] == [
         "storch.backward",
         "storch.Plate",
     ]
     assert resolves("storch.add_cost") and resolves("storch.plate.Plate") and resolves("storch.method")
     assert not resolves("storch.add_costs") and not resolves("storch.no_module.x")
+
+
+def test_the_docs_build_links_plain_names():
+    text = "\n".join(
+        [
+            "Call `storch.backward()` after `storch.add_cost`; not `storch.nothing`, ``storch.x``,",
+            "[`storch.plate`][storch.plate] or `torch.sum`.",
+            ">>> `storch.add_cost`",
+            "```python",
+            "`storch.add_cost`",
+            "```",
+        ]
+    )
+    linked = crossrefs.link_names(text, lambda path: path != "storch.nothing").split("\n")
+    assert linked[0] == (
+        'Call <autoref identifier="storch.backward" optional><code>storch.backward()</code></autoref> after '
+        '<autoref identifier="storch.add_cost" optional><code>storch.add_cost</code></autoref>; not '
+        "`storch.nothing`, ``storch.x``,"
+    )
+    assert linked[1:] == text.split("\n")[1:]
+
+
+def test_the_docs_build_loads_the_extension():
+    mkdocs = (REPO / "mkdocs.yml").read_text(encoding="utf-8")
+    assert "- scripts/griffe_crossrefs.py:CrossRefs" in mkdocs
