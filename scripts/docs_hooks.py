@@ -9,7 +9,7 @@
 * **Names in table cells break at their dots.** Code in a table cell may break after ``.``, ``=``,
   ``(``, ``,`` and ``/`` (a ``<wbr>`` there), never inside a word (``docs/stylesheets/extra.css``),
   so a long qualified name such as ``storch.sampling.MCDecoder(...)`` does not force its column
-  wider than the page.
+  wider than the page; a value and its error (``208.91 ± 0.03``) stay on one line.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ _CODE = re.compile(r"<code>([^<]+)</code>")
 _PATH = re.compile(r"[\w.-]+(?:/[\w.-]+)*/?")
 _TABLE = re.compile(r"<table\b.*?</table>", re.DOTALL)
 _BREAK_AFTER = re.compile(r"([.=(,/])(?=\w)")
+_PLUS_MINUS = re.compile(r"(?<=\d) ± (?=\d)")
 
 
 @cache
@@ -91,12 +92,17 @@ def link_file_mentions(page_html: str, files: frozenset[str], repo_url: str) -> 
 
 
 def break_names_in_tables(page_html: str) -> str:
-    """``page_html`` with a ``<wbr>`` after the dots (and ``=``, ``(``, ``,``, ``/``) of code in tables."""
+    """``page_html`` with a ``<wbr>`` after the dots (and ``=``, ``(``, ``,``, ``/``) of code in tables,
+    and a value and its error (``208.91 ± 0.03``) held on one line."""
 
     def table(match: re.Match[str]) -> str:
-        return _outside(re.compile(r"<pre\b.*?</pre>", re.DOTALL), match.group(0), _break_code)
+        return _outside(re.compile(r"<pre\b.*?</pre>", re.DOTALL), match.group(0), _fix_cells)
 
     return _TABLE.sub(table, page_html)
+
+
+def _fix_cells(text: str) -> str:
+    return _PLUS_MINUS.sub("\u00a0±\u00a0", _break_code(text))
 
 
 def _break_code(text: str) -> str:

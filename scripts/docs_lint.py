@@ -20,6 +20,9 @@ What it looks for:
   (``the brief``, ``the session``), or references to their notes (``SPEC``);
 * ``sphinx-role``: a Sphinx cross-reference role (``:class:`...```, ``:meth:``, ``:func:``,
   ``:attr:``, ``:mod:``, ``:exc:``, ``:obj:``, ``:data:``), which MkDocs prints as it is;
+* ``literal-list`` (built pages): a paragraph with a line that starts like a list item (``* ``,
+  ``- ``, ``1. ``), a Markdown list that did not render (it needs a blank line before it, and the
+  content of an item is indented by 4 spaces);
 * ``code-too-wide``: a line of a fenced code block in ``docs/`` wider than ``CODE_WIDTH``
   characters, the width of a code block of the Material theme at a 1280-pixel window
   (``scripts/docs_screenshot.py`` measures it): a wider line would wrap.
@@ -145,8 +148,18 @@ def lint_html(path: Path, text: str | None = None) -> list[Finding]:
             findings += [
                 Finding(_rel(path), number, r, t) for r, t in check_line(line, prose=not code, prose_text=prose)
             ]
+    for paragraph in _PARAGRAPH.finditer(text):
+        for item in _LIST_MARKER.finditer(paragraph.group(1)):
+            number = text.count("\n", 0, paragraph.start(1) + item.start()) + 2
+            shown = html.unescape(_TAG.sub("", item.group(0))).strip()
+            findings.append(Finding(_rel(path), number, "literal-list", shown[:100]))
     return findings
 
+
+# A paragraph of a built page with a line that starts like a list item: a Markdown list that did not
+# render (it needs a blank line before it; content of an item is indented by 4 spaces).
+_PARAGRAPH = re.compile(r"<p>(.*?)</p>", re.DOTALL)
+_LIST_MARKER = re.compile(r"\n[ \t]*(?:[*+-]|\d+\.) [^\n]*")
 
 _DOCSTRING_ROLE = re.compile(rf"(?<![\w:]):(?:py:)?(?:{_ROLE_NAMES}):`")
 

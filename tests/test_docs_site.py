@@ -256,12 +256,13 @@ def test_hook_leaves_everything_else_as_it_is() -> None:
 
 
 def test_hook_breaks_names_in_tables_at_their_dots() -> None:
-    page = ("<p><code>storch.sampling.MCDecoder</code></p><table><tr><td><code>storch.sampling.MCDecoder(k=2)"
-            "</code> <code>SampleWithoutReplacement</code></td></tr></table>")
+    page = ("<p><code>storch.sampling.MCDecoder</code> 1.5 ± 0.2</p><table><tr><td><code>storch.sampling.MCDecoder(k=2)"
+            "</code> <code>SampleWithoutReplacement</code></td><td>208.91 ± 0.03, x ± y</td></tr></table>")
     assert hooks.break_names_in_tables(page) == (
-        "<p><code>storch.sampling.MCDecoder</code></p><table><tr><td><code>storch.<wbr>sampling.<wbr>"
-        "MCDecoder(<wbr>k=<wbr>2)</code> <code>SampleWithoutReplacement</code></td></tr></table>"
-    )
+        "<p><code>storch.sampling.MCDecoder</code> 1.5 ± 0.2</p><table><tr><td><code>storch.<wbr>sampling.<wbr>"
+        "MCDecoder(<wbr>k=<wbr>2)</code> <code>SampleWithoutReplacement</code></td>"
+        "<td>208.91\u00a0±\u00a00.03, x ± y</td></tr></table>"
+    )  # only in tables: a value and its error on one line
 
 
 def test_hook_reads_the_repository_and_is_registered() -> None:
@@ -294,3 +295,21 @@ def test_hook_without_git_walks_the_tree(monkeypatch, tmp_path: Path) -> None:
 
     monkeypatch.setattr(hooks.subprocess, "run", no_git)
     assert hooks.repository_files.__wrapped__(tmp_path) == frozenset({"benchmarks/run.py"})
+
+
+def test_lint_finds_lists_that_did_not_render() -> None:
+    """A Markdown list right after a paragraph's last line renders as text: "* item" in the page."""
+    page = """<html><body>
+<p>Leaving each piece out measured:
+* 45 µs for the backward pass;
+1. first</p>
+<ul><li>a list that rendered</li></ul>
+<p>a - b and 3 * 4 on one line</p>
+<pre><code>* a bullet in code
+</code></pre>
+</body></html>"""
+    findings = lint.lint_html(Path("page.html"), page)
+    assert [(f.line, f.rule, f.text) for f in findings] == [
+        (3, "literal-list", "* 45 µs for the backward pass;"),
+        (4, "literal-list", "1. first"),
+    ]

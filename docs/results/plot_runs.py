@@ -3,7 +3,7 @@
 usage: [X=seconds] python docs/results/plot_runs.py OUT.png TITLE RUN_ROOT [RUN_ROOT ...]
 ONLY=est1,est2: keep only these estimators. X=seconds: x axis = training seconds (train time only, one thread) instead of steps.
 Y=grad_logvar: y axis = the gradient log-variance probes instead of the test -ELBO.
-Runs are grouped by (model, label) read from each run's summary.json; one panel per model.
+Runs are grouped by (model, label) read from each run's summary.json; one panel per model, two panels to a row.
 """
 import csv
 import json
@@ -41,10 +41,14 @@ def load(roots):
 def main():
     out, title, roots = sys.argv[1], sys.argv[2], sys.argv[3:]
     groups = load(roots)
-    fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4), squeeze=False)
+    cols = min(2, len(groups))  # panels two to a row, so that the page shows them large enough
+    rows = -(-len(groups) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.8 * rows + 0.2), squeeze=False)
+    for ax in axes.flat[len(groups):]:
+        ax.set_visible(False)
     all_labels = sorted({label for labels in groups.values() for label in labels})
     colors = {label: f"C{i}" for i, label in enumerate(all_labels)}  # one colour per estimator in all panels
-    for ax, (model, labels) in zip(axes[0], sorted(groups.items())):
+    for ax, (model, labels) in zip(axes.flat, sorted(groups.items())):
         for label, runs in sorted(labels.items()):
             # runs evaluated at different steps (e.g. every 200 vs every 250): interpolate onto the union
             steps = np.unique(np.concatenate([r[0] for r in runs]))
