@@ -53,7 +53,8 @@ def event_dim(dim: int, ndim: int, layout: PlateLayout, who: str, shape: Sequenc
     Examples:
         >>> import torch, storch
         >>> x = storch.denote_independent(torch.zeros(5, 4, 2), 0, "p")
-        >>> event_dim(-1, 3, x._layout, "f"), event_dim(1, 3, x._layout, "f")
+        >>> layout = storch.extend.layout_of(x)
+        >>> event_dim(-1, 3, layout, "f"), event_dim(1, 3, layout, "f")
         (2, 1)
     """
     if isinstance(dim, bool) or not isinstance(dim, int):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import collections.abc
 import inspect
+import re
 import typing
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,3 +77,46 @@ def test_the_methods_are_found():
     names = {c.__name__ for c in _method_classes()}
     assert {"Method", "ScoreFunction", "Reparameterization", "Expect", "MAPO", "GSB"} <= names
     assert len(names) > 25
+
+
+# ``obj._name`` in user-facing code: the documentation's examples, examples/ and the doctests of
+# public modules show the public way (``t.plain()``, ``storch.extend.layout_of(t)``, ...).
+_PRIVATE = re.compile(r"[\w\])]\._[a-z]\w*")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _example_lines() -> list[tuple[str, str]]:
+    lines = []
+    for page in sorted([*REPO.joinpath("docs").rglob("*.md"), REPO / "README.md"]):
+        fenced = False
+        for number, line in enumerate(page.read_text(encoding="utf-8").split("\n"), 1):
+            if line.startswith("```"):
+                fenced = line.startswith("```python")
+            elif fenced:
+                lines.append((f"{page.relative_to(REPO)}:{number}", line))
+    for script in sorted(REPO.joinpath("examples").rglob("*.py")):
+        for number, line in enumerate(script.read_text(encoding="utf-8").split("\n"), 1):
+            lines.append((f"{script.relative_to(REPO)}:{number}", line))
+    for module in sorted(REPO.joinpath("storch").rglob("*.py")):
+        if any(part.startswith("_") and part != "__init__.py" for part in module.relative_to(REPO).parts):
+            continue  # a private module's examples may use its private names
+        for number, line in enumerate(module.read_text(encoding="utf-8").split("\n"), 1):
+            if line.lstrip().startswith((">>>", "... ")):
+                lines.append((f"{module.relative_to(REPO)}:{number}", line.lstrip()[4:]))
+    return lines
+
+
+def test_examples_use_no_private_attribute():
+    lines = _example_lines()
+    assert len(lines) > 2000
+    found = [
+        f"{where}: {line.strip()}"
+        for where, line in lines
+        if not line.lstrip().startswith(("from ", "import ", "#")) and _PRIVATE.search(line.split("  #")[0])
+    ]
+    assert not found, "examples that reach for a private attribute:\n" + "\n".join(found)
+
+
+def test_the_private_attribute_rule():
+    assert _PRIVATE.search("print(z._tensor.tolist())") and _PRIVATE.search("x.plates[0].weight._tensor")
+    assert not _PRIVATE.search("z.plain().tolist(), torch.__version__, storch.reduce_plates(t)")
