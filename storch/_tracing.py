@@ -10,9 +10,8 @@ graph and hands it to `storch.compiled_step` instead, which runs it on each repl
   compiled step itself (`storch._compile.checks`): assertions in the graph on the CPU, booleans read
   after the step elsewhere;
 * code that would choose a faster branch by reading a tensor on the host (the zero-weight test of
-  `storch.reductions.reduce_plate`, the device-copy cache of plate weights) takes
-  the general
-  branch when `storch._tracing.active`;
+  `storch.reductions.reduce_plate`, the device-copy cache of plate weights) takes the general branch
+  when `storch._tracing.active`;
 * code that must build state at its first use (a critic's network) raises
   `storch._tracing.EagerStepNeeded`: that call runs eagerly, and the next one is traced.
 

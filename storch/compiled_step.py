@@ -34,20 +34,18 @@ Semantics (see `storch.compiled_step.compile_step` for the API):
 * **Checks are kept.** ``torch.distributions`` argument validation and ``F.one_hot``'s range check
   are assertions in the graph on the CPU (off the CPU, outputs read after the step), and storch's
   check that the surrogate loss is finite is read after each replay (one host read per step, as in
-  eager mode): a failure raises the error eager mode raises (``ValueError`` naming the parameter
-  and the constraint; `storch.exceptions.NonFiniteCostError` naming the costs)
-  and the
-  step's gradients are not applied, nor its updates of parameters and buffers (a replay that fails
-  its checks leaves them as they were before it). The ``ValueError`` of a validation that fails in a
-  replay is torch's own: the step is run once more, eagerly, from the state before the replay (and
-  everything it changes is put back), so that torch names the parameter and the constraint.
-* **What cannot be replayed is refused**, with
-`storch.exceptions.CompileStepError` naming
-  it, instead of being baked in silently: a value read on the host during the step (an ``if`` on a
+  eager mode): a failure raises the error eager mode raises (``ValueError`` naming the parameter and
+  the constraint; `storch.exceptions.NonFiniteCostError` naming the costs) and the step's gradients
+  are not applied, nor its updates of parameters and buffers (a replay that fails its checks leaves
+  them as they were before it). The ``ValueError`` of a validation that fails in a replay is torch's
+  own: the step is run once more, eagerly, from the state before the replay (and everything it
+  changes is put back), so that torch names the parameter and the constraint.
+* **What cannot be replayed is refused**, with `storch.exceptions.CompileStepError` naming it,
+  instead of being baked in silently: a value read on the host during the step (an ``if`` on a
   tensor, ``.item()``, an optimizer that reads its step count), an estimator that keeps state
   between steps outside tensors it updates in place (its declared ``step_state`` is
-  ``StepState.host(reason)``: see `storch.state`), a tensor that requires grad but is not
-  a parameter of the given modules, a storch tensor in the arguments or the result, costs left
+  ``StepState.host(reason)``: see `storch.state`), a tensor that requires grad but is not a
+  parameter of the given modules, a storch tensor in the arguments or the result, costs left
   registered without ``storch.backward()``, a step that changes its modules' Python settings or
   updates in place a tensor that is not a buffer or parameter of a given module (or one of its
   arguments). After tracing, the graph is replayed once from the state before the trace and must

@@ -7,9 +7,8 @@ gradient of its local estimate and DDP averages the model's gradients across ran
 not the model's, and DDP does not see it:
 
 * methods with parameters and an optimizer of their own (`storch.method.RELAX`,
-  `storch.method.REBAR`, `storch.method.LAX`) average their parameters' gradients
-  across ranks (`storch.distributed.all_reduce_gradients_`) before their optimizer steps, and
-  broadcast the
+  `storch.method.REBAR`, `storch.method.LAX`) average their parameters' gradients across ranks
+  (`storch.distributed.all_reduce_gradients_`) before their optimizer steps, and broadcast the
   parameters of rank 0 at their first step, so all replicas hold the same control variate;
 * `storch.method.baseline.MovingAverageBaseline` averages the batch mean of the cost across
   ranks before it updates (``sync=True``, the default), so its value is global.

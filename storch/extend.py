@@ -18,8 +18,7 @@ as plain torch operations (no alignment, no wrapping, no plate checks); results 
 * ``wrap_new(t, layout)``: make a fresh plain result, held by nobody else, a storch tensor (no view)
 * ``new_node(method, distribution, samples, plate, parents)``: make plain samples a node on ``plate``
 * ``node_of(t)``: the `storch.extend.StochasticNode` of samples: ``samples``, ``distribution``,
-``method``,
-  ``plate``, ``layout``, ``param_grads``
+  ``method``, ``plate``, ``layout``, ``param_grads``
 * ``layout_of_plates(plates)``: the (cached) layout of plates in the order given
 * ``merge_layouts(layouts)``: the union of layouts, newest plate first
 * ``align_to(t, layout)``: a view of ``t`` laid out for a larger layout (under ``no_dispatch``)

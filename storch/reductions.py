@@ -1,12 +1,11 @@
 """Creating and reducing plates.
 
-* `storch.reductions.denote_independent` and
-`storch.reductions.gather_samples` create independent plates;
-* `storch.reductions.reduce_plates` and `storch.reductions.variance` reduce plates *with
-their weights* (use these for
-  estimates);
-* `storch.reductions.sum`, `storch.reductions.mean` and `storch.reductions.logsumexp`
-reduce named dimensions *without* weights.
+* `storch.reductions.denote_independent` and `storch.reductions.gather_samples` create independent
+  plates;
+* `storch.reductions.reduce_plates` and `storch.reductions.variance` reduce plates *with their
+  weights* (use these for estimates);
+* `storch.reductions.sum`, `storch.reductions.mean` and `storch.reductions.logsumexp` reduce named
+  dimensions *without* weights.
 
 Reducing a plate with a plain torch reduction (``t.mean(0)``) is an error, because it silently
 discards the per-sample values the gradient estimators need.

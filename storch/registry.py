@@ -14,13 +14,11 @@ user registered earlier.
 
 Two things that would otherwise go unnoticed are errors:
 
-* a type registered twice in one registry
-(`storch.registry.DuplicateRegistrationError`), unless the
+* a type registered twice in one registry (`storch.registry.DuplicateRegistrationError`), unless the
   second registration says ``replace=True``, so that overriding a built-in entry is deliberate;
 * a type that inherits from two or more registered types of which none is more specific than the
-  others (multiple inheritance; `storch.registry.AmbiguousLookupError`), whose fix is to
-  register the type
-  itself.
+  others (multiple inheritance; `storch.registry.AmbiguousLookupError`), whose fix is to register
+  the type itself.
 
 ``Independent`` distributions find their base distribution's entry. ``Independent(base, 0)`` *is*
 ``base``, and ``Independent(base, n)`` only regroups ``n`` batch dimensions of ``base`` as event

@@ -1,21 +1,18 @@
 """Wrappers that run ordinary functions on plated tensors.
 
 * `storch.wrappers.deterministic` — align the storch arguments, optionally expand or flatten the
-plates and
-  name plate dimensions for ``dim``/``dims`` arguments, run the function on plain tensors, and give
-  the outputs the plates back.
+  plates and name plate dimensions for ``dim``/``dims`` arguments, run the function on plain
+  tensors, and give the outputs the plates back.
 * `storch.wrappers.reduce` — the same for functions that reduce some plates away.
-* `storch.wrappers.make_left_broadcastable` — for functions that accept exactly one batch
-dimension, such as
-  ``nn.Conv2d`` on ``(N, C, H, W)`` or ``nn.LSTMCell`` on ``(N, F)`` with an ``(h, c)`` state: the
-  plates (and, with ``batch_dims``, the leading non-plate dimensions) are flattened into that batch
-  dimension. Given an ``nn.Module`` it returns one, a
-  `storch.wrappers.LeftBroadcastable` that holds the module (its parameters stay
-  registered in the model it is assigned to).
+* `storch.wrappers.make_left_broadcastable` — for functions that accept exactly one batch dimension,
+  such as ``nn.Conv2d`` on ``(N, C, H, W)`` or ``nn.LSTMCell`` on ``(N, F)`` with an ``(h, c)``
+  state: the plates (and, with ``batch_dims``, the leading non-plate dimensions) are flattened into
+  that batch dimension. Given an ``nn.Module`` it returns one, a `storch.wrappers.LeftBroadcastable`
+  that holds the module (its parameters stay registered in the model it is assigned to).
 * `storch.wrappers.stochastic` — check that a user function that samples returns storch tensors.
 * `storch.wrappers.ignore_wrapping` — a block in which the wrappers above return their function's
-plain
-  outputs; `storch.wrappers.is_iterable` — whether a value is a container (the manual's helper).
+  plain outputs; `storch.wrappers.is_iterable` — whether a value is a container (the manual's
+  helper).
 """
 
 from __future__ import annotations

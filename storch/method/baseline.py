@@ -3,12 +3,11 @@
 A baseline that does not depend on the sample it multiplies keeps the estimator unbiased, for
 derivatives of every order, through the term ``(1 − □(l(x))) · a(x)`` (Storchastic §3.5).
 
-* `storch.method.baseline.MovingAverageBaseline` — ``b ← β b + (1 − β) mean(f)``, updated
-*after* each backward
-  pass, so the value used for a batch never depends on that batch (Williams 1992).
+* `storch.method.baseline.MovingAverageBaseline` — ``b ← β b + (1 − β) mean(f)``, updated *after*
+  each backward pass, so the value used for a batch never depends on that batch (Williams 1992).
 * `storch.method.baseline.BatchAverageBaseline` (the manual's ``BatchAverage``) — leave-one-out:
-  ``b_j = Σ_{m≠j} f_m / (n − 1)``, needs ``n ≥ 2``
-  (Mnih & Rezende 2016; Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for free!").
+  ``b_j = Σ_{m≠j} f_m / (n − 1)``, needs ``n ≥ 2`` (Mnih & Rezende 2016; Kool et al. 2019, "Buy 4
+  REINFORCE samples, get a baseline for free!").
 """
 
 from __future__ import annotations

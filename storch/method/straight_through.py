@@ -5,19 +5,17 @@ forward pass and ``D + g − stopgrad(g)`` for some differentiable ``g(θ)``, so
 ``f(D)`` is ``(∂g/∂θ)ᵀ ∇f(D)``: the cost's gradient at the discrete sample, pushed back through ``g``.
 
 * `storch.method.straight_through.StraightThrough` (Bengio et al. 2013, "Estimating or propagating
-gradients through
-  stochastic neurons"): ``g = π``. Exact for costs linear in the one-hot sample.
+  gradients through stochastic neurons"): ``g = π``. Exact for costs linear in the one-hot sample.
 * `storch.method.straight_through.GumbelRao` (Paulus et al. 2021, "Rao-Blackwellizing the
-straight-through Gumbel-softmax
-  gradient estimator"): ``g = (1/K) Σ_k softmax(z̃_k/τ)`` with ``z̃_k ~ p(z | D)`` the Gumbel
-  perturbations conditioned on the sample (`storch.conditional_gumbel_rsample`).
-  It has the
-  mean of straight-through Gumbel-softmax at the same ``τ`` and a lower variance.
+  straight-through Gumbel-softmax gradient estimator"): ``g = (1/K) Σ_k softmax(z̃_k/τ)`` with
+  ``z̃_k ~ p(z | D)`` the Gumbel perturbations conditioned on the sample
+  (`storch.conditional_gumbel_rsample`). It has the mean of straight-through Gumbel-softmax at the
+  same ``τ`` and a lower variance.
 * `storch.method.straight_through.ReinMax` (Liu et al. 2023, "Bridging discrete and backpropagation:
-straight-through and
-  beyond"): ``π₁ = (D + softmax(θ/τ))/2``, ``π₁ ← softmax(stopgrad(log π₁ − θ) + θ)``,
-  ``g = 2π₁ − π/2``: Heun's (trapezoid) rule where straight-through uses Euler's, so at ``τ = 1`` it
-  is unbiased for costs quadratic in the one-hot sample.
+  straight-through and beyond"): ``π₁ = (D + softmax(θ/τ))/2``,
+  ``π₁ ← softmax(stopgrad(log π₁ − θ) + θ)``, ``g = 2π₁ − π/2``: Heun's (trapezoid) rule where
+  straight-through uses Euler's, so at ``τ = 1`` it is unbiased for costs quadratic in the one-hot
+  sample.
 
 Bernoulli variables are handled as two-class categoricals over ``(1 − x, x)`` with logits
 ``(log σ(−φ), log σ(φ))``; the one-hot view of each distribution type is registered with

@@ -3,19 +3,14 @@
 Storchastic 0.3.7 kept its sequence decoders and their plate in ``storch/sampling/seq.py``. In
 storch they live elsewhere, and this module gives them the manual's names:
 
-* `storch.sampling.seq.AncestralPlate` —
-`storch.plate.AncestralPlate`, the plate of one decoding step
-  (the same class; its constructor is storch's, see docs/migrating.md);
-* `SequenceDecoding` and `IterDecoding` — both
-  `storch.sampling.swor.SequenceSampler`, the base class of proposals that
-  draw sets and
-  extend them step by step (storch's hooks are ``draw``/``extend``/``weights`` instead of
-  Storchastic's ``decode``/``decode_step``); subclasses include
-  `storch.sampling.swor.SampleWithoutReplacement` and
-  `storch.sampling.seq.MCDecoder`;
-* `storch.sampling.seq.MCDecoder` —
-`storch.sampling.decoding.MCDecoder`, ancestral sampling of ``k``
-  independent sequences.
+* `storch.sampling.seq.AncestralPlate` — `storch.plate.AncestralPlate`, the plate of one decoding
+  step (the same class; its constructor is storch's, see docs/migrating.md);
+* `SequenceDecoding` and `IterDecoding` — both `storch.sampling.swor.SequenceSampler`, the base
+  class of proposals that draw sets and extend them step by step (storch's hooks are
+  ``draw``/``extend``/``weights`` instead of Storchastic's ``decode``/``decode_step``); subclasses
+  include `storch.sampling.swor.SampleWithoutReplacement` and `storch.sampling.seq.MCDecoder`;
+* `storch.sampling.seq.MCDecoder` — `storch.sampling.decoding.MCDecoder`, ancestral sampling of
+  ``k`` independent sequences.
 
 The helpers `right_expand_as`, `left_expand_as` and `expand_with_ignore_as`
 are defined here. With storch tensors they align the plates of both arguments first (as every

@@ -26,18 +26,17 @@ log-probability (summed over the variables and steps).
 Extension points (for estimators built on this proposal, e.g. the unordered set estimator):
 
 * `storch.sampling.swor.SequenceSampler` — the base class:
-`storch.sampling.swor.SequenceSampler.draw` (a set in one call),
+  `storch.sampling.swor.SequenceSampler.draw` (a set in one call),
   `storch.sampling.swor.SequenceSampler.extend` (extend the previous step of a sequence), and
-  `storch.sampling.swor.SequenceSampler.weights`;
-  `storch.sampling.swor.gumbel_top_k_step` is one step of stochastic beam search
-  on plain tensors (returns parent indices, tokens, log-probabilities, perturbed values and ``κ``).
+  `storch.sampling.swor.SequenceSampler.weights`; `storch.sampling.swor.gumbel_top_k_step` is one
+  step of stochastic beam search on plain tensors (returns parent indices, tokens,
+  log-probabilities, perturbed values and ``κ``).
 
-* `storch.sampling.swor.WORState` — the sampled set of one step: ``log_prob`` (log-probability of each
-sampled
-  element or prefix, summed over variables/steps, differentiable), ``perturbed`` (its perturbed
-  log-probability), ``kappa`` (the ``(k+1)``-th largest perturbed value, ``−∞`` when the support is
-  covered), ``tokens``, ``parent_index``, ``finished``. Beam dimension first, then the batch (plate)
-  dimensions of the distribution.
+* `storch.sampling.swor.WORState` — the sampled set of one step: ``log_prob`` (log-probability of
+  each sampled element or prefix, summed over variables/steps, differentiable), ``perturbed`` (its
+  perturbed log-probability), ``kappa`` (the ``(k+1)``-th largest perturbed value, ``−∞`` when the
+  support is covered), ``tokens``, ``parent_index``, ``finished``. Beam dimension first, then the
+  batch (plate) dimensions of the distribution.
 * `storch.sampling.swor.SampleWithoutReplacement.weights` — the plate weight of each element from
   a `storch.sampling.swor.WORState`; override it to weight the set differently.
 * `storch.sampling.swor.SampleWithoutReplacement.state_of` — the
@@ -46,11 +45,10 @@ sampled
   `storch.sampling.swor.wor_support` and `storch.sampling.swor.register_wor_support` — the
   registry of distributions with an enumerable support.
 * `storch.sampling.swor.log1mexp` (the manual's ``loglmexp``) and
-`storch.sampling.swor.cond_gumbel_sample` — the numerics.
+  `storch.sampling.swor.cond_gumbel_sample` — the numerics.
 * `storch.sampling.swor.SumAndSampleRest` (the manual's constructor:
-`storch.sampling.swor.SumAndSample`) — sum the most
-  probable values exactly and sample the rest, i.i.d. or without replacement (the proposal of
-  `storch.method.RaoBlackwellSF`).
+  `storch.sampling.swor.SumAndSample`) — sum the most probable values exactly and sample the rest,
+  i.i.d. or without replacement (the proposal of `storch.method.RaoBlackwellSF`).
 """
 
 from __future__ import annotations
