@@ -20,6 +20,7 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(VENV_PY) || $(PYTHON) -m venv $(VENV)
+	$(VENV_PY) -m pip install --upgrade "pip>=25.1"  # 25.1: `pip show storch` prints its SPDX licence
 	$(VENV_PY) -m pip install "$(TORCH)"
 	$(VENV_PY) -m pip install -e ".[test,demo]"
 	touch $@
@@ -30,6 +31,13 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(VENV_PY) -m pytest
 	ATEN_CPU_CAPABILITY=default $(VENV_PY) -m pytest -p no:cacheprovider tests/test_docs.py tests/docs_output.py storch
+
+# The package as users install it (~2 minutes): sdist and wheel from `python -m build`, the wheel
+# without extras in a fresh venv (torch pinned first), then import, the README's example,
+# `storch-bench list`, a 20-step storch-bench run, `python -m storch.demo --help` (scripts/wheel_smoke.sh).
+.PHONY: smoke
+smoke:
+	PYTHON=$(PYTHON) TORCH="$(TORCH)" bash scripts/wheel_smoke.sh
 
 DOCS_STAMP := $(VENV)/.docs-installed
 

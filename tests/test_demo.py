@@ -3,12 +3,14 @@
 import io
 import math
 import re
+import sys
 
 import pytest
 import torch
 
 import storch
 from seeding import generator, manual_seed
+import storch.demo
 from storch.demo import main, vae
 from storch.demo.intro import (
     ROWS,
@@ -19,8 +21,6 @@ from storch.demo.intro import (
     run_row,
 )
 
-pytest.importorskip("sklearn")
-pytest.importorskip("tqdm")
 
 FLOAT = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?|\b[-+]?(?:nan|inf)\b", re.IGNORECASE)
 
@@ -190,3 +190,17 @@ def test_the_exact_nelbo_is_measured_on_a_fixed_random_subset_not_a_prefix():
 def test_cli_rejects_missing_mnist_directory(tmp_path, capsys):
     assert main(["--part", "vae", "--mnist", str(tmp_path / "nothing"), "--no-progress"]) == 2
     assert "never downloads" in capsys.readouterr().err
+
+
+def test_the_demo_without_tqdm_says_so_in_one_line(monkeypatch, capsys):
+    for name in ("tqdm", "tqdm.auto"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    storch.demo._note_no_tqdm.cache_clear()
+    buf = io.StringIO()
+    run_intro(repetitions=4, rows=ROWS[:1], out=buf, progress_bar=True)
+    vae.run_vae(vae.quick_config(methods=("score-rloo",), epochs=1), out=buf, progress_bar=True)
+    text = buf.getvalue()
+    assert "Introduction example" in text and f"== {vae.METHODS['score-rloo'].label} ==" in text
+    assert capsys.readouterr().err == storch.demo.NO_TQDM + "\n"  # one line, once, and no traceback
+    assert 'pip install "storch[demo]"' in storch.demo.NO_TQDM
+    storch.demo._note_no_tqdm.cache_clear()
