@@ -356,3 +356,23 @@ def test_a_run_without_tqdm_says_so_in_one_line(tmp_path, digits, monkeypatch):
     assert notes == [train.NO_TQDM]  # once per process
     assert 'pip install "storch[bench]"' in train.NO_TQDM
     train._note_no_tqdm.cache_clear()
+
+
+def test_list_help_and_evaluate_fit_in_120_columns(tmp_path, capsys, monkeypatch, one_thread):
+    assert cli.main(["list"]) == 0
+    listed = capsys.readouterr().out
+    assert max(len(line) for line in listed.splitlines()) <= cli.TABLE_WIDTH
+    assert "  gapped-straight-through " in listed  # the longest name keeps its column
+    monkeypatch.setenv("COLUMNS", "120")
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert max(len(line) for line in capsys.readouterr().out.splitlines()) <= cli.TABLE_WIDTH
+    name = "sbn-linear_binarized-mnist_local-expectation_budget=400_n_samples=2_latent_dim=200_seed0"
+    assert len(name) > 70
+    args = CLI_QUICK + ["--out", str(tmp_path), "--no-progress", "--checkpoint-every", "3"]
+    assert cli.main(args) == 0
+    next(p for p in tmp_path.iterdir() if p.is_dir()).rename(tmp_path / name)
+    capsys.readouterr()
+    assert cli.main(["evaluate", str(tmp_path / name), "--eval-k", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == name and max(len(line) for line in lines) <= cli.TABLE_WIDTH

@@ -23,6 +23,7 @@ import os
 import re
 import statistics
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,24 +36,29 @@ __all__ = ["build_compare_parser", "build_parser", "catalog_text", "compare_plot
 
 
 def catalog_text() -> str:
-    lines = ["models:"]
-    lines += [f"  {k:<18} {v}" for k, v in MODELS.items()]
-    lines += ["data sets:"]
-    lines += [f"  {k:<18} {v}" for k, v in DATASETS.items()]
-    lines += ["estimators (latents; objectives; cost evaluations per sample):"]
-    for e in ESTIMATORS.values():
-        special = {"expect": "K^D", "local-expectation": "1+D*(K-1)", "mvd": "1+D*(K-1)", "arsm": "1+K*(K-1)/2"}
-        evals = special.get(e.name) or str(e.evals(None))
-        lines.append(f"  {e.name:<18} {'/'.join(e.kinds)}; {'/'.join(e.objectives)}; {evals}: {e.help}")
-    lines += ["not included:"]
-    lines += [f"  {k}: {v}" for k, v in NOT_INCLUDED.items()]
+    """The models, data sets and estimators, one entry each, wrapped at `TABLE_WIDTH` columns."""
+    w = max(len(k) for k in [*MODELS, *DATASETS, *ESTIMATORS])
+    special = {"expect": "K^D", "local-expectation": "1+D*(K-1)", "mvd": "1+D*(K-1)", "arsm": "1+K*(K-1)/2"}
+    entries = [("models:", [(k, v) for k, v in MODELS.items()]),
+               ("data sets:", [(k, v) for k, v in DATASETS.items()]),
+               ("estimators (latents; objectives; cost evaluations per sample):",
+                [(e.name, f"{'/'.join(e.kinds)}; {'/'.join(e.objectives)}; "
+                          f"{special.get(e.name) or e.evals(None)}: {e.help}") for e in ESTIMATORS.values()])]
+    lines = []
+    for title, items in entries:
+        lines.append(title)
+        lines += [textwrap.fill(f"  {k:<{w}} {v}", TABLE_WIDTH, subsequent_indent=" " * (w + 3),
+                                break_on_hyphens=False, break_long_words=False) for k, v in items]
+    lines.append("not included:")
+    lines += [textwrap.fill(f"  {k}: {v}", TABLE_WIDTH, subsequent_indent="    ", break_on_hyphens=False,
+                            break_long_words=False) for k, v in NOT_INCLUDED.items()]
     return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="storch-bench",
-        description="Train discrete-latent models on real data with storch's gradient estimators "
+        description="Train discrete-latent models on real data with storch's gradient estimators\n"
                     "(subcommands: `list`, `compare RUN_DIR...`, `evaluate RUN_DIR...`).",
         epilog=catalog_text() + "\n\nexample: storch-bench --model sbn-linear --estimator disarm --steps 500 "
                                 "--seed 0 1 2 --out runs/quick",
@@ -62,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--model", default="sbn-linear", choices=list(MODELS))
     a("--data", default="digits", choices=list(DATASETS))
     a("--data-dir", default=None, help="folder with the data files (default ../shared/data next to the repository)")
-    a("--estimator", default="score-function", choices=list(ESTIMATORS))
+    a("--estimator", default="score-function", choices=list(ESTIMATORS), metavar="ESTIMATOR",
+      help="one of the estimators below (default score-function)")
     a("--objective", default="elbo", choices=["elbo", "iwae"], help="training bound (iwae: K = --k samples)")
     a("--k", type=int, default=None, help="samples in the iwae bound (= --n-samples)")
     a("--n-samples", type=int, default=None, help="samples (pairs, groups) per datum (default: the minimum)")

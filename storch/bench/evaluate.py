@@ -107,6 +107,10 @@ def evaluate_main(argv: Sequence[str]) -> int:
             print(f"{run_dir.name:70s} skipped: {error}")
             failed += 1
             continue
-        print(f"{run_dir.name:70s} {r['eval_size']:7d} {r['eval_k']:4d} {r['test_nelbo_k']:8.2f} "
+        name = run_dir.name
+        if len(name) > 70:  # the table stays 112 columns wide: a long name on a line of its own
+            print(name)
+            name = ""
+        print(f"{name:70s} {r['eval_size']:7d} {r['eval_k']:4d} {r['test_nelbo_k']:8.2f} "
               f"{r['test_nll']:10.2f} {r['seconds']:8.1f}", flush=True)
     return 1 if failed else 0
