@@ -48,8 +48,8 @@ $(DOCS_STAMP): $(STAMP)
 # The documentation site into site/ (--strict: a broken link or reference fails); then the lint of
 # its sources and pages (scripts/docs_lint.py: no issue numbers, machine paths or Sphinx roles, code
 # lines that fit the page), which fails the build with the file and line of each finding; then,
-# when a headless Chromium is installed, screenshots checked for blank or unstyled pages and code
-# cut off at 1280 px (scripts/docs_screenshot.py). Nothing is installed on the system: without a
+# when a headless Chromium is installed, every page's screenshot checked for blank or unstyled pages
+# and for code blocks or tables cut off at 1280 px (scripts/docs_screenshot.py). Nothing is installed on the system: without a
 # browser the screenshot step says how to get one and passes, unless SCREENSHOTS=required (CI).
 SCREENSHOTS ?= optional
 
