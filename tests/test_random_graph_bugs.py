@@ -240,3 +240,42 @@ def test_moving_average_baseline_after_a_chain_plate_left_by_reduce_plates(middl
         (grads,) = replicated_gradients([MA], R, model)
     assert c_method.baseline.averages["f"].dim() == 0
     assert_unbiased(grads, torch.autograd.functional.jacobian(exact_moving_average_chain, MA), label=middle)
+
+
+# ---------------------------------------------------------------- messages that name the actual clash
+def test_two_data_plates_of_one_name_and_different_sizes_name_that_clash():
+    a = storch.denote_independent(torch.zeros(5, 2), 0, "data")
+    b = storch.denote_independent(torch.zeros(4, 2), 0, "data")
+    with pytest.raises(storch.plate.PlateClashError) as info:
+        a + b
+    message = str(info.value)
+    assert message.startswith("Two independent plates are named 'data', of sizes 5 and 4")
+    assert "denote_independent(t, dim, 'data2')" in message
+    assert "stochastic node" not in message and "Method(" not in message
+
+
+def test_a_node_and_a_data_plate_of_one_name_name_that_clash():
+    x = storch.denote_independent(torch.zeros(5, 3), 0, "data")
+    d = ScoreFunction("data", n_samples=4)(Bernoulli(logits=torch.zeros(3)))
+    with pytest.raises(storch.plate.PlateClashError, match="A stochastic node and an independent plate are both "
+                                                           "named 'data'"):
+        x + d
+    storch.reset()
+
+
+@pytest.mark.parametrize("join", [torch.stack, torch.cat])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_joining_along_a_plate_says_joins_are_not_reductions(join, dim):
+    x = ScoreFunction("x", n_samples=2)(Bernoulli(logits=torch.zeros(3)))
+    y = ScoreFunction("y", n_samples=5)(Bernoulli(logits=torch.zeros(3)))
+    name = join.__name__
+    # dim 1 is plate 'x' of the inputs aligned to their plates ['y', 'x'] (it was joined silently)
+    with pytest.raises(ValueError) as info:
+        join([x, y], dim)
+    message = str(info.value)
+    assert message.startswith(f"{name} got dimension {dim}, which is plate {['y', 'x'][dim]!r}")
+    assert f"{name} joins the events of each sample, never plates" in message
+    assert f"{name}(tensors, dim=-1)" in message and "reduce_plates" not in message
+    joined = join([x, y], -1)
+    assert joined.plate_names == ["y", "x"] and joined.shape[-1] == (2 if name == "stack" else 6)
+    storch.reset()
