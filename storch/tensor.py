@@ -401,7 +401,7 @@ class StochasticTensor(Tensor):
         papers evaluate an ELBO's ``log q`` with (Maddison et al. 2017, Concrete; Jang et al. 2017,
         Gumbel-softmax; Tucker et al. 2017, REBAR; Grathwohl et al. 2018, RELAX):
         ``z·log p + (1 − z)·log(1 − p)`` for a Bernoulli, ``Σ_k z_k log p_k`` for a
-        OneHotCategorical ([`continuous_log_prob`][storch.distributions.relaxation.continuous_log_prob]),
+        OneHotCategorical (``storch.distributions.relaxation.continuous_log_prob``),
         equal to ``q.log_prob(z)`` at discrete values and differentiable in ``z`` (pathwise) and in
         the parameters. It is not shared with the surrogate loss.
 
