@@ -722,6 +722,7 @@ PROVIDED_NAMES = [
 STORCHASTIC_KEYWORDS = {
     "storch.method.Infer": ["distribution_type"],
     "storch.method.ScoreFunctionWOR": ["use_baseline"],
+    "storch.method.GumbelEntmax": ["alpha", "adaptive"],
     "storch.backward": ["debug", "update_estimator_params", "print_costs"],
 }
 MIGRATING_PAGE = Path(__file__).resolve().parents[1] / "docs" / "migrating.md"
