@@ -366,3 +366,10 @@ def test_plates_are_ordered_newest_first():
     b = Reparameterization("q", n_samples=3)(Normal(torch.zeros(1), 1.0))
     assert (a + b).plate_names == ["q", "p"] and tuple((a + b).shape) == (3, 2, 1)
     assert (b + a).plate_names == ["q", "p"]  # the order of creation, not of the operands
+
+
+def test_gumbel_entmax_positional_arguments_are_storchs():
+    method = GumbelEntmax("z", None, 2)  # Storchastic: alpha=2 (sparsemax); storch: n_samples=2
+    assert method.n_samples == 2 and method.alpha == 1.5 and not method.adaptive
+    with pytest.raises(TypeError):
+        GumbelEntmax("z", None, 1.5, True, 3)  # alpha as n_samples: not a count
