@@ -178,7 +178,8 @@ class GumbelEntmax(_GumbelProjection):
     the method, started at ``α = alpha``; ``storch.backward()`` gives it its pathwise gradient, and an
     optimizer over the model's parameters updates it when the method is part of the model (or pass
     ``method.parameters()``). Storchastic 0.3.7 took the same keywords; its adaptive ``α`` started at
-    ``1 + softplus(alpha − 1)`` (1.97 for ``alpha=1.5``) rather than at ``alpha``.
+    ``1 + softplus(alpha − 1)`` (1.97 for ``alpha=1.5``) rather than at ``alpha``. (Learned ``α``: Correia,
+    Niculae & Martins 2019, "Adaptively sparse transformers"; the gradient in ``α`` is entmax's.)
 
     Args:
         plate_name: node / plate name.
