@@ -1,7 +1,8 @@
 """Exceptions raised by storch."""
 
 __all__ = [
-    "CompileStepError", "IllegalStorchExposeError", "NonFiniteCostError", "StaleCostError", "UnusedNodeWarning",
+    "CompileStepError", "IllegalStorchExposeError", "IllegalStorchIndexError", "NonFiniteCostError", "StaleCostError",
+    "UnusedNodeWarning",
 ]
 
 

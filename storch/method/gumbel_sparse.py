@@ -254,5 +254,8 @@ class GumbelEntmax(_GumbelProjection):
         extra = super().extra_repr()
         if not self.adaptive and self.alpha == 1.5:
             return extra
-        alpha = f"adaptive=True, alpha={float(self.entmax_alpha().detach()):.4g}" if self.adaptive else f"alpha={self.alpha}"
+        if self.adaptive:
+            alpha = f"adaptive=True, alpha={float(self.entmax_alpha().detach()):.4g}"
+        else:
+            alpha = f"alpha={self.alpha}"
         return f"{extra}, {alpha}" if extra else alpha
