@@ -201,6 +201,23 @@ _IMPLICIT_DIMS: tuple[tuple[tuple[Callable, ...], tuple[int, ...]], ...] = (
 )
 
 
+# Functions that read tensor values back to the host as one Python value (a bool): with several samples
+# the answer is ambiguous, so a plated argument with a plate of size > 1 is refused, as ``bool(t)`` is.
+_HOST_READS = ("allclose", "equal", "is_nonzero")
+
+
+def _refuse_host_read(name: str) -> Callable[[tuple], tuple]:
+    """The ``prepare`` of a host read ``name``: refuse arguments that hold several samples."""
+
+    def prepare(args: tuple) -> tuple:
+        for a in args:
+            if isinstance(a, Tensor):
+                a._check_single_sample(f"torch.{name}")
+        return args
+
+    return prepare
+
+
 def _named(names: Sequence[str], owners: Sequence[Any]) -> list[Callable]:
     """The callables called ``names`` on each of ``owners`` (those that exist)."""
     return [f for owner in owners for name in names if callable(f := getattr(owner, name, None))]
@@ -226,6 +243,8 @@ def _build_treatments() -> dict[Callable, Treatment]:
     mark(_named(_NEW_DIM, (torch, _T, F)), dim_positions=(1,), adds_dim=True)
     for funcs, dims in _IMPLICIT_DIMS:
         mark(funcs, implicit_dims=dims)
+    for name in _HOST_READS:
+        mark(_named([name], (torch, _T)), prepare=_refuse_host_read(name))
     getters = [getattr(_T, name).__get__ for name in _PROPERTIES if hasattr(_T, name)]
     setters = [getattr(_T, name).__set__ for name in _SETTERS if hasattr(_T, name)]
     mark(getters + setters + _named(_PASSTHROUGH_METHODS, (_T,)), kind="passthrough")

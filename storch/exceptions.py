@@ -1,7 +1,8 @@
 """Exceptions raised by storch."""
 
 __all__ = [
-    "CompileStepError", "IllegalStorchExposeError", "NonFiniteCostError", "RelaxedSampleError", "StaleCostError",
+    "CompileStepError", "IllegalStorchExposeError", "IllegalStorchIndexError", "NonFiniteCostError",
+    "RelaxedSampleError", "StaleCostError",
     "UnusedNodeWarning",
 ]
 
@@ -9,7 +10,9 @@ __all__ = [
 class IllegalStorchExposeError(ValueError):
     """A storch tensor's samples were exposed as one plain value, or plain values where storch tensors were required.
 
-    Raised by ``bool(t)`` (so ``if t:``), ``t.item()``, ``float(t)``, ``int(t)`` and ``t.tolist()`` on a
+    Raised by ``bool(t)`` (so ``if t:``), ``t.item()``, ``float(t)``, ``int(t)``, ``complex(t)``,
+    ``t.tolist()``, ``t.numpy()``, ``numpy.asarray(t)``, ``x in t``, use as an index (``range(t)``:
+    `IllegalStorchIndexError`), ``torch.allclose``, ``torch.equal`` and ``torch.is_nonzero`` on a
     tensor that holds several samples along a plate (reduce the plates first, e.g. with
     `storch.reduce_plates`), and by `storch.deterministic`
     when a wrapped function returns a plain tensor or loses an input plate. A `ValueError`, so code that
@@ -19,6 +22,12 @@ class IllegalStorchExposeError(ValueError):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+class IllegalStorchIndexError(IllegalStorchExposeError, TypeError):
+    """A tensor that holds several samples was used as a Python index (``range(t)``, ``x[t:]``,
+    ``operator.index(t)``). Also a `TypeError`, which is what Python and torch raise for a value that
+    is not an index."""
 
 
 class NonFiniteCostError(ValueError):

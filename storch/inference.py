@@ -58,6 +58,8 @@ _COST_NAMES: ContextVar[frozenset[str]] = ContextVar("storch_cost_names", defaul
 # whether a storch.backward() cleared the registry and no cost was registered (nor reset) since: the
 # reason a later backward finds no costs, named in its error
 _CONSUMED: ContextVar[bool] = ContextVar("storch_costs_consumed", default=False)
+# how many costs were registered under each name that was given more than once (set with _COSTS)
+_REPEATS: ContextVar[dict[str, int]] = ContextVar("storch_cost_repeats", default={})
 
 
 def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
@@ -68,7 +70,14 @@ def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
 
     Args:
         cost: the cost, a storch tensor (or a plain tensor / number for a deterministic cost).
-        name: a unique name in this graph; defaults to ``"cost_<i>"``.
+        name: the cost's name; defaults to ``"cost_<i>"``. A name registered again in the same step
+            (Storchastic's ``add_cost(…, "loss")`` in a loop over nodes) adds another cost, as
+            Storchastic did: each is its own cost (estimated with the nodes it depends on), registered
+            as ``"loss"``, ``"loss#2"``, ``"loss#3"``, … A cost left over from an earlier step that
+            raised before ``backward`` (same name or not) holds that step's nodes, which clash with
+            this step's nodes of the same names: `storch.inference.backward` refuses
+            them with `StaleCostError`. Call `storch.inference.reset` at the start of each
+            step: a leftover cost without stochastic nodes cannot be told from one of this step.
 
     Examples:
         >>> import torch, storch
@@ -76,6 +85,9 @@ def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
         >>> storch.add_cost(x * 2, "double")
         >>> [c.name for c in storch.registered_costs()], storch.surrogate_loss().item()
         (['double'], 4.0)
+        >>> storch.add_cost(x * 3, "double")       # the same name again: a second cost
+        >>> [c.name for c in storch.registered_costs()], storch.surrogate_loss().item()
+        (['double', 'double#2'], 10.0)
         >>> storch.reset()
     """
     costs = _COSTS.get()
@@ -83,15 +95,28 @@ def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
         name = f"cost_{len(costs)}"
     try:
         cost = _as_cost_tensor(cost, name)
-        _check_cost(cost, name, costs)
+        _check_cost(cost, name)
     except Exception:
         reset()  # a failed step leaves nothing behind for the next one
         raise
+    if name in _COST_NAMES.get():
+        name = _next_name(name)
     layout = layout_of(cost)
     registered = CostTensor._retype_as(alias(cost), layout, name)
     _COSTS.set(costs + (registered,))  # type: ignore[operator]
     _COST_NAMES.set(_COST_NAMES.get() | {name})
     _CONSUMED.set(False)
+
+
+def _next_name(name: str) -> str:
+    """The name of the next cost registered as ``name`` in this step: ``name#2``, ``name#3``, …"""
+    repeats = _REPEATS.get()
+    names = _COST_NAMES.get()
+    k = repeats.get(name, 1) + 1
+    while f"{name}#{k}" in names:  # a name the user chose
+        k += 1
+    _REPEATS.set({**repeats, name: k})
+    return f"{name}#{k}"
 
 
 def _as_cost_tensor(cost: Any, name: str) -> torch.Tensor:
@@ -106,17 +131,10 @@ def _as_cost_tensor(cost: Any, name: str) -> torch.Tensor:
     )
 
 
-def _check_cost(cost: torch.Tensor, name: str, costs: tuple[CostTensor, ...]) -> None:
+def _check_cost(cost: torch.Tensor, name: str) -> None:
     """Refuse a cost that cannot be registered, with the reason and the fix."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"storch.add_cost: a cost name is a non-empty string, got {name!r}.")
-    if name in _COST_NAMES.get():
-        raise ValueError(
-            f"A cost named {name!r} is already registered in this graph; give each cost a unique "
-            f"name (e.g. f'{name}_{{t}}' in a loop). If it is left over from a step that raised before "
-            "storch.backward(), call storch.reset() at the start of each step. The registry has been "
-            "cleared."
-        )
     layout = layout_of(cost)
     if cost.dim() != len(layout.sizes):
         event = tuple(cost.shape[len(layout.sizes):])
@@ -154,6 +172,7 @@ def _clear_registry() -> None:
     """Forget the registered costs and the sampled nodes (what `backward` does when it ends)."""
     _COSTS.set(())
     _COST_NAMES.set(frozenset())
+    _REPEATS.set({})
     forget_sampled()
 
 

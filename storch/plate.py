@@ -628,7 +628,23 @@ def _raise_clash(seen: Plate, plate: Plate) -> None:
         "node's gradient estimator when it reduces that node's plate, so one merged plate would "
         "silently drop the other node's estimator. Give the nodes different plate names (e.g. "
         "Method('z1') and Method('z2')), or if one tensor is left over from an earlier step, "
-        "recompute it in this step."
+        f"recompute it in this step.{_sequence_hint(seen, plate)}"
+    )
+
+
+def _sequence_hint(a: Plate, b: Plate) -> str:
+    """For two beams drawn by one sequence method, how storch continues a sequence (else ``""``)."""
+    method = getattr(a.node, "method", None)
+    if not (isinstance(a, AncestralPlate) and isinstance(b, AncestralPlate)) or method is None:
+        return ""
+    if getattr(b.node, "method", None) is not method:
+        return ""
+    return (
+        f" Both were drawn by the same {type(method).__name__}({a.name!r}) as separate sets: storch "
+        "continues a sequence (Storchastic's second method.sample call) only when the step's "
+        "distribution carries the previous step's plate. Build the step's parameters from the previous "
+        "step's tensors, or put the plate on parameters that do not depend on it: "
+        "OneHotCategorical(logits=storch.expand_as(logits, z_prev))."
     )
 
 

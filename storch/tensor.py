@@ -29,14 +29,14 @@ from torch.distributions import Distribution
 
 from storch import _dispatch
 from storch._dispatch import no_dispatch, torch_function
-from storch.exceptions import IllegalStorchExposeError
+from storch.exceptions import IllegalStorchExposeError, IllegalStorchIndexError
 from storch import plate as plate_module
 from storch.plate import EMPTY_LAYOUT, Plate, PlateLayout, layout_of_plates
 
 if TYPE_CHECKING:  # pragma: no cover
     from storch.method.method import Method
 
-__all__ = ["Tensor", "StochasticTensor", "CostTensor", "IndependentTensor", "StochasticNode", "is_storch"]
+__all__ = ["Tensor", "StochasticTensor", "CostTensor", "IndependentTensor", "StochasticNode", "is_storch", "is_tensor"]
 
 _Disable = no_dispatch  # the one way to turn storch's dispatch off (storch._dispatch.no_dispatch)
 _T = torch.Tensor
@@ -45,6 +45,7 @@ _call_plain = torch._C._disabled_torch_function_impl
 _SHAPE, _NDIM, _DTYPE, _DEVICE = (getattr(_T, name).__get__ for name in ("shape", "ndim", "dtype", "device"))
 # torch's check of a value before ``log_prob``, which `Tensor.size` answers with the aligned shape
 _VALIDATE_SAMPLE = Distribution._validate_sample.__code__
+_GRAD, _SET_GRAD = _T.grad.__get__, _T.grad.__set__
 
 
 def alias(t: torch.Tensor) -> torch.Tensor:
@@ -60,14 +61,14 @@ def _retype(t: torch.Tensor, cls: type, layout: PlateLayout) -> "Tensor":
     return t
 
 
-def _single_value(method: Any, what: str) -> Any:
-    """``method`` of torch.Tensor, refused when the tensor holds several samples."""
+def _single_value(method: Any, what: str, error: type = IllegalStorchExposeError) -> Any:
+    """``method`` of torch.Tensor, refused with ``error`` when the tensor holds several samples."""
 
-    def convert(self: "Tensor") -> Any:
-        self._check_single_sample(what)
+    def convert(self: "Tensor", *args: Any, **kwargs: Any) -> Any:
+        self._check_single_sample(what, error)
         with warnings.catch_warnings(record=True) as caught, _Disable():
             warnings.simplefilter("always")
-            value = method(self)
+            value = method(self, *args, **kwargs)
         for w in caught:  # torch's warnings (e.g. a scalar from a tensor that requires grad), at the caller
             warnings.warn(w.message, w.category, stacklevel=2)
         return value
@@ -77,11 +78,30 @@ def _single_value(method: Any, what: str) -> Any:
     return convert
 
 
+def _storchastic_plates(cls_name: str, parents: Any, rest: tuple) -> Sequence[Plate]:
+    """The plates of Storchastic's constructor form ``Tensor(data, parents, plates, name)``.
+
+    ``parents`` (the storch tensors ``data`` was computed from) and ``name`` are not kept: torch's
+    autograd graph already links a tensor to its inputs, and a `Tensor` has no name.
+    """
+    if len(rest) != 2 or not isinstance(rest[1], str) or not isinstance(parents, (list, tuple)):
+        raise TypeError(
+            f"storch.{cls_name}(data, plates) takes a tensor and its plates; Storchastic's form "
+            f"storch.{cls_name}(data, parents, plates, name) needs a list of parents, a list of plates and a "
+            f"str name, got {len(rest) + 2} arguments."
+        )
+    if not all(isinstance(p, torch.Tensor) for p in parents):
+        raise TypeError(f"storch.{cls_name}(data, parents, plates, name): parents must be tensors.")
+    return rest[0]
+
+
 class Tensor(torch.Tensor):
     """A ``torch.Tensor`` whose leftmost dimensions are named plates.
 
     ``storch.Tensor(data, plates)`` wraps ``data`` (a view is taken; the input is left untouched)
     with ``plates`` on its leftmost dimensions, newest first; their sizes must match ``data.shape``.
+    Storchastic's form ``storch.Tensor(data, parents, plates, name)`` is taken too; its parents
+    and name are not kept (torch's autograd graph links the tensor to its inputs).
 
     Examples:
         >>> import torch, storch
@@ -99,9 +119,11 @@ class Tensor(torch.Tensor):
 
     _layout: PlateLayout = EMPTY_LAYOUT
 
-    def __new__(cls, data: torch.Tensor, plates: Sequence[Plate] = ()) -> "Tensor":
+    def __new__(cls, data: torch.Tensor, plates: Sequence[Plate] = (), *storchastic: Any) -> "Tensor":
         if not isinstance(data, torch.Tensor):
             raise TypeError(f"storch.{cls.__name__} wraps a torch.Tensor, got {type(data).__name__}.")
+        if storchastic:
+            plates = _storchastic_plates(cls.__name__, plates, storchastic)
         layout = layout_of_plates(plates)
         if tuple(data.shape[: len(layout.sizes)]) != layout.sizes:
             raise ValueError(
@@ -202,10 +224,10 @@ class Tensor(torch.Tensor):
         return False
 
     # ------------------------------------------------------------- conversions
-    def _check_single_sample(self, what: str) -> None:
+    def _check_single_sample(self, what: str, error: type = IllegalStorchExposeError) -> None:
         big = [f"{p.name!r} (size {p.size})" for p in self._layout.plates if p.size > 1]
         if big:
-            raise IllegalStorchExposeError(
+            raise error(
                 f"{what} needs a single value, but this tensor holds several samples along plates "
                 f"{', '.join(big)}. Reduce them first, e.g. storch.reduce_plates(t) for the weighted "
                 "mean over all plates, or t.plain() for the raw values."
@@ -216,6 +238,12 @@ class Tensor(torch.Tensor):
     tolist = _single_value(torch.Tensor.tolist, ".tolist()")
     __float__ = _single_value(torch.Tensor.__float__, "float()")
     __int__ = _single_value(torch.Tensor.__int__, "int()")
+    __index__ = _single_value(torch.Tensor.__index__, "Use as an index (range(t), a list index, __index__)",
+                              IllegalStorchIndexError)
+    __complex__ = _single_value(torch.Tensor.__complex__, "complex()")
+    __contains__ = _single_value(torch.Tensor.__contains__, "`x in t`")
+    numpy = _single_value(torch.Tensor.numpy, ".numpy()")
+    __array__ = _single_value(torch.Tensor.__array__, "numpy.asarray()")
 
     # ----------------------------------------------------------------- display
     _kind = "Deterministic"
@@ -397,6 +425,29 @@ class StochasticTensor(Tensor):
     def param_grads(self) -> dict[str, torch.Tensor]:
         return self._node.param_grads
 
+    @property
+    def grad(self) -> torch.Tensor | None:  # type: ignore[override]
+        """torch's gradient of these samples (``None`` unless ``retain_grad()`` asked for it), with a
+        warning that names ``param_grads`` when it is ``None``: Storchastic's ``z.grad`` was the dict
+        of the distribution parameters' gradients, which storch calls ``z.param_grads``."""
+        with _Disable():
+            value = _GRAD(self)
+        if value is None:
+            warnings.warn(
+                f"z.grad of the samples of node {self.name!r} is torch's gradient of the samples, None "
+                f"here. The gradients of its distribution's parameters (Storchastic's z.grad dict) are "
+                f"z.param_grads (keys {sorted(self.param_grads)}); for the samples' own gradient, call "
+                "z.retain_grad() before storch.backward().",
+                UserWarning,
+                stacklevel=2,
+            )
+        return value
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        with _Disable():
+            _SET_GRAD(self, value)
+
     def log_prob(self) -> Tensor:
         """``log p(z)`` of these samples under their distribution, per element and with their plates:
         the values of ``self.distribution.log_prob(self)``.
@@ -480,7 +531,9 @@ class CostTensor(Tensor):
     #: the name the cost was registered under (see `storch.tensor.CostTensor.name`)
     _name: str = "cost"
 
-    def __new__(cls, data: torch.Tensor, plates: Sequence[Plate] = (), name: str = "cost") -> "CostTensor":
+    def __new__(cls, data: torch.Tensor, plates: Sequence[Plate] = (), name: Any = "cost", *storchastic: Any) -> "CostTensor":
+        if storchastic:  # Storchastic's CostTensor(data, parents, plates, name)
+            plates, name = _storchastic_plates(cls.__name__, plates, (name, *storchastic)), storchastic[-1]
         t = super().__new__(cls, data, plates)
         t._name = name
         return t
@@ -528,7 +581,16 @@ def is_storch(t: Any) -> bool:
     return isinstance(t, Tensor)
 
 
-is_tensor = is_storch  # Storchastic's name
+def is_tensor(t: Any) -> bool:
+    """True for any tensor, plain ``torch.Tensor`` or `storch.Tensor` (Storchastic's
+    ``storch.is_tensor``); `storch.tensor.is_storch` is true for storch tensors only.
+
+    Examples:
+        >>> import torch, storch
+        >>> storch.is_tensor(torch.ones(2)), storch.is_storch(torch.ones(2)), storch.is_tensor(2.0)
+        (True, False, False)
+    """
+    return isinstance(t, torch.Tensor)
 
 
 def layout_of(t: Any) -> PlateLayout:

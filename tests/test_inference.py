@@ -49,11 +49,17 @@ def test_add_cost_with_event_dims_raises():
     assert storch.registered_costs() == ()
 
 
-def test_duplicate_cost_name_raises_and_clears_the_registry():
+def test_a_repeated_cost_name_registers_another_cost():
     storch.add_cost(torch.tensor(1.0), "c")
-    with pytest.raises(ValueError, match="'c' is already registered.*storch.reset\\(\\).*cleared"):
-        storch.add_cost(torch.tensor(2.0), "c")
-    assert _names() == []  # a failed step leaves nothing for the next one (issue 9)
+    storch.add_cost(torch.tensor(2.0), "c")
+    storch.add_cost(torch.tensor(4.0), "c#3")  # a user's own name is kept; the next repeat skips it
+    storch.add_cost(torch.tensor(8.0), "c")
+    assert _names() == ["c", "c#2", "c#3", "c#4"]
+    assert storch.surrogate_loss().item() == 15.0
+    storch.reset()
+    storch.add_cost(torch.tensor(1.0), "c")
+    storch.add_cost(torch.tensor(1.0), "c")
+    assert _names() == ["c", "c#2"]  # reset starts the count again
 
 
 def test_integer_cost_raises():

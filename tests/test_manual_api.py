@@ -722,6 +722,7 @@ PROVIDED_NAMES = [
 STORCHASTIC_KEYWORDS = {
     "storch.method.Infer": ["distribution_type"],
     "storch.method.ScoreFunctionWOR": ["use_baseline"],
+    "storch.method.GumbelEntmax": ["alpha", "adaptive"],
     "storch.backward": ["debug", "update_estimator_params", "print_costs"],
 }
 MIGRATING_PAGE = Path(__file__).resolve().parents[1] / "docs" / "migrating.md"
@@ -753,7 +754,8 @@ def test_storchastic_keywords_are_taken_and_listed(path: str):
 
 def test_is_tensor_and_detach_tensor():
     z = storch.method.ScoreFunction("z", n_samples=3)(Bernoulli(torch.tensor(0.5, requires_grad=True)))
-    assert storch.is_tensor(z) and not storch.is_tensor(torch.ones(1))
+    assert storch.is_tensor(z) and storch.is_tensor(torch.ones(1))  # any tensor, as in Storchastic
+    assert storch.is_storch(z) and not storch.is_storch(torch.ones(1))
     raw = z.detach_tensor()
     assert type(raw) is torch.Tensor and not raw.requires_grad and raw.shape == (3,)
     assert torch.equal(raw, z._tensor)

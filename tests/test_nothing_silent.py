@@ -222,14 +222,24 @@ def test_a_cost_left_over_from_a_failed_step_is_refused():
     assert _step_with_node(fail=False) == 10.0
 
 
-def test_a_leftover_cost_with_the_same_name_is_refused_and_cleared():
+def _step_with_one_cost_name(fail: bool):
     w = torch.tensor(1.0, requires_grad=True)
-    storch.add_cost(10.0 * w, "loss")  # a step that raised before backward
-    with pytest.raises(ValueError, match="already registered.*storch.reset"):
-        storch.add_cost(10.0 * w, "loss")
-    storch.add_cost(10.0 * w, "loss")
+    z = storch.method.ScoreFunction("z", n_samples=2)(Bernoulli(logits=torch.zeros(())))
+    storch.add_cost(10.0 * w + z, "loss")
+    if fail:
+        raise RuntimeError("the user's code failed between add_cost and backward")
     storch.backward()
-    assert w.grad == 10.0  # not 20: the leftover did not join this step
+    return w.grad
+
+
+def test_a_leftover_cost_with_the_same_name_is_refused_and_cleared():
+    with pytest.raises(RuntimeError, match="user's code failed"):
+        _step_with_one_cost_name(fail=True)
+    # "loss" again is a second cost of the step, but the leftover holds the earlier step's node 'z'
+    with pytest.raises(storch.exceptions.StaleCostError, match=r"'loss', 'loss#2'.*'z'.*storch.reset\(\)"):
+        _step_with_one_cost_name(fail=False)
+    assert storch.registered_costs() == ()
+    assert _step_with_one_cost_name(fail=False) == 10.0  # not 20: the leftover did not join this step
 
 
 def test_reset_at_the_start_of_a_step_forgets_a_failed_step():

@@ -42,6 +42,8 @@ from torch.distributions import Distribution
 
 from storch.distributions.one_hot import one_hot
 from storch.method.gumbel import GumbelSoftmax
+from storch.method.method import DEFAULT_N_SAMPLES
+from storch.sampling.method import SamplingMethod
 from storch.method.straight_through import hard_forward, one_hot_view_for, require_one_hot_view
 
 __all__ = ["GumbelSparseMax", "GumbelEntmax", "sparsemax", "entmax15", "gumbel_perturb"]
@@ -170,6 +172,16 @@ class GumbelEntmax(_GumbelProjection):
     total variance of a one-sample categorical gradient 1.3, 14, 94 and 500 at ``τ = 2, 0.5, 0.1, 0.02``
     (Gumbel-softmax 0.19, 4.9, 45, 246; Gumbel-sparsemax 4.5, 31, 188, 923).
 
+    Other ``α``: ``alpha`` selects ``α``-entmax, ``argmax_{y ∈ Δ} ⟨y, z/τ⟩ + H^T_α(y)``, which is softmax at
+    ``α → 1``, ``1.5``-entmax at ``1.5`` and sparsemax at ``2``; ``α`` other than ``1.5`` and ``2`` is
+    computed by bisection (``entmax.entmax_bisect``, exact backward pass). With ``adaptive=True``, ``α`` is
+    learned: ``α = 1 + softplus(ρ)`` (always above 1) for an ``nn.Parameter`` ``ρ`` (``self.alpha``) of
+    the method, started at ``α = alpha``; ``storch.backward()`` gives it its pathwise gradient, and an
+    optimizer over the model's parameters updates it when the method is part of the model (or pass
+    ``method.parameters()``). Storchastic 0.3.7 took the same keywords; its adaptive ``α`` started at
+    ``1 + softplus(alpha − 1)`` (1.97 for ``alpha=1.5``) rather than at ``alpha``. (Learned ``α``: Correia,
+    Niculae & Martins 2019, "Adaptively sparse transformers"; the gradient in ``α`` is entmax's.)
+
     Args:
         plate_name: node / plate name.
         sampling_method: proposal (default: Monte Carlo with ``n_samples``).
@@ -178,6 +190,8 @@ class GumbelEntmax(_GumbelProjection):
         initial_temperature: ``τ_0``.
         min_temperature: ``τ_min``.
         annealing_rate: ``r`` in ``τ_t = max(τ_min, τ_0 exp(−r t))``; 0 keeps the temperature fixed.
+        alpha: ``α > 1`` of ``α``-entmax (default 1.5); with ``adaptive``, its initial value.
+        adaptive: learn ``α`` (a parameter of the method) instead of keeping it fixed.
 
     Examples:
         >>> import torch
@@ -185,6 +199,64 @@ class GumbelEntmax(_GumbelProjection):
         >>> x = GumbelEntmax("x", n_samples=5, straight_through=True)(Bernoulli(logits=torch.zeros(2)))
         >>> x.shape, set(x.plain().unique().tolist()) <= {0.0, 1.0}
         (torch.Size([5, 2]), True)
+        >>> learned = GumbelEntmax("y", n_samples=2, alpha=1.3, adaptive=True)
+        >>> round(learned.entmax_alpha().item(), 4), [name for name, _ in learned.named_parameters()]
+        (1.3, ['alpha'])
     """
 
-    project = staticmethod(entmax15)
+    def __init__(
+        self,
+        plate_name: str,
+        sampling_method: SamplingMethod | None = None,
+        n_samples: int = DEFAULT_N_SAMPLES,
+        straight_through: bool = False,
+        initial_temperature: float = 1.0,
+        min_temperature: float = 1e-4,
+        annealing_rate: float = 0.0,
+        *,
+        alpha: float = 1.5,
+        adaptive: bool = False,
+    ) -> None:
+        super().__init__(
+            plate_name, sampling_method, n_samples, straight_through, initial_temperature, min_temperature,
+            annealing_rate,
+        )
+        alpha = float(alpha)
+        if not alpha > 1.0:
+            raise ValueError(
+                f"GumbelEntmax({plate_name!r}): alpha must be above 1, got alpha={alpha} (alpha = 1 is "
+                "softmax: use GumbelSoftmax)."
+            )
+        self.adaptive = bool(adaptive)
+        if self.adaptive:  # α = 1 + softplus(ρ), ρ = softplus⁻¹(alpha − 1) = log(expm1(alpha − 1))
+            rho = torch.tensor(alpha - 1.0, dtype=torch.float64).expm1().log()
+            self.alpha: torch.Tensor | float = torch.nn.Parameter(rho.to(torch.get_default_dtype()))
+        else:
+            self.alpha = alpha
+
+    def entmax_alpha(self) -> torch.Tensor | float:
+        """``α`` of the projection: the fixed ``alpha``, or ``1 + softplus(ρ)`` when it is learned."""
+        if self.adaptive:
+            return 1.0 + torch.nn.functional.softplus(self.alpha)  # type: ignore[arg-type]
+        return self.alpha
+
+    def project(self, scores: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """``α``-entmax of ``scores`` over the last dimension (see the class docstring)."""
+        if not self.adaptive and self.alpha == 1.5:
+            return entmax15(scores)
+        if not self.adaptive and self.alpha == 2.0:
+            return sparsemax(scores)
+        alpha = self.entmax_alpha()
+        if isinstance(alpha, torch.Tensor):
+            alpha = alpha.to(scores.dtype)
+        return _entmax().entmax_bisect(scores, alpha, dim=-1)
+
+    def extra_repr(self) -> str:
+        extra = super().extra_repr()
+        if not self.adaptive and self.alpha == 1.5:
+            return extra
+        if self.adaptive:
+            alpha = f"adaptive=True, alpha={float(self.entmax_alpha().detach()):.4g}"
+        else:
+            alpha = f"alpha={self.alpha}"
+        return f"{extra}, {alpha}" if extra else alpha

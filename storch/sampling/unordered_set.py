@@ -297,6 +297,19 @@ def _log1m_softmax(u: torch.Tensor) -> torch.Tensor:
     return small.scatter(-1, top, log_rest)
 
 
+def _joint_fix(log_p: torch.Tensor, plates: Sequence[Plate], k: int) -> str:
+    """Why several variables per plate element are refused, and what to use instead."""
+    variables = math.prod(log_p.shape[len(plates):-1])
+    values = f"{log_p.shape[-1]}^{variables}"
+    return (
+        f" A set without replacement of these {variables} variables is a set of their joint values "
+        f"({values} of them), and its relaxed top-k would need a softmax over all of them. Use "
+        f"UnorderedSetEstimator(name, k={k}) for {k} distinct joint values (unbiased), or "
+        f"GumbelSoftmax(name, n_samples={k}) for {k} relaxed samples drawn with replacement; make the "
+        "variables a plate (storch.denote_independent) only if the cost treats them separately."
+    )
+
+
 class GumbelSoftmaxWOR(AnnealedTemperature, UnorderedSet):
     """Relaxed samples without replacement: the Gumbel-top-k set, with a relaxed sample per element.
 
@@ -369,9 +382,9 @@ class GumbelSoftmaxWOR(AnnealedTemperature, UnorderedSet):
                 else f"has {tuple(log_p.shape[len(plates):-1])} variables per plate element"
             )
             raise ValueError(
-                f"GumbelSoftmaxWOR({self.plate_name!r}): {type(distr).__name__} {what}; it relaxes one "
-                "OneHotCategorical or Bernoulli variable per plate element. Make independent variables "
-                "a plate (storch.denote_independent) or separate nodes, or use UnorderedSetEstimator."
+                f"GumbelSoftmaxWOR({self.plate_name!r}) (the sampler of UnorderedSetGumbelSoftmax): "
+                f"{type(distr).__name__} {what}; it relaxes one OneHotCategorical or Bernoulli variable "
+                f"per plate element.{_joint_fix(log_p, plates, self.k) if relaxed_value is not None else ''}"
             )
         size = log_p.shape[-1]
         gumbel = -torch.empty_like(log_p).exponential_().log()
