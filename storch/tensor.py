@@ -48,6 +48,13 @@ _VALIDATE_SAMPLE = Distribution._validate_sample.__code__
 _GRAD, _SET_GRAD = _T.grad.__get__, _T.grad.__set__
 
 
+def _read_by_torch(frame: Any) -> bool:
+    """Whether ``frame`` runs torch's own code (its tracing and fake tensors read ``.grad`` of every
+    tensor they meet), not a user's."""
+    module = frame.f_globals.get("__name__", "")
+    return module == "torch" or module.startswith("torch.")
+
+
 def alias(t: torch.Tensor) -> torch.Tensor:
     """A new plain-tensor object viewing ``t`` (storch or plain) and attached to its autograd graph."""
     with _Disable():
@@ -432,7 +439,7 @@ class StochasticTensor(Tensor):
         of the distribution parameters' gradients, which storch calls ``z.param_grads``."""
         with _Disable():
             value = _GRAD(self)
-        if value is None:
+        if value is None and not _read_by_torch(sys._getframe(1)):
             warnings.warn(
                 f"z.grad of the samples of node {self.name!r} is torch's gradient of the samples, None "
                 f"here. The gradients of its distribution's parameters (Storchastic's z.grad dict) are "

@@ -4,7 +4,8 @@ The pages are ``docs/**/*.md`` and ``README.md``. On each page:
 
 * every fenced block opened with ```` ```python ```` runs, in page order, in one namespace per page
   (a later block may use names an earlier one defined), from the repository root, after
-  ``torch.manual_seed(0)`` and ``storch.reset()``, with one torch thread;
+  ``torch.manual_seed(0)`` and ``storch.reset()``, with one torch thread and torch.distributions'
+  argument validation on (as in a new process);
 * a fenced ```` ```text ```` block that follows a Python block directly (only blank lines between)
   is that block's printed output: what the block prints must match it, compared as doctest compares
   (``...`` matches anything, runs of whitespace are equal), except that a decimal number may differ
@@ -102,8 +103,11 @@ def run_page(path: Path) -> None:
     storch.reset()
     torch.manual_seed(0)
     cwd, threads = os.getcwd(), torch.get_num_threads()
+    validation = torch.distributions.Distribution._validate_args
     os.chdir(ROOT)
     torch.set_num_threads(1)  # the pages' small examples: threads only add contention on a busy machine
+    # as in a new process: an earlier torch.compile in this one turned torch's validation off
+    torch.distributions.Distribution.set_default_validate_args(True)
     try:
         for block in blocks:
             captured = io.StringIO()
@@ -124,6 +128,7 @@ def run_page(path: Path) -> None:
         sys.modules.pop(page.__name__, None)
         os.chdir(cwd)
         torch.set_num_threads(threads)
+        torch.distributions.Distribution.set_default_validate_args(validation)
         storch.reset()
 
 

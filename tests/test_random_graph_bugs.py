@@ -18,6 +18,16 @@ from storch.method import Expect, LocalExpectation, ScoreFunction
 from storch.sampling import ImportanceSampling
 from storch.testing import assert_unbiased, replicated_gradients
 
+
+@pytest.fixture(autouse=True)
+def validation_on():
+    """torch's default argument validation, which these tests exercise; the first ``torch.compile``
+    of a process (an earlier test) turns it off for the whole process."""
+    old = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(True)
+    yield
+    torch.distributions.Distribution.set_default_validate_args(old)
+
 pytestmark = pytest.mark.seed(36)
 
 R = 3000
