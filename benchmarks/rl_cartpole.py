@@ -49,10 +49,10 @@ from torch.distributions import Categorical, Distribution, Independent, Normal
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import storch  # noqa: E402
-from storch.method.baseline import MovingAverageBaseline  # noqa: E402
+import storch
+from storch.method.baseline import MovingAverageBaseline
 
-__all__ = ["EnvBatch", "Policy", "HandWrittenBaseline", "hand_written_update", "storch_update", "check", "main"]
+__all__ = ["EnvBatch", "HandWrittenBaseline", "Policy", "check", "hand_written_update", "main", "storch_update"]
 
 EPISODES, HIDDEN, LR, DECAY = 8, 64, 0.01, 0.95
 
