@@ -186,7 +186,7 @@ class HostReads(TorchFunctionMode):
     handed to a numpy environment, whose reward comes back as a number) would be a constant of the
     graph, and each replay would reuse the trace's values. The refusal names the line that did it
     (and the line of the step that called it). Storch's own checks read values under
-    [`DeferredChecks`][storch._compile.checks.DeferredChecks], which this mode does not see.
+    ``storch._compile.checks.DeferredChecks``, which this mode does not see.
     """
 
     def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
