@@ -40,7 +40,9 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,10 +66,12 @@ class EnvBatch:
         seconds: the time spent inside the environments' ``reset`` and ``step`` so far.
     """
 
-    def __init__(self, name: str, m: int = EPISODES) -> None:
-        import gymnasium  # the optional extra storch[rl]
+    def __init__(self, name: str, m: int = EPISODES, make: Callable[[str], Any] | None = None) -> None:
+        if make is None:
+            import gymnasium  # the optional extra storch[rl]
 
-        self.envs = [gymnasium.make(name) for _ in range(m)]
+            make = gymnasium.make
+        self.envs = [make(name) for _ in range(m)]
         space = self.envs[0].action_space
         self.discrete = hasattr(space, "n")
         self.low = None if self.discrete else float(space.low[0])
@@ -182,8 +186,8 @@ def storch_update(policy: Policy, envs: EnvBatch, method: storch.method.Method, 
     return -storch.backward().item()
 
 
-def _make(env_name: str, seed: int) -> tuple[EnvBatch, Policy]:
-    envs = EnvBatch(env_name)
+def _make(env_name: str, seed: int, make: Callable[[str], Any] | None = None) -> tuple[EnvBatch, Policy]:
+    envs = EnvBatch(env_name, make=make)
     space = envs.envs[0].action_space
     torch.manual_seed(seed)
     policy = Policy(envs.obs.shape[1], space.n if envs.discrete else space.shape[0], envs.discrete)
@@ -194,11 +198,12 @@ def _method() -> storch.method.Method:
     return storch.method.ScoreFunction("action", baseline_factory=MovingAverageBaseline(DECAY))
 
 
-def check(env_name: str, updates: int = 3, seed: int = 0) -> float:
+def check(env_name: str, updates: int = 3, seed: int = 0, make: Callable[[str], Any] | None = None) -> float:
     """The largest difference between the storch and hand-written gradients over ``updates``
     updates (each followed by the same Adam step) on the same seeds, relative to the largest
-    gradient entry (Pendulum's costs reach 16 per decision and its gradients thousands)."""
-    (envs_a, hand), (envs_b, with_storch) = _make(env_name, seed), _make(env_name, seed)
+    gradient entry (Pendulum's costs reach 16 per decision and its gradients thousands). ``make``
+    makes an environment from its name (default ``gymnasium.make``)."""
+    (envs_a, hand), (envs_b, with_storch) = _make(env_name, seed, make), _make(env_name, seed, make)
     opt_a, opt_b = (torch.optim.Adam(p.parameters(), lr=LR) for p in (hand, with_storch))
     baseline, method = HandWrittenBaseline(), _method()
     worst = 0.0
