@@ -165,3 +165,24 @@ def test_a_numpy_environment_in_a_step_is_never_replayed_with_stale_values():
     for (v, g), (cv, cg) in zip(eager, compiled):
         assert torch.allclose(v, cv, atol=1e-6)
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g, cg))
+
+
+def test_iterating_over_a_tensor_in_a_traced_step_is_traced_not_refused():
+    """Iteration yields tensors (an unbind): nothing leaves torch, and the replays follow the eager
+    steps with new draws each call."""
+    policy = _policy()
+
+    def step(x):
+        logits = policy(x).squeeze(-1)
+        total = sum(row for row in logits)  # iteration over a tensor
+        z = storch.method.ScoreFunction("z", n_samples=3, baseline_factory="batch_average")(
+            Bernoulli(logits=total))
+        storch.add_cost(z * total.detach(), "f")
+        return storch.backward()
+
+    x = torch.randn(5, 4)
+    eager, compiled = _eager_and_compiled(lambda: step(x), policy)
+    assert len({round(v.item(), 6) for v, _ in eager}) > 1
+    for (v, g), (cv, cg) in zip(eager, compiled):
+        assert torch.allclose(v, cv, atol=1e-6)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g, cg))
