@@ -42,7 +42,9 @@ Semantics (see `storch.compiled_step.compile_step` for the API):
   changes is put back), so that torch names the parameter and the constraint.
 * **What cannot be replayed is refused**, with `storch.exceptions.CompileStepError` naming it,
   instead of being baked in silently: a value read on the host during the step (an ``if`` on a
-  tensor, ``.item()``, an optimizer that reads its step count), an estimator that keeps state
+  tensor, ``.item()``, ``.numpy()``, ``.tolist()``, numpy conversion, printing, an optimizer that
+  reads its step count: an action handed to a numpy environment) and a tensor made from numpy data
+  (`storch._compile.refusals.HostReads`), an estimator that keeps state
   between steps outside tensors it updates in place (its declared ``step_state`` is
   ``StepState.host(reason)``: see `storch.state`), a tensor that requires grad but is not a
   parameter of the given modules, a storch tensor in the arguments or the result, costs left

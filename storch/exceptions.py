@@ -55,7 +55,8 @@ class UnusedNodeWarning(UserWarning):
 
 class CompileStepError(RuntimeError):
     """`storch.compile_step` cannot turn a step into one fixed graph without changing what it
-    computes: the step reads a tensor's value on the host (an ``if`` on a tensor, ``.item()``), uses
+    computes: the step reads a tensor's value on the host (an ``if`` on a tensor, ``.item()``,
+    ``.numpy()``, an action handed to a numpy environment) or makes a tensor from numpy data, uses
     an estimator that keeps state between steps, captures a tensor that requires grad from outside
     the given modules, or returns a storch tensor. The message names what and where; the step still
     runs eagerly."""

@@ -131,6 +131,15 @@ def _as_cost_tensor(cost: Any, name: str) -> torch.Tensor:
     )
 
 
+#: the other way a cost loses a node's plates: values that went through code outside torch
+OUTSIDE_TORCH_HINT = (
+    "If the cost is computed outside torch from a sample's values (a numpy environment stepped with "
+    "the action, whose reward comes back as a number or a new tensor), it carries no link to the "
+    "sample: wrap that code in storch.deterministic, which hands it plain tensors and gives its "
+    "outputs the sample's plates, e.g. obs, reward = storch.deterministic(env_step)(action)."
+)
+
+
 def _check_cost(cost: torch.Tensor, name: str) -> None:
     """Refuse a cost that cannot be registered, with the reason and the fix."""
     if not isinstance(name, str) or not name:
@@ -145,6 +154,7 @@ def _check_cost(cost: torch.Tensor, name: str) -> None:
             "is a minibatch of independent data, make it a plate before the model uses it, "
             "x = storch.denote_independent(x, 0, 'data'): each datum then gets its own baselines, "
             "and storch averages the cost over the plate for you."
+            + (" " + OUTSIDE_TORCH_HINT if sampled_plates() else "")
         )
     if not cost.dtype.is_floating_point:
         raise TypeError(f"Cost {name!r} must be a floating point tensor, got {cost.dtype}.")
@@ -158,11 +168,9 @@ def registered_costs() -> tuple[CostTensor, ...]:
 def reset() -> None:
     """Forget the registered costs (and the sampled nodes) of the current context.
 
-    `storch.inference.backward` resets on its own, also when it raises. Call ``reset`` at the start of a
-    step,
-    or where you catch an error raised between `storch.inference.add_cost` and
-    `storch.inference.backward`, so that costs
-    of a failed step do not join the next one.
+    `storch.inference.backward` resets on its own, also when it raises. Call ``reset`` at the start
+    of a step, or where you catch an error raised between `storch.inference.add_cost` and
+    `storch.inference.backward`, so that costs of a failed step do not join the next one.
     """
     _clear_registry()
     _CONSUMED.set(False)
@@ -531,8 +539,8 @@ def _warn_unused_nodes(unused: list[Plate]) -> None:
             f"Node {_describe_nodes([plate])} was sampled in this step, but no registered cost carries "
             f"its plate {plate.name!r}, so its distribution's parameters get no gradient from it. If a "
             "cost depends on it, the plate was reduced before storch.add_cost (storch.reduce_plates, "
-            "storch.sum/mean, logsumexp): register the cost with the plate and let storch reduce it. If "
-            "the node is not used, sample it under torch.no_grad().",
+            "storch.sum/mean, logsumexp): register the cost with the plate and let storch reduce it. "
+            f"{OUTSIDE_TORCH_HINT} If the node is not used, sample it under torch.no_grad().",
             UnusedNodeWarning,
             stacklevel=3,
         )
@@ -549,8 +557,8 @@ def _nothing_to_differentiate(unused: list[Plate]) -> ValueError:
         return ValueError(
             "storch.backward: no registered cost depends on a tensor that requires grad, so there is "
             f"nothing to differentiate. Node(s) {_describe_nodes(unused)} have parameters that require "
-            f"grad, but no registered cost carries their plate(s) {plates}: the costs no longer depend "
-            "on these plates because they were reduced before storch.add_cost (storch.reduce_plates, "
+            f"grad, but no registered cost carries their plate(s) {plates}. {OUTSIDE_TORCH_HINT} "
+            "Otherwise the plates were reduced before storch.add_cost (storch.reduce_plates, "
             "storch.sum/mean, logsumexp). Keep the plate on the cost, e.g. storch.add_cost(f(z), 'c') "
             "instead of storch.add_cost(storch.reduce_plates(f(z), 'z'), 'c'): storch reduces it for "
             "you, weighted by the node's method, when it builds the surrogate loss."

@@ -311,3 +311,65 @@ def test_a_node_whose_shape_changes_is_an_error():
 def test_unknown_baseline_name_lists_the_critics():
     with pytest.raises(ValueError, match="'critic', 'q_critic'"):
         ScoreFunction("z", baseline_factory="critics")
+
+
+# ------------------------------------------------------------------ a shared critic over an episode
+def _episode(policy, method, T=6, M=4, previous=False):
+    """A chain of T decisions over M episodes; each distribution keeps its observation (and, with
+    ``previous``, the observation before it) for the critic; a cost per decision."""
+    obs = storch.denote_independent(torch.linspace(-1, 1, M * 3).reshape(M, 3), 0, "episodes")
+    before, trace = obs, []
+    for t in range(T):
+        d = torch.distributions.Categorical(logits=policy(obs))
+        d.observation, d.previous = obs, before
+        action = method(d)
+        trace.append((obs, action))
+        before, obs = obs, obs + (2 * action - 1).unsqueeze(-1).float() * 0.3
+        storch.add_cost((obs ** 2).sum(-1), f"c{t}")
+    return trace
+
+
+def test_a_shared_critic_is_one_network_for_every_decision_trained_once_per_step():
+    """Critic(shared=True) fed each decision's observation: one network however long the episode,
+    one optimizer step per storch.backward(), and the gradient is REINFORCE with V(s_t) subtracted
+    from each decision's cost to go (checked against the sum written by hand)."""
+    torch.manual_seed(0)
+    policy = torch.nn.Linear(3, 2)
+    critic = Critic(inputs=lambda d: [d.observation], shared=True)
+    method = ScoreFunction("action", n_samples=1, baseline_factory=critic)
+    for step in range(3):
+        policy.zero_grad()
+        trace = _episode(policy, method)
+        head = critic.head(storch.method.critic.SHARED)
+        if head is not None:  # V(s_t) of the network as the step uses it
+            with torch.no_grad():
+                values = [head.offset + head.scale * head.network(o._tensor.reshape(4, 3))[..., 0]
+                          for o, _ in trace]
+        costs = [c._tensor.reshape(4).detach() for c in storch.registered_costs()]
+        storch.backward()
+        assert len(critic.heads) == 1 and list(critic._names) == [storch.method.critic.SHARED]
+        state = critic.optimizer(storch.method.critic.SHARED).state
+        assert all(int(s["step"]) == step + 1 for s in state.values())  # one step per backward
+        if head is None:
+            continue
+        leaf = [p.detach().requires_grad_() for p in policy.parameters()]
+        log_p = torch.stack([torch.distributions.Categorical(
+            logits=torch.nn.functional.linear(o._tensor.reshape(4, 3), *leaf)).log_prob(a._tensor.reshape(4))
+            for o, a in trace], 1)
+        to_go = torch.stack(costs, 1).flip(1).cumsum(1).flip(1)
+        surrogate = (log_p * (to_go - torch.stack(values, 1))).sum(1).mean()
+        expected = torch.autograd.grad(surrogate, leaf)
+        for p, e in zip(policy.parameters(), expected):
+            assert torch.allclose(p.grad, e, atol=1e-5), (p.grad, e)
+
+
+def test_a_critic_may_read_the_observations_of_earlier_chain_steps():
+    """An input computed at an earlier step of the decision's chain (the observation before the
+    current one) is a non-descendant of the decision: read, not refused for carrying that step's plate."""
+    torch.manual_seed(0)
+    policy = torch.nn.Linear(3, 2)
+    critic = Critic(inputs=lambda d: [d.observation, d.previous], shared=True)
+    method = ScoreFunction("action", n_samples=1, baseline_factory=critic)
+    _episode(policy, method, previous=True)
+    storch.backward()
+    assert critic.head(storch.method.critic.SHARED).in_features == 6

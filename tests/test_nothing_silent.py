@@ -13,6 +13,7 @@ import re
 import sys
 import weakref
 
+import numpy as np
 import pytest
 import torch
 from torch.distributions import Bernoulli, Categorical, OneHotCategorical
@@ -277,6 +278,35 @@ def test_backward_names_a_reduced_plate_not_requires_grad_when_nothing_else_need
                      r"reduced before storch.add_cost.*Keep the plate on the cost", message), message
     assert "requires_grad=True" not in message and "no_grad" not in message
     assert storch.registered_costs() == ()
+
+
+def test_a_reward_from_a_numpy_environment_names_storch_deterministic():
+    """Rewards computed in numpy from an action's values carry no link to the action: the errors
+    (a reward without the episodes' plate, a cost without the action's plate) name the fix,
+    storch.deterministic around the environment's step, which then gives the reward-to-go gradient."""
+    policy = torch.nn.Linear(2, 2)
+    observation = storch.denote_independent(torch.ones(3, 2), 0, "episodes")
+
+    def env_step(action: torch.Tensor) -> torch.Tensor:  # numpy code: the reward is a new tensor
+        return torch.as_tensor(np.where(action.numpy() == 1, 1.0, 0.0).astype(np.float32))
+
+    action = storch.method.ScoreFunction("action", n_samples=1)(Categorical(logits=policy(observation)))
+    with pytest.raises(ValueError, match=r"event dimensions \(3,\).*storch.deterministic\(env_step\)\(action\)"):
+        storch.add_cost(-env_step(action._tensor.reshape(3)), "r")
+    storch.reset()
+    action = storch.method.ScoreFunction("action", n_samples=1)(Categorical(logits=policy(observation)))
+    storch.add_cost(-env_step(action._tensor.reshape(3)).sum(), "r")
+    with pytest.warns(storch.exceptions.UnusedNodeWarning, match=r"storch.deterministic"), \
+            pytest.raises(ValueError, match=r"no registered cost carries their plate\(s\) 'action'\. If the cost "
+                          r"is computed outside torch.*storch.deterministic\(env_step\)\(action\)"):
+        storch.backward()
+    storch.reset()
+    action = storch.method.ScoreFunction("action", n_samples=1)(Categorical(logits=policy(observation)))
+    reward = storch.deterministic(env_step)(action)
+    assert reward.plate_names == action.plate_names
+    storch.add_cost(-reward, "r")
+    storch.backward()
+    assert policy.weight.grad.abs().sum() > 0
 
 
 def test_backward_still_suggests_requires_grad_when_that_is_the_cause():

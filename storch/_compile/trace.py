@@ -19,6 +19,7 @@ from storch._compile.checks import Check, DeferredChecks, all_ok
 from storch._compile.inputs import Inputs, Slots
 from storch._compile.refusals import (
     COSTS_AFTER,
+    HostReads,
     host_read_error,
     is_host_read,
     refuse_registered_costs,
@@ -140,7 +141,7 @@ def trace_step(
         values = iter(arguments)
         args, kwargs = pytree.tree_unflatten([next(values) if t else leaf for leaf, t in zip(leaves, is_tensor)], spec)
         checks = DeferredChecks(asserted_devices)
-        with swapped(slots, trainable_values + frozen_values + buffer_values, kinds), checks:
+        with swapped(slots, trainable_values + frozen_values + buffer_values, kinds), checks, HostReads():
             result = step(*args, **kwargs)
         refuse_registered_costs(COSTS_AFTER)
         record.outputs = _outputs(result, trainable_values, checks, state, record)

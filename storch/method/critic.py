@@ -38,7 +38,14 @@ baseline_factory="critic")`` or ``baseline_factory="q_critic"``, or an instance
 registered cost name (built at first use, when the input size is known): with several costs
 downstream of a node, each gets its own ``V_c`` and the control variates add up to
 ``Σ_c V_c(ŝ) ≈ E[Σ_c S_c | ŝ]``. Each critic has its own optimizer, which steps once per
-``storch.backward()``; its parameters never receive a gradient from the surrogate.
+``storch.backward()``; its parameters never receive a gradient from the surrogate. With
+``shared=True`` one network serves every cost: the critic of an episode's decisions (one method
+called at every step, a cost per reward, each decision's cost to go as its target), fed each
+decision's observation, is one ``V(s)`` trained by one optimizer step per ``storch.backward()`` on
+all the decisions' squared errors. A chain step's distribution is a copy without the step it
+extended, with the original's attributes (an observation set on it is read with that step's plate
+dropped), and inputs computed at earlier steps of the node's chain are non-descendants: their
+size-1 chain dimensions are dropped.
 
 Training targets are normalised: the critic predicts ``μ + σ · net(ŝ)``, with ``μ``, ``σ`` running
 averages (decay ``β``) of the mean and standard deviation of the targets seen in *earlier* steps.
@@ -104,7 +111,7 @@ from storch.reductions import reduce_plates
 from storch.registries import CRITIC_INPUTS, register_critic_inputs
 
 __all__ = [
-    "Critic", "QCritic", "NetworkFactory", "OptimizerFactory", "InputFunction", "register_critic_inputs",
+    "SHARED", "Critic", "QCritic", "NetworkFactory", "OptimizerFactory", "InputFunction", "register_critic_inputs",
     "critic_inputs", "mlp",
 ]
 
@@ -156,16 +163,31 @@ def _previous_chain_step(node: StochasticNode) -> Optional[StochasticNode]:
     return None
 
 
-def _aligned(t: torch.Tensor, layout: PlateLayout, what: str) -> torch.Tensor:
+def _earlier_chain_step(plate: Any, node: Optional[StochasticNode]) -> bool:
+    """Whether ``plate`` is an earlier step of ``node``'s single-sample chain: a tensor that carries it
+    was computed before ``node`` was drawn (a non-descendant: the observation the step's distribution
+    was computed from), and its size-1 dimension can be dropped."""
+    own = None if node is None else node.plate
+    return (isinstance(plate, ChainPlate) and isinstance(own, ChainPlate) and plate is not own
+            and own.descends_from(plate))
+
+
+def _aligned(t: torch.Tensor, layout: PlateLayout, what: str, node: Optional[StochasticNode] = None) -> torch.Tensor:
     """``t`` as a plain tensor ``(*layout.sizes, *rest)``: its plates permuted into ``layout``'s
-    order, missing ones broadcast; autograd history is kept."""
+    order, missing ones broadcast, the plates of earlier steps of ``node``'s chain dropped (size 1);
+    autograd history is kept."""
     data = plain(t)
     src = layout_of(t)
     if src is layout:
         return data
-    k = len(src.plates)
+    plates = list(src.plates)
+    for i in reversed(range(len(plates))):
+        if _earlier_chain_step(plates[i], node):
+            data = data.select(i, 0)
+            del plates[i]
+    k = len(plates)
     targets = []
-    for plate in src.plates:
+    for plate in plates:
         index = next((i for i, p in enumerate(layout.plates) if p is plate), None)
         if index is None:
             index = next((i for i, p in enumerate(layout.plates) if p == plate), None)
@@ -180,7 +202,7 @@ def _aligned(t: torch.Tensor, layout: PlateLayout, what: str) -> torch.Tensor:
     data = data.permute(*order, *range(k, data.dim()))
     shape = [1] * len(layout.plates)
     for j in order:
-        shape[targets[j]] = plain(t).shape[j]
+        shape[targets[j]] = data.shape[order.index(j)]
     return data.reshape(tuple(shape) + rest).expand(tuple(layout.sizes) + rest)
 
 
@@ -207,6 +229,10 @@ def mlp(in_features: int, out_features: int, hidden: int = 64, depth: int = 2) -
 
 
 # --------------------------------------------------------------------------- per-cost heads
+#: the name of the one network of a shared critic (``Critic(shared=True)``), in place of a cost name
+SHARED = "(all costs)"
+
+
 class _Head(nn.Module):
     """The network of one registered cost, with the running statistics of its targets."""
 
@@ -285,6 +311,11 @@ class Critic(Baseline):
             target statistics across ranks and broadcast a new network from rank 0, so that the
             replicas stay identical (`storch.distributed`). The networks are built lazily, so
             DDP never sees them.
+        shared: one network for every cost (``V(ŝ)`` of whatever the inputs are, e.g. the
+            observation of each decision of an episode), trained by one optimizer step per
+            ``storch.backward()`` on the sum of all the costs' squared errors, with one running
+            mean and standard deviation of all targets; its cost name is `SHARED`. Default: one
+            network per cost name.
 
     Attributes:
         last_losses: cost name → the critic's last training loss (normalised squared error).
@@ -316,6 +347,7 @@ class Critic(Baseline):
         include_ancestors: bool = False,
         inputs: Optional[InputFunction] = None,
         sync: bool = True,
+        shared: bool = False,
     ) -> None:
         super().__init__()
         if network_factory is not None and not callable(network_factory):
@@ -336,6 +368,7 @@ class Critic(Baseline):
         self.include_ancestors = bool(include_ancestors)
         self.inputs = inputs
         self.sync = bool(sync)
+        self.shared = bool(shared)
         self.heads = nn.ModuleDict()
         self._names: dict[str, str] = {}  # cost name -> module key
         self._optimizers: dict[str, torch.optim.Optimizer] = {}
@@ -414,7 +447,7 @@ class Critic(Baseline):
         for label, value in named:
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"{label} is a {type(value).__name__}, not a tensor.")
-            data = _aligned(value, layout, label).detach()
+            data = _aligned(value, layout, label, node).detach()
             if dtype is None and data.is_floating_point():
                 dtype = data.dtype
             parts.append(data.reshape(tuple(layout.sizes) + (-1,)))
@@ -502,11 +535,17 @@ class Critic(Baseline):
         return plain(out)
 
     # ------------------------------------------------------------------ baseline
+    def network_name(self, cost_name: str) -> str:
+        """The name under which the network of cost ``cost_name`` is kept: the cost's own name, or
+        `SHARED` for a shared critic."""
+        return SHARED if self.shared else cost_name
+
     def compute_baseline(self, tensor: StochasticTensor, cost_node: CostTensor) -> torch.Tensor:
         features, layout = self.input_features(tensor)
-        head = self._head_for(tensor, cost_node.name, features)
+        name = self.network_name(cost_node.name)
+        head = self._head_for(tensor, name, features)
         if is_tracing():
-            self._refuse_unreplayable_training(cost_node.name)
+            self._refuse_unreplayable_training(name)
         out = self._evaluate(head, features, tensor)[..., 0]
         self._remember(tensor, cost_node, head, wrap(out, layout) if layout.plates else out)
         prediction = (head.offset + head.scale * out).detach()
@@ -549,7 +588,7 @@ class Critic(Baseline):
             return
         by_name: dict[str, list[_Pending]] = {}
         for entry in pending:
-            by_name.setdefault(entry.name, []).append(entry)
+            by_name.setdefault(self.network_name(entry.name), []).append(entry)
         syncing = self.sync and distributed.syncing()
         for name in sorted(by_name):  # the same order on every rank
             entries = by_name[name]
@@ -675,6 +714,8 @@ class Critic(Baseline):
             parts.append("include_ancestors=True")
         if not self.sync:
             parts.append("sync=False")
+        if self.shared:
+            parts.append("shared=True")
         return ", ".join(parts)
 
 
@@ -748,9 +789,10 @@ class QCritic(Critic):
         node = node_of(tensor)
         coordinates = self._coordinates(tensor)
         features, layout = self.input_features(tensor)
-        head = self._head_for(tensor, cost_node.name, features)
+        name = self.network_name(cost_node.name)
+        head = self._head_for(tensor, name, features)
         if is_tracing():
-            self._refuse_unreplayable_training(cost_node.name)
+            self._refuse_unreplayable_training(name)
         values = coordinates.values(node.distribution)  # (K, *event)
         k = values.shape[0]
         var_shape = self._var_shape(tensor)
