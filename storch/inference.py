@@ -22,7 +22,12 @@ surrogates that reach a step with the same plates are summed (``R_s``, the rewar
 term ``□(l_s) R_s + (1 − □(l_s)) a_s`` is formed once. The recursion is linear in ``S``, so the sum is
 the costs' separate recursions added up (with baselines that are linear in the cost, the moving average
 and leave-one-out ones, to the same values; a critic is trained on ``R_s``), and ``T`` decisions with a
-cost after each take ``O(T)`` node terms instead of ``O(T²)``.
+cost after each take ``O(T)`` node terms instead of ``O(T²)``. When the steps of a chain share one
+score-function method, the whole chain is formed at once from its stacked log-probabilities and a
+cumulative sum (`storch._chain_terms`): the same surrogate, to every order.
+
+An independent plate made again after a node was drawn on an equal one (a minibatch plate made at
+every step of a rollout) is reduced after that node, as it would be had it been made once.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from storch import _tracing
+from storch._chain_terms import chain_term
 from storch._step import forget_sampled, sampled_plates
 from storch.exceptions import NonFiniteCostError, StaleCostError, UnusedNodeWarning
 from storch.plate import MAX_PLATES, ChainPlate, Plate, PlateClashError, layout_of_plates, merge_layouts  # noqa: F401 (MAX_PLATES)
@@ -228,7 +234,7 @@ def _cost_surrogate(S: torch.Tensor, name: str, record: _Record) -> "torch.Tenso
     processed together with the other costs that reach them, see `_chain_steps`)."""
     cost = S
     while isinstance(S, Tensor) and S._layout.plates:
-        plate = max(S._layout.plates, key=_surrogate_order)  # the newest remaining plate
+        plate = _next_plate(S._layout.plates)
         if plate.node is None:
             S = reduce_plate(S, plate, detach_weights=False)
         elif isinstance(plate, ChainPlate):
@@ -239,6 +245,19 @@ def _cost_surrogate(S: torch.Tensor, name: str, record: _Record) -> "torch.Tenso
         return plain(S)
     S.__class__ = torch.Tensor  # a reduction storch made: retyped in place (no view, no autograd node)
     return S
+
+
+def _next_plate(plates: tuple[Plate, ...]) -> Plate:
+    """The plate the recursion handles next: the newest, except an independent plate that a node among
+    ``plates`` was drawn on (an equal plate among the node's parents), which comes after that node.
+
+    Only an independent plate made again after the node was drawn (``storch.denote_independent`` of
+    each step's observations in a rollout) is newer than such a node: reduced first, it would average
+    the costs over the plate along which the node's log-probabilities vary."""
+    plate = max(plates, key=_surrogate_order)
+    if plate.node is not None or not any(q.node is not None and plate in q.parents for q in plates):
+        return plate
+    return _next_plate(tuple(p for p in plates if p is not plate))
 
 
 class _Stopped:
@@ -264,22 +283,56 @@ def _chain_steps(partials: list[_Partial], record: _Record) -> torch.Tensor | No
     heap = [(-p.plate.surrogate_order, p.index, i) for i, p in enumerate(partials)]
     heapq.heapify(heap)
     total = None
+    stepwise: set[int] = set()  # the chains formed step by step (the whole chain's form was refused)
     while heap:
         _, _, i = heapq.heappop(heap)
         first = partials[i]
         group = [first]
         while heap and partials[heap[0][2]].plate is first.plate:
             group.append(partials[heapq.heappop(heap)[2]])
-        for merged in _merge_by_layout(group):
-            S = _node_term(merged.S, merged.plate, merged.name, record)  # type: ignore[arg-type]
-            S = _step_back(S, merged.plate)
-            result = _cost_surrogate(S, merged.name, record)
+        formed = None
+        if id(first.plate.chain) not in stepwise:
+            formed, heap = _whole_chain(group, heap, partials, record)
+            if formed is None:
+                stepwise.add(id(first.plate.chain))
+        if formed is None:
+            formed = [_step_term(merged, record) for merged in _merge_by_layout(group)]
+        for S, name, index in formed:
+            result = _cost_surrogate(S, name, record)
             if isinstance(result, _Stopped):
-                partials.append(_Partial(result.S, merged.name, False, merged.index, result.plate))
-                heapq.heappush(heap, (-result.plate.surrogate_order, merged.index, len(partials) - 1))
+                partials.append(_Partial(result.S, name, False, index, result.plate))
+                heapq.heappush(heap, (-result.plate.surrogate_order, index, len(partials) - 1))
             else:
                 total = result if total is None else total + result
     return total
+
+
+def _step_term(merged: _Partial, record: _Record) -> tuple[torch.Tensor, str, int]:
+    """The node term of one chain step on the summed partials ``merged``, stepped back to the step before."""
+    S = _node_term(merged.S, merged.plate, merged.name, record)  # type: ignore[arg-type]
+    return _step_back(S, merged.plate), merged.name, merged.index
+
+
+def _whole_chain(
+    group: list[_Partial], heap: list[tuple[int, int, int]], partials: list[_Partial], record: _Record
+) -> tuple[list[tuple[torch.Tensor, str, int]] | None, list[tuple[int, int, int]]]:
+    """The terms of the whole chain whose newest reached step is ``group``'s, formed at once
+    (`storch._chain_terms`), and the heap without the chain's other steps; or
+    ``None`` and the heap as it was, where the chain is formed step by step."""
+    chain = group[0].plate.chain
+    mine, newest_other = list(group), -1
+    for _, _, i in heap:
+        p = partials[i]
+        if p.plate.chain is chain:
+            mine.append(p)
+        else:
+            newest_other = max(newest_other, p.plate.surrogate_order)
+    formed = chain_term(mine, newest_other, record)
+    if formed is None:
+        return None, heap
+    rest = [entry for entry in heap if partials[entry[2]].plate.chain is not chain]
+    heapq.heapify(rest)
+    return [formed], rest
 
 
 def _merge_by_layout(group: list[_Partial]) -> list[_Partial]:

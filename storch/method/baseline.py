@@ -14,7 +14,7 @@ derivatives of every order, through the term ``(1 − □(l(x))) · a(x)`` (Stor
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -22,7 +22,9 @@ from torch import nn
 from storch import distributed
 from storch.reductions import reduce_plates
 from storch.reductions import sum as plate_sum
-from storch.extend import CostTensor, DeclaresStepState, StepState, StochasticTensor, layout_of, no_dispatch, plain
+from storch.extend import (
+    CostTensor, DeclaresStepState, PlateLayout, StepState, StochasticTensor, layout_of, no_dispatch, plain,
+)
 
 __all__ = [
     "Baseline", "MovingAverageBaseline", "BatchAverageBaseline", "BatchAverage", "make_baseline", "BaselineFactory",
@@ -56,6 +58,19 @@ class Baseline(nn.Module, DeclaresStepState, ABC):
 
     def update(self) -> None:
         """Called once after each backward pass."""
+
+    def vectorises_chain(self, plates: PlateLayout) -> bool:
+        """Whether [`chain_baselines`][storch.method.baseline.Baseline.chain_baselines] gives the
+        baselines of every step of a single-sample chain at once, for costs that carry ``plates``
+        besides the chain: ``False`` here (each step's baseline is computed on its own)."""
+        return False
+
+    def chain_baselines(self, names: Sequence[str], to_go: torch.Tensor, plates: PlateLayout) -> torch.Tensor:
+        """The baselines of the steps of a chain, oldest first, from the detached reward to go
+        ``to_go`` (plain, ``(T, *sizes of plates)``), as a plain tensor that broadcasts against it;
+        ``names[s]``: the cost name of step ``s`` (as ``compute_baseline``'s ``cost_node.name``).
+        Only called where [`vectorises_chain`][storch.method.baseline.Baseline.vectorises_chain] is true."""
+        raise NotImplementedError(f"{type(self).__name__} computes each step's baseline on its own.")
 
     def correction(self, tensor: StochasticTensor, cost_node: CostTensor) -> Optional[torch.Tensor]:
         """An extra surrogate term beside ``(1 − □(l)) · b``, of forward value 0; ``None`` (default): none.
@@ -145,6 +160,22 @@ class MovingAverageBaseline(Baseline):
         self._pending[name] = mean
         average, _ = self._buffers_of(name, mean)
         return average.clone()  # the buffer is updated in place after the backward pass
+
+    def vectorises_chain(self, plates: PlateLayout) -> bool:
+        """True for costs whose plates are all uniformly weighted (their mean is the plain mean)."""
+        return all(p.has_uniform_weight for p in plates.plates)
+
+    def chain_baselines(self, names: Sequence[str], to_go: torch.Tensor, plates: PlateLayout) -> torch.Tensor:
+        """The averages of the steps' cost names, stacked (oldest step first); each step's mean reward
+        to go is noted for the update, as [`compute_baseline`][storch.method.baseline.MovingAverageBaseline.compute_baseline]
+        notes it (where two steps share a name, the older one's, the one the step-by-step recursion
+        reaches last)."""
+        with no_dispatch():
+            means = to_go.mean(tuple(range(1, to_go.dim()))) if to_go.dim() > 1 else to_go
+            for name, mean in zip(reversed(names), reversed(means.unbind(0))):
+                self._pending[name] = mean
+            averages = torch.stack([self._buffers_of(name, means)[0] for name in names])
+            return averages.reshape(averages.shape + (1,) * (to_go.dim() - 1))
 
     def update(self) -> None:
         """Fold the costs of the last step into the averages; a NaN or infinite mean is skipped.
