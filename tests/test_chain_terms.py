@@ -168,3 +168,32 @@ def test_a_data_plate_made_again_at_every_step_keeps_each_episode_its_credit(sha
     expected = _hand_written_observed_rollout()
     torch.testing.assert_close(_observed_rollout(False, method_of), expected)
     torch.testing.assert_close(_observed_rollout(True, method_of), expected)
+
+
+def test_a_compiled_step_replays_the_chain_formed_at_once():
+    """storch.compile_step traces the chain's stacked terms and replays the eager gradients."""
+    head = torch.nn.Linear(4, 3)
+    compiled_method = storch.method.ScoreFunction("a", baseline_factory="moving_average")
+    eager_method = storch.method.ScoreFunction("a", baseline_factory="moving_average")
+
+    def step(method, x):
+        obs = storch.denote_independent(x, 0, "episodes")
+        h = obs
+        for t in range(4):
+            a = method(Categorical(logits=head(h)))
+            h = h + a.unsqueeze(-1).to(x.dtype)
+            storch.add_cost((a == t % 3).to(x.dtype), f"r{t}")
+        return storch.backward()
+
+    compiled = storch.compile_step(lambda x: step(compiled_method, x), head, compiled_method)
+    x = torch.randn(5, 4)
+    for i in range(3):  # trace, then replays
+        manual_seed(20 + i)
+        head.zero_grad()
+        compiled(x)
+        replayed = [p.grad.clone() for p in head.parameters()]
+        manual_seed(20 + i)
+        head.zero_grad()
+        step(eager_method, x)
+        for r, e in zip(replayed, head.parameters()):
+            torch.testing.assert_close(r, e.grad)
