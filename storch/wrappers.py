@@ -30,9 +30,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from storch._dispatch import align_tensor, expand_plain, no_dispatch, plate_dimension_error
+from storch._dispatch import align_tensor, expand_plain, no_dispatch, plate_dimension_error, union_of_layouts
 from storch.exceptions import IllegalStorchExposeError
-from storch.plate import EMPTY_LAYOUT, PlateLayout, merge_layouts
+from storch.plate import EMPTY_LAYOUT, PlateLayout
 from storch.tensor import Tensor, layout_of, wrap_new
 
 __all__ = [
@@ -80,7 +80,7 @@ def _name(fn: Callable) -> Any:
 def _collect_layouts(args: tuple, kwargs: dict) -> PlateLayout:
     """The union of the plates of the storch tensors among the arguments."""
     layouts = [t._layout for t in _tensors_in((args, kwargs)) if _is_plated(t)]
-    return merge_layouts(layouts) if layouts else EMPTY_LAYOUT
+    return union_of_layouts(layouts) if layouts else EMPTY_LAYOUT
 
 
 class _PlateKeywords(NamedTuple):
