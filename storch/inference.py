@@ -437,9 +437,15 @@ def _plates_sharing_a_name(costs: tuple[CostTensor, ...]) -> list[tuple[Plate, P
     for cost in costs:
         for plate in layout_of(cost).plates:
             seen = first.setdefault(plate.name, plate)
-            if seen is not plate:
+            if seen is not plate and not _steps_of_one_chain(seen, plate):
                 pairs.setdefault((id(seen), id(plate)), (seen, plate))
     return list(pairs.values())
+
+
+def _steps_of_one_chain(a: Plate, b: Plate) -> bool:
+    """Whether ``a`` and ``b`` are steps of one single-sample chain (one name, never a clash: the
+    newer step is kept where they meet), so that a rollout's costs are not merged pairwise."""
+    return type(a) is ChainPlate and type(b) is ChainPlate and a.chain is b.chain
 
 
 def surrogate_loss(costs: tuple[CostTensor, ...] | None = None) -> torch.Tensor:

@@ -3,6 +3,7 @@ again for a layout that only differs from a known one by the chain's newer step.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.distributions import Categorical
 
@@ -42,3 +43,21 @@ def test_a_layout_that_lists_its_plates_out_of_order_is_still_merged():
     union = _dispatch.union_of_layouts([shuffled._layout, obs._layout])
     assert union is not shuffled._layout and [p.name for p in union.plates] == ["a", "episodes"]
     storch.reset()
+
+
+def test_the_averages_of_many_decisions_fold_as_one_at_a_time():
+    """MovingAverageBaseline updates the averages of a rollout's decisions together: the same values
+    as updating each alone (the first update sets it, a non-finite mean is skipped)."""
+    from storch.method.baseline import MovingAverageBaseline
+
+    together = MovingAverageBaseline(0.9)
+    alone = {name: MovingAverageBaseline(0.9) for name in "abc"}
+    for means in ({"a": 1.0, "b": float("inf"), "c": 2.0}, {"a": 3.0, "b": 4.0, "c": float("nan")}, {"a": -1.0, "b": 0.5}):
+        for name, value in means.items():
+            together._pending[name] = torch.tensor(value)
+            alone[name]._pending[name] = torch.tensor(value)
+            alone[name].update()
+        together.update()
+    expected = {name: b.averages[name].item() for name, b in alone.items() if name in b.averages}
+    assert {name: v.item() for name, v in together.averages.items()} == pytest.approx(expected)
+    assert expected == pytest.approx({"a": 0.9 * (0.9 * 1.0 + 0.1 * 3.0) - 0.1, "b": 0.9 * (0.1 * 4.0) + 0.1 * 0.5, "c": 2.0})

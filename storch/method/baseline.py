@@ -191,14 +191,12 @@ class MovingAverageBaseline(Baseline):
             means = [self._pending[name].detach().clone() for name in names]
             distributed.all_reduce_mean_(means)
             self._pending = dict(zip(names, means))
+        groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         for name, mean in self._pending.items():
             average, updated = self._buffers_of(name, mean)
-            mean = mean.detach().to(average.dtype)
-            finite = torch.isfinite(mean)
-            first = torch.where(finite, mean, torch.zeros_like(mean))
-            later = torch.where(finite, beta * average + (1 - beta) * mean, average)
-            average.copy_(torch.where(updated, later, first))
-            updated.fill_(True)
+            groups.setdefault((average.dtype, average.device), []).append((average, updated, mean))
+        for members in groups.values():
+            _fold(members, beta)
         self._pending.clear()
 
     def get_extra_state(self) -> dict:
@@ -240,6 +238,29 @@ class MovingAverageBaseline(Baseline):
     def extra_repr(self) -> str:
         sync = "" if self.sync else ", sync=False"
         return f"exponential_decay={self.exponential_decay}{sync}"
+
+
+def _fold(members: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], beta: float) -> None:
+    """``b ← β b + (1 − β) m`` (the first update: ``b ← m``; a non-finite ``m`` is skipped) for each
+    ``(average, updated, m)`` of one dtype and device, in place. Several averages (one per decision of
+    a rollout) are updated together: stacked, folded, and copied back in one call per list."""
+    if len(members) == 1:
+        (average, updated, mean), = members
+    else:
+        averages, flags = [m[0] for m in members], [m[1] for m in members]
+        average, updated = torch.stack(averages), torch.stack(flags)
+        mean = torch.stack([m[2].detach() for m in members])
+    mean = mean.detach().to(average.dtype)
+    finite = torch.isfinite(mean)
+    first = torch.where(finite, mean, torch.zeros_like(mean))
+    later = torch.where(finite, beta * average + (1 - beta) * mean, average)
+    folded = torch.where(updated, later, first)
+    if len(members) == 1:
+        average.copy_(folded)
+        updated.fill_(True)
+    else:
+        torch._foreach_copy_(averages, list(folded.unbind(0)))
+        torch._foreach_copy_(flags, [torch.ones((), dtype=torch.bool, device=updated.device)] * len(flags))
 
 
 def _weighted_mean(cost: CostTensor) -> torch.Tensor:
