@@ -38,7 +38,7 @@ import math
 import operator
 import warnings
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -59,8 +59,31 @@ __all__ = ["add_cost", "backward", "surrogate_loss", "reset", "registered_costs"
 
 
 _COSTS: ContextVar[tuple[CostTensor, ...]] = ContextVar("storch_costs", default=())
+
+
+class _Names(NamedTuple):
+    """The names of the registered costs: a frozen set and the names added since it was last rebuilt.
+
+    Immutable, as the registry: each `add_cost` makes a new one. Rebuilding the set at every cost
+    would make ``T`` costs ``O(T²)``; it is rebuilt once per ``_TAIL`` names, and a name is checked
+    against the set and at most ``_TAIL`` recent names."""
+
+    frozen: frozenset[str]
+    recent: tuple[str, ...]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.frozen or name in self.recent
+
+    def adding(self, name: str) -> "_Names":
+        if len(self.recent) < _TAIL:
+            return _Names(self.frozen, self.recent + (name,))
+        return _Names(self.frozen.union(self.recent, (name,)), ())
+
+
+_TAIL = 32
+_NO_NAMES = _Names(frozenset(), ())
 # the names of the registered costs (set with _COSTS): a name is checked in O(1), not against every cost
-_COST_NAMES: ContextVar[frozenset[str]] = ContextVar("storch_cost_names", default=frozenset())
+_COST_NAMES: ContextVar[_Names] = ContextVar("storch_cost_names", default=_NO_NAMES)
 # whether a storch.backward() cleared the registry and no cost was registered (nor reset) since: the
 # reason a later backward finds no costs, named in its error
 _CONSUMED: ContextVar[bool] = ContextVar("storch_costs_consumed", default=False)
@@ -96,7 +119,7 @@ def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
     layout = layout_of(cost)
     registered = CostTensor._retype_as(alias(cost), layout, name)
     _COSTS.set(costs + (registered,))  # type: ignore[operator]
-    _COST_NAMES.set(_COST_NAMES.get() | {name})
+    _COST_NAMES.set(_COST_NAMES.get().adding(name))
     _CONSUMED.set(False)
 
 
@@ -159,7 +182,7 @@ def reset() -> None:
 def _clear_registry() -> None:
     """Forget the registered costs and the sampled nodes (what `backward` does when it ends)."""
     _COSTS.set(())
-    _COST_NAMES.set(frozenset())
+    _COST_NAMES.set(_NO_NAMES)
     forget_sampled()
 
 

@@ -61,3 +61,12 @@ def test_the_averages_of_many_decisions_fold_as_one_at_a_time():
     expected = {name: b.averages[name].item() for name, b in alone.items() if name in b.averages}
     assert {name: v.item() for name, v in together.averages.items()} == pytest.approx(expected)
     assert expected == pytest.approx({"a": 0.9 * (0.9 * 1.0 + 0.1 * 3.0) - 0.1, "b": 0.9 * (0.1 * 4.0) + 0.1 * 0.5, "c": 2.0})
+
+
+@pytest.mark.parametrize("again", ["r3", "r98"], ids=["an early name", "a recent name"])
+def test_a_cost_name_registered_long_ago_is_still_refused(again):
+    for t in range(100):
+        storch.add_cost(torch.tensor(float(t)), f"r{t}")
+    with pytest.raises(ValueError, match=f"A cost named '{again}' is already registered"):
+        storch.add_cost(torch.tensor(1.0), again)
+    assert storch.registered_costs() == ()  # the registry was cleared
