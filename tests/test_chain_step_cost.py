@@ -70,3 +70,20 @@ def test_a_cost_name_registered_long_ago_is_still_refused(again):
     with pytest.raises(ValueError, match=f"A cost named '{again}' is already registered"):
         storch.add_cost(torch.tensor(1.0), again)
     assert storch.registered_costs() == ()  # the registry was cleared
+
+
+def test_a_cell_on_tensors_only_gives_the_general_wrappers_result():
+    """make_left_broadcastable's path for tensor arguments: the plates flattened and given back, a
+    tuple output too, a plain argument expanded, and ignore_wrapping's flattened outputs."""
+    from storch.wrappers import ignore_wrapping
+
+    x = storch.denote_independent(torch.randn(4, 3), 0, "data")
+    z = storch.method.Reparameterization("z", n_samples=2)(torch.distributions.Normal(x, 1.0))
+    pair = storch.make_left_broadcastable(lambda a, b: (a + b, a.shape[0] * torch.ones(a.shape[0], 1)))
+    s, n = pair(z, torch.ones(3))
+    assert s.plate_names == ["z", "data"] and torch.equal(s._tensor, z._tensor + 1)
+    assert n.plate_names == ["z", "data"] and torch.equal(n._tensor, torch.full((2, 4, 1), 8.0))
+    with ignore_wrapping():
+        flat, _ = pair(z, x)
+    assert type(flat) is torch.Tensor and flat.shape == (8, 3)
+    storch.reset()
