@@ -87,3 +87,13 @@ def test_a_cell_on_tensors_only_gives_the_general_wrappers_result():
         flat, _ = pair(z, x)
     assert type(flat) is torch.Tensor and flat.shape == (8, 3)
     storch.reset()
+
+
+def test_a_chain_step_keeps_one_view_of_each_tensor_of_its_distribution():
+    """The node's distribution without the step it extended: a tensor held twice (``Categorical``'s
+    ``_param`` is its ``logits``) is one view in the copy too."""
+    _, _, second = _two_steps()
+    copy = second.distribution
+    assert copy._param is copy.logits and copy.logits.plate_names == ["episodes"]
+    assert copy.batch_shape == (5,)
+    storch.reset()
