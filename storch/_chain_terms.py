@@ -149,17 +149,16 @@ def _gradient_functions(method: Any, chain: ChainCosts, record: "_Record") -> to
                 l = l.sum(tuple(range(len(layout.sizes), l.dim())))  # noqa: E741
             if layout.plates[1:] != chain.plates.plates:
                 l = align_tensor(l, layout_of_plates((step,) + chain.plates.plates)).expand(shape)  # noqa: E741
-            parts.append(l.view_as(l) if isinstance(l, Tensor) else l)  # a plain view, in the graph
+            parts.append(l)  # (torch functions are off: cat takes a storch tensor as a plain one)
     with no_dispatch():
         return torch.cat(parts, 0)
 
 
 def _step_first(S: Tensor, step: ChainPlate) -> torch.Tensor:
-    """The plain values of a partial surrogate with its step's dimension first (an independent plate
-    made after the step comes before it in the layout); torch functions disabled."""
+    """A partial surrogate with its step's dimension first (an independent plate made after the step
+    comes before it in the layout), for plain arithmetic: torch functions disabled."""
     position = next(i for i, q in enumerate(S._layout.plates) if q is step)
-    values = S.view_as(S)  # a plain view, in the graph (a traced step records it)
-    return values.movedim(position, 0) if position else values
+    return S.movedim(position, 0) if position else S
 
 
 def reward_to_go(costs: torch.Tensor) -> torch.Tensor:

@@ -923,7 +923,7 @@ def align_tensor(
         if plan.permutation is not None:
             t = t.permute(*plan.permutation, *range(n_src, _dim(t)))
         t = t[plan.index + (None,) * pad] if pad else t[plan.index]
-    if expand:
+    if expand and _shape(t)[: len(union.sizes)] != union.sizes:  # (no view where nothing is expanded)
         t = t.expand(*union.sizes, *_shape(t)[len(union.sizes):])
     return t
 

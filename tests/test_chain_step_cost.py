@@ -97,3 +97,15 @@ def test_a_chain_step_keeps_one_view_of_each_tensor_of_its_distribution():
     assert copy._param is copy.logits and copy.logits.plate_names == ["episodes"]
     assert copy.batch_shape == (5,)
     storch.reset()
+
+
+def test_arguments_that_carry_every_plate_are_flattened_without_an_expand():
+    """An argument already of the plates' full size is only reshaped: no expand in the graph (each
+    such view is an autograd node per decision)."""
+    from storch.util import walk_backward_graph
+
+    cell = storch.make_left_broadcastable(torch.nn.GRUCell(3, 3))
+    obs = storch.denote_independent(torch.randn(5, 3, requires_grad=True), 0, "episodes")
+    h = cell(obs, obs * 2)
+    kinds = {type(node).__name__ for node in walk_backward_graph(h)}
+    assert "ExpandBackward0" not in kinds and h.plate_names == ["episodes"]
