@@ -197,3 +197,20 @@ def test_a_compiled_step_replays_the_chain_formed_at_once():
         step(eager_method, x)
         for r, e in zip(replayed, head.parameters()):
             torch.testing.assert_close(r, e.grad)
+
+
+def test_a_baseline_subclass_with_its_own_computation_is_asked_step_by_step(node_terms):
+    """A MovingAverageBaseline subclass that computes its baseline otherwise is not bypassed: the chain
+    is formed step by step and its compute_baseline sees every decision."""
+    seen = []
+
+    class Halved(storch.method.baseline.MovingAverageBaseline):
+        def compute_baseline(self, tensor, cost_node):
+            seen.append(cost_node.name)
+            return 0.5 * super().compute_baseline(tensor, cost_node)
+
+    W = torch.zeros(4, 4, requires_grad=True)
+    policy = storch.method.ScoreFunction("action", baseline_factory=Halved())
+    rollout(W, 5, [policy] * 5)
+    storch.backward()
+    assert len(node_terms) == 5 and sorted(seen) == [f"r{t}" for t in range(5)]

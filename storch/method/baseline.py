@@ -162,8 +162,11 @@ class MovingAverageBaseline(Baseline):
         return average.clone()  # the buffer is updated in place after the backward pass
 
     def vectorises_chain(self, plates: PlateLayout) -> bool:
-        """True for costs whose plates are all uniformly weighted (their mean is the plain mean)."""
-        return all(p.has_uniform_weight for p in plates.plates)
+        """True for costs whose plates are all uniformly weighted (their mean is the plain mean), unless
+        a subclass computes its baselines or corrections otherwise."""
+        cls = type(self)
+        own = cls.compute_baseline is MovingAverageBaseline.compute_baseline and cls.correction is Baseline.correction
+        return own and all(p.has_uniform_weight for p in plates.plates)
 
     def chain_baselines(self, names: Sequence[str], to_go: torch.Tensor, plates: PlateLayout) -> torch.Tensor:
         """The averages of the steps' cost names, stacked (oldest step first); each step's mean reward
