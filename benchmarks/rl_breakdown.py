@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
                 hand[part].append(h.get(part, 0.0))
                 ours[part].append(s.get(part, 0.0))
     scale = 1e6 / args.length
-    print(f"T = {args.length}, {rl_rollout.EPISODES} episodes; µs per decision, median of {args.rounds} alternating rounds")
+    print(f"T = {args.length}, {rl_rollout.EPISODES} episodes; µs per decision, "
+          f"median of {args.rounds} alternating rounds")
     print(f"{'part':26s} {'hand-written':>12s} {'storch':>8s} {'difference':>10s}")
     total_h = total_s = 0.0
     for part in PARTS:

@@ -170,9 +170,10 @@ class MovingAverageBaseline(Baseline):
 
     def chain_baselines(self, names: Sequence[str], to_go: torch.Tensor, plates: PlateLayout) -> torch.Tensor:
         """The averages of the steps' cost names, stacked (oldest step first); each step's mean reward
-        to go is noted for the update, as [`compute_baseline`][storch.method.baseline.MovingAverageBaseline.compute_baseline]
-        notes it (where two steps share a name, the older one's, the one the step-by-step recursion
-        reaches last)."""
+        to go is noted for the update, as
+        [`compute_baseline`][storch.method.baseline.MovingAverageBaseline.compute_baseline] notes it
+        (where two steps share a name, the older one's, the one the step-by-step recursion reaches
+        last)."""
         with no_dispatch():
             means = to_go.mean(tuple(range(1, to_go.dim()))) if to_go.dim() > 1 else to_go
             for name, mean in zip(reversed(names), reversed(means.unbind(0))):

@@ -530,7 +530,9 @@ class Method(nn.Module, DeclaresStepState):
         the terms are formed step by step."""
         return False
 
-    def chain_control_variates(self, names: Sequence[str], to_go: torch.Tensor, plates: PlateLayout) -> Optional[torch.Tensor]:
+    def chain_control_variates(
+        self, names: Sequence[str], to_go: torch.Tensor, plates: PlateLayout
+    ) -> Optional[torch.Tensor]:
         """The control variates ``a_s`` of the steps of a chain this method vectorises (see
         `vectorises_chain`), oldest first, as a plain tensor that broadcasts against ``to_go``;
         ``None``: no control variate. ``to_go`` holds the detached reward to go of each step,
