@@ -828,6 +828,9 @@ def union_of_layouts(layouts: list[PlateLayout]) -> PlateLayout:
     first = layouts[0]
     if all(lay is first or lay.plates == first.plates for lay in layouts):
         return first
+    covering = _covering(layouts)
+    if covering is not None:
+        return covering
     key = tuple(layouts)
     ref = _union_cache.get(key)
     union = ref() if ref is not None else None
@@ -835,6 +838,57 @@ def union_of_layouts(layouts: list[PlateLayout]) -> PlateLayout:
         union = merge_layouts(layouts)
         _union_cache.put(key, weakref.ref(union))
     return union
+
+
+def _covering(layouts: list[PlateLayout]) -> PlateLayout | None:
+    """The layout among ``layouts`` that holds every plate of the others, or a newer step of the same
+    single-sample chain in its place, if it lists its plates newest first: then it is their union,
+    found without merging (a new chain step or a new node meets its own inputs: a miss of the
+    cache, which is keyed by the layouts)."""
+    n = max(len(lay) for lay in layouts)
+    for big in layouts:
+        if len(big) == n and _covers(big, layouts):
+            return big
+    return None
+
+
+def _covers(big: PlateLayout, layouts: list[PlateLayout]) -> bool:
+    """Whether ``big`` holds the plates of ``layouts`` (see `_covering`) and lists its own newest first."""
+    plates = big.plates
+    equal = big is layouts[0]  # a merge keeps the first of two equal independent plates
+    for lay in layouts:
+        if lay is not big:
+            for p in lay.plates:
+                if not _holds(plates, p, equal):
+                    return False
+    for newer, older in zip(plates, plates[1:]):
+        if newer.order < older.order:
+            return False
+    return True
+
+
+def _holds(plates: tuple[Plate, ...], p: Plate, equal: bool) -> bool:
+    """Whether ``plates`` hold ``p`` (itself, an equal plate where ``equal``, or a newer step of its chain)."""
+    for q in plates:
+        if q is p or (equal and q == p):
+            return True
+        if type(q) is ChainPlate and type(p) is ChainPlate and q.chain is p.chain and q.depth > p.depth:
+            return True
+    return False
+
+
+def _relabels(src: PlateLayout, union: PlateLayout) -> bool:
+    """Whether ``src`` holds ``union``'s plates at the same positions, up to older steps of single-sample
+    chains in place of newer ones (one sample per step, at the same place: relabelled, nothing moves)."""
+    a, b = src.plates, union.plates
+    if len(a) != len(b):
+        return False
+    for p, u in zip(a, b):
+        if not (p is u or p == u or (
+            type(p) is ChainPlate and type(u) is ChainPlate and p.chain is u.chain and p.depth < u.depth
+        )):
+            return False
+    return True
 
 
 class Plan(NamedTuple):
@@ -892,7 +946,7 @@ def align_tensor(
     src = t._layout
     n_src = len(src.sizes)
     pad = 0 if event_ndim is None else max(0, event_ndim - (_dim(t) - n_src))
-    if src is union or src.plates == union.plates:
+    if src is union or src.plates == union.plates or _relabels(src, union):
         if pad:
             t = t[(slice(None),) * n_src + (None,) * pad]
     else:
@@ -904,7 +958,7 @@ def align_tensor(
         if plan.permutation is not None:
             t = t.permute(*plan.permutation, *range(n_src, _dim(t)))
         t = t[plan.index + (None,) * pad] if pad else t[plan.index]
-    if expand:
+    if expand and _shape(t)[: len(union.sizes)] != union.sizes:  # (no view where nothing is expanded)
         t = t.expand(*union.sizes, *_shape(t)[len(union.sizes):])
     return t
 

@@ -22,7 +22,12 @@ surrogates that reach a step with the same plates are summed (``R_s``, the rewar
 term ``□(l_s) R_s + (1 − □(l_s)) a_s`` is formed once. The recursion is linear in ``S``, so the sum is
 the costs' separate recursions added up (with baselines that are linear in the cost, the moving average
 and leave-one-out ones, to the same values; a critic is trained on ``R_s``), and ``T`` decisions with a
-cost after each take ``O(T)`` node terms instead of ``O(T²)``.
+cost after each take ``O(T)`` node terms instead of ``O(T²)``. When the steps of a chain share one
+score-function method, the whole chain is formed at once from its stacked log-probabilities and a
+cumulative sum (`storch._chain_terms`): the same surrogate, to every order.
+
+An independent plate made again after a node was drawn on an equal one (a minibatch plate made at
+every step of a rollout) is reduced after that node, as it would be had it been made once.
 """
 
 from __future__ import annotations
@@ -33,11 +38,12 @@ import math
 import operator
 import warnings
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from storch import _tracing
+from storch._chain_terms import chain_term
 from storch._step import forget_sampled, sampled_plates
 from storch.exceptions import NonFiniteCostError, StaleCostError, UnusedNodeWarning
 from storch.plate import MAX_PLATES, ChainPlate, Plate, PlateClashError, layout_of_plates, merge_layouts  # noqa: F401 (MAX_PLATES)
@@ -53,8 +59,31 @@ __all__ = ["add_cost", "backward", "surrogate_loss", "reset", "registered_costs"
 
 
 _COSTS: ContextVar[tuple[CostTensor, ...]] = ContextVar("storch_costs", default=())
+
+
+class _Names(NamedTuple):
+    """The names of the registered costs: a frozen set and the names added since it was last rebuilt.
+
+    Immutable, as the registry: each `add_cost` makes a new one. Rebuilding the set at every cost
+    would make ``T`` costs ``O(T²)``; it is rebuilt once per ``_TAIL`` names, and a name is checked
+    against the set and at most ``_TAIL`` recent names."""
+
+    frozen: frozenset[str]
+    recent: tuple[str, ...]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.frozen or name in self.recent
+
+    def adding(self, name: str) -> "_Names":
+        if len(self.recent) < _TAIL:
+            return _Names(self.frozen, self.recent + (name,))
+        return _Names(self.frozen.union(self.recent, (name,)), ())
+
+
+_TAIL = 32
+_NO_NAMES = _Names(frozenset(), ())
 # the names of the registered costs (set with _COSTS): a name is checked in O(1), not against every cost
-_COST_NAMES: ContextVar[frozenset[str]] = ContextVar("storch_cost_names", default=frozenset())
+_COST_NAMES: ContextVar[_Names] = ContextVar("storch_cost_names", default=_NO_NAMES)
 # whether a storch.backward() cleared the registry and no cost was registered (nor reset) since: the
 # reason a later backward finds no costs, named in its error
 _CONSUMED: ContextVar[bool] = ContextVar("storch_costs_consumed", default=False)
@@ -104,7 +133,7 @@ def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
     layout = layout_of(cost)
     registered = CostTensor._retype_as(alias(cost), layout, name)
     _COSTS.set(costs + (registered,))  # type: ignore[operator]
-    _COST_NAMES.set(_COST_NAMES.get() | {name})
+    _COST_NAMES.set(_COST_NAMES.get().adding(name))
     _CONSUMED.set(False)
 
 
@@ -179,7 +208,7 @@ def reset() -> None:
 def _clear_registry() -> None:
     """Forget the registered costs and the sampled nodes (what `backward` does when it ends)."""
     _COSTS.set(())
-    _COST_NAMES.set(frozenset())
+    _COST_NAMES.set(_NO_NAMES)
     _REPEATS.set({})
     forget_sampled()
 
@@ -255,7 +284,7 @@ def _cost_surrogate(S: torch.Tensor, name: str, record: _Record) -> "torch.Tenso
     processed together with the other costs that reach them, see `_chain_steps`)."""
     cost = S
     while isinstance(S, Tensor) and S._layout.plates:
-        plate = max(S._layout.plates, key=_surrogate_order)  # the newest remaining plate
+        plate = _next_plate(S._layout.plates)
         if plate.node is None:
             S = reduce_plate(S, plate, detach_weights=False)
         elif isinstance(plate, ChainPlate):
@@ -266,6 +295,19 @@ def _cost_surrogate(S: torch.Tensor, name: str, record: _Record) -> "torch.Tenso
         return plain(S)
     S.__class__ = torch.Tensor  # a reduction storch made: retyped in place (no view, no autograd node)
     return S
+
+
+def _next_plate(plates: tuple[Plate, ...]) -> Plate:
+    """The plate the recursion handles next: the newest, except an independent plate that a node among
+    ``plates`` was drawn on (an equal plate among the node's parents), which comes after that node.
+
+    Only an independent plate made again after the node was drawn (``storch.denote_independent`` of
+    each step's observations in a rollout) is newer than such a node: reduced first, it would average
+    the costs over the plate along which the node's log-probabilities vary."""
+    plate = max(plates, key=_surrogate_order)
+    if plate.node is not None or not any(q.node is not None and plate in q.parents for q in plates):
+        return plate
+    return _next_plate(tuple(p for p in plates if p is not plate))
 
 
 class _Stopped:
@@ -291,22 +333,56 @@ def _chain_steps(partials: list[_Partial], record: _Record) -> torch.Tensor | No
     heap = [(-p.plate.surrogate_order, p.index, i) for i, p in enumerate(partials)]
     heapq.heapify(heap)
     total = None
+    stepwise: set[int] = set()  # the chains formed step by step (the whole chain's form was refused)
     while heap:
         _, _, i = heapq.heappop(heap)
         first = partials[i]
         group = [first]
         while heap and partials[heap[0][2]].plate is first.plate:
             group.append(partials[heapq.heappop(heap)[2]])
-        for merged in _merge_by_layout(group):
-            S = _node_term(merged.S, merged.plate, merged.name, record)  # type: ignore[arg-type]
-            S = _step_back(S, merged.plate)
-            result = _cost_surrogate(S, merged.name, record)
+        formed = None
+        if id(first.plate.chain) not in stepwise:
+            formed, heap = _whole_chain(group, heap, partials, record)
+            if formed is None:
+                stepwise.add(id(first.plate.chain))
+        if formed is None:
+            formed = [_step_term(merged, record) for merged in _merge_by_layout(group)]
+        for S, name, index in formed:
+            result = _cost_surrogate(S, name, record)
             if isinstance(result, _Stopped):
-                partials.append(_Partial(result.S, merged.name, False, merged.index, result.plate))
-                heapq.heappush(heap, (-result.plate.surrogate_order, merged.index, len(partials) - 1))
+                partials.append(_Partial(result.S, name, False, index, result.plate))
+                heapq.heappush(heap, (-result.plate.surrogate_order, index, len(partials) - 1))
             else:
                 total = result if total is None else total + result
     return total
+
+
+def _step_term(merged: _Partial, record: _Record) -> tuple[torch.Tensor, str, int]:
+    """The node term of one chain step on the summed partials ``merged``, stepped back to the step before."""
+    S = _node_term(merged.S, merged.plate, merged.name, record)  # type: ignore[arg-type]
+    return _step_back(S, merged.plate), merged.name, merged.index
+
+
+def _whole_chain(
+    group: list[_Partial], heap: list[tuple[int, int, int]], partials: list[_Partial], record: _Record
+) -> tuple[list[tuple[torch.Tensor, str, int]] | None, list[tuple[int, int, int]]]:
+    """The terms of the whole chain whose newest reached step is ``group``'s, formed at once
+    (`storch._chain_terms`), and the heap without the chain's other steps; or
+    ``None`` and the heap as it was, where the chain is formed step by step."""
+    chain = group[0].plate.chain
+    mine, newest_other = list(group), -1
+    for _, _, i in heap:
+        p = partials[i]
+        if p.plate.chain is chain:
+            mine.append(p)
+        else:
+            newest_other = max(newest_other, p.plate.surrogate_order)
+    formed = chain_term(mine, newest_other, record)
+    if formed is None:
+        return None, heap
+    rest = [entry for entry in heap if partials[entry[2]].plate.chain is not chain]
+    heapq.heapify(rest)
+    return [formed], rest
 
 
 def _merge_by_layout(group: list[_Partial]) -> list[_Partial]:
@@ -411,9 +487,15 @@ def _plates_sharing_a_name(costs: tuple[CostTensor, ...]) -> list[tuple[Plate, P
     for cost in costs:
         for plate in layout_of(cost).plates:
             seen = first.setdefault(plate.name, plate)
-            if seen is not plate:
+            if seen is not plate and not _steps_of_one_chain(seen, plate):
                 pairs.setdefault((id(seen), id(plate)), (seen, plate))
     return list(pairs.values())
+
+
+def _steps_of_one_chain(a: Plate, b: Plate) -> bool:
+    """Whether ``a`` and ``b`` are steps of one single-sample chain (one name, never a clash: the
+    newer step is kept where they meet), so that a rollout's costs are not merged pairwise."""
+    return type(a) is ChainPlate and type(b) is ChainPlate and a.chain is b.chain
 
 
 def surrogate_loss(costs: tuple[CostTensor, ...] | None = None) -> torch.Tensor:

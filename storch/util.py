@@ -231,18 +231,22 @@ def without_plate(d: Distribution, plate: Plate) -> Distribution:
     if plate.size != 1:
         raise ValueError(f"without_plate: plate {plate.name!r} has size {plate.size}; only a size-1 plate can be dropped.")
     result = copy_distribution(d)
-    for dist in with_nested(result):
+    dropped: dict[int, Tensor] = {}  # id of a tensor -> its view without the plate (one per tensor:
+    for dist in with_nested(result):  # ``Categorical._param`` is its ``logits``)
         position = None
         layout = distribution_layout(dist)
         for i, p in enumerate(layout.plates):
             if p is plate:
                 position = i
-        for name, value in list(dist.__dict__.items()):
+        values = dist.__dict__
+        for name, value in list(values.items()):
             if isinstance(value, Tensor) and any(p is plate for p in value._layout.plates):
-                i = value._layout.position(plate)
-                with _Disable():
-                    squeezed = value.select(i, 0)
-                dist.__dict__[name] = wrap_new(squeezed, value._layout.without_position(i))
+                squeezed = dropped.get(id(value))
+                if squeezed is None:
+                    i = value._layout.position(plate)
+                    with _Disable():
+                        squeezed = dropped[id(value)] = wrap_new(value.select(i, 0), value._layout.without_position(i))
+                values[name] = squeezed
         if position is not None and len(dist._batch_shape) > position:
             shape = tuple(dist._batch_shape)
             dist._batch_shape = torch.Size(shape[:position] + shape[position + 1:])

@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "storch.ops": 1,
     "storch.wrappers": 1,
     "storch.inference": 1,
+    "storch._chain_terms": 1,
     "storch.distributed": 1,
     "storch.nn": 1,
     # 2. the extension interface

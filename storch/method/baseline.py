@@ -13,7 +13,7 @@ derivatives of every order, through the term ``(1 − □(l(x))) · a(x)`` (Stor
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -21,7 +21,9 @@ from torch import nn
 from storch import distributed
 from storch.reductions import reduce_plates
 from storch.reductions import sum as plate_sum
-from storch.extend import CostTensor, DeclaresStepState, StepState, StochasticTensor, layout_of, no_dispatch, plain
+from storch.extend import (
+    CostTensor, DeclaresStepState, PlateLayout, StepState, StochasticTensor, layout_of, no_dispatch, plain,
+)
 
 __all__ = [
     "Baseline", "MovingAverageBaseline", "BatchAverageBaseline", "BatchAverage", "make_baseline", "BaselineFactory",
@@ -55,6 +57,19 @@ class Baseline(nn.Module, DeclaresStepState, ABC):
 
     def update(self) -> None:
         """Called once after each backward pass."""
+
+    def vectorises_chain(self, plates: PlateLayout) -> bool:
+        """Whether `storch.method.baseline.Baseline.chain_baselines` gives the
+        baselines of every step of a single-sample chain at once, for costs that carry ``plates``
+        besides the chain: ``False`` here (each step's baseline is computed on its own)."""
+        return False
+
+    def chain_baselines(self, names: Sequence[str], to_go: torch.Tensor, plates: PlateLayout) -> torch.Tensor:
+        """The baselines of the steps of a chain, oldest first, from the detached reward to go
+        ``to_go`` (plain, ``(T, *sizes of plates)``), as a plain tensor that broadcasts against it;
+        ``names[s]``: the cost name of step ``s`` (as ``compute_baseline``'s ``cost_node.name``).
+        Only called where `storch.method.baseline.Baseline.vectorises_chain` is true."""
+        raise NotImplementedError(f"{type(self).__name__} computes each step's baseline on its own.")
 
     def correction(self, tensor: StochasticTensor, cost_node: CostTensor) -> Optional[torch.Tensor]:
         """An extra surrogate term beside ``(1 − □(l)) · b``, of forward value 0; ``None`` (default): none.
@@ -145,6 +160,26 @@ class MovingAverageBaseline(Baseline):
         average, _ = self._buffers_of(name, mean)
         return average.clone()  # the buffer is updated in place after the backward pass
 
+    def vectorises_chain(self, plates: PlateLayout) -> bool:
+        """True for costs whose plates are all uniformly weighted (their mean is the plain mean), unless
+        a subclass computes its baselines or corrections otherwise."""
+        cls = type(self)
+        own = cls.compute_baseline is MovingAverageBaseline.compute_baseline and cls.correction is Baseline.correction
+        return own and all(p.has_uniform_weight for p in plates.plates)
+
+    def chain_baselines(self, names: Sequence[str], to_go: torch.Tensor, plates: PlateLayout) -> torch.Tensor:
+        """The averages of the steps' cost names, stacked (oldest step first); each step's mean reward
+        to go is noted for the update, as
+        `storch.method.baseline.MovingAverageBaseline.compute_baseline` notes it
+        (where two steps share a name, the older one's, the one the step-by-step recursion reaches
+        last)."""
+        with no_dispatch():
+            means = to_go.mean(tuple(range(1, to_go.dim()))) if to_go.dim() > 1 else to_go
+            for name, mean in zip(reversed(names), reversed(means.unbind(0))):
+                self._pending[name] = mean
+            averages = torch.stack([self._buffers_of(name, means)[0] for name in names])
+            return averages.reshape(averages.shape + (1,) * (to_go.dim() - 1))
+
     def update(self) -> None:
         """Fold the costs of the last step into the averages; a NaN or infinite mean is skipped.
 
@@ -159,14 +194,12 @@ class MovingAverageBaseline(Baseline):
             means = [self._pending[name].detach().clone() for name in names]
             distributed.all_reduce_mean_(means)
             self._pending = dict(zip(names, means))
+        groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         for name, mean in self._pending.items():
             average, updated = self._buffers_of(name, mean)
-            mean = mean.detach().to(average.dtype)
-            finite = torch.isfinite(mean)
-            first = torch.where(finite, mean, torch.zeros_like(mean))
-            later = torch.where(finite, beta * average + (1 - beta) * mean, average)
-            average.copy_(torch.where(updated, later, first))
-            updated.fill_(True)
+            groups.setdefault((average.dtype, average.device), []).append((average, updated, mean))
+        for members in groups.values():
+            _fold(members, beta)
         self._pending.clear()
 
     def get_extra_state(self) -> dict:
@@ -208,6 +241,29 @@ class MovingAverageBaseline(Baseline):
     def extra_repr(self) -> str:
         sync = "" if self.sync else ", sync=False"
         return f"exponential_decay={self.exponential_decay}{sync}"
+
+
+def _fold(members: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], beta: float) -> None:
+    """``b ← β b + (1 − β) m`` (the first update: ``b ← m``; a non-finite ``m`` is skipped) for each
+    ``(average, updated, m)`` of one dtype and device, in place. Several averages (one per decision of
+    a rollout) are updated together: stacked, folded, and copied back in one call per list."""
+    if len(members) == 1:
+        (average, updated, mean), = members
+    else:
+        averages, flags = [m[0] for m in members], [m[1] for m in members]
+        average, updated = torch.stack(averages), torch.stack(flags)
+        mean = torch.stack([m[2].detach() for m in members])
+    mean = mean.detach().to(average.dtype)
+    finite = torch.isfinite(mean)
+    first = torch.where(finite, mean, torch.zeros_like(mean))
+    later = torch.where(finite, beta * average + (1 - beta) * mean, average)
+    folded = torch.where(updated, later, first)
+    if len(members) == 1:
+        average.copy_(folded)
+        updated.fill_(True)
+    else:
+        torch._foreach_copy_(averages, list(folded.unbind(0)))
+        torch._foreach_copy_(flags, [torch.ones((), dtype=torch.bool, device=updated.device)] * len(flags))
 
 
 def _weighted_mean(cost: CostTensor) -> torch.Tensor:

@@ -527,6 +527,25 @@ class Method(nn.Module, DeclaresStepState):
             return l, None
         return l, elementwise(operator.mul, elementwise(operator.sub, 1.0, magic_box(l)), a)
 
+    def vectorises_chain(self, plates: PlateLayout) -> bool:
+        """Whether the surrogate terms of this method's nodes along one single-sample chain, whose costs
+        carry ``plates`` besides the chain, may be formed at once (`storch._chain_terms`): the
+        estimator is ``l`` and ``(1 − □(l))·a`` (`estimator`), ``l`` does not depend on the costs, ``a``
+        depends on the values of the reward to go only, and `update_parameters` does not read the
+        ``(node, cost, term)`` triples (it then gets ``(node, None, None)`` per step). ``False`` here:
+        the terms are formed step by step."""
+        return False
+
+    def chain_control_variates(
+        self, names: Sequence[str], to_go: torch.Tensor, plates: PlateLayout
+    ) -> Optional[torch.Tensor]:
+        """The control variates ``a_s`` of the steps of a chain this method vectorises (see
+        `vectorises_chain`), oldest first, as a plain tensor that broadcasts against ``to_go``;
+        ``None``: no control variate. ``to_go`` holds the detached reward to go of each step,
+        ``(T, *sizes of plates)``; ``names[s]`` is the cost name step ``s``'s control variate is
+        computed for (as ``control_variate``'s ``cost.name``)."""
+        return None
+
     def on_joint_bound(self, cost_name: str, plate: Plate, log_w: Tensor, later: Sequence[Plate] = ()) -> None:
         """Called by `storch.method.iwae_bound` when the bound over this node's ``plate`` is
         registered as cost ``cost_name``, with the per-sample log-weights ``log_w``; ``later`` are

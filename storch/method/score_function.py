@@ -9,14 +9,14 @@ baseline (`storch.method.baseline`).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from storch.method.baseline import BaselineFactory, UpdatesItsBaseline, make_baseline
 from storch.method.method import DEFAULT_N_SAMPLES, Method, log_prob, proposal_arguments
 from storch.sampling.method import SamplingMethod
-from storch.extend import CostTensor, StochasticTensor
+from storch.extend import CostTensor, PlateLayout, StochasticTensor
 
 __all__ = ["ScoreFunction"]
 
@@ -79,3 +79,21 @@ class ScoreFunction(UpdatesItsBaseline, Method):
             if correction is not None:
                 cv = correction if cv is None else cv + correction
         return l, cv
+
+    def vectorises_chain(self, plates: PlateLayout) -> bool:
+        """A chain of this method's nodes is formed at once (`storch._chain_terms`) unless a subclass
+        changes the estimator or reads the triples, or the baseline cannot give every step's baseline
+        at once (a critic, a baseline with a correction)."""
+        cls = type(self)
+        plain = all(getattr(cls, name) is getattr(ScoreFunction, name) for name in _ESTIMATOR_PARTS)
+        return plain and (self.baseline is None or self.baseline.vectorises_chain(plates))
+
+    def chain_control_variates(
+        self, names: Sequence[str], to_go: torch.Tensor, plates: PlateLayout
+    ) -> Optional[torch.Tensor]:
+        """The baselines of the chain's steps (``None`` without a baseline)."""
+        return None if self.baseline is None else self.baseline.chain_baselines(names, to_go, plates)
+
+
+#: what `ScoreFunction.vectorises_chain` requires a subclass to leave as it is
+_ESTIMATOR_PARTS = ("gradient_function", "control_variate", "estimator", "update_parameters")
