@@ -395,7 +395,9 @@ class StochasticTensor(Tensor):
         node = self._node
         log_p = node.shared_log_prob()
         if log_p is None:
-            with no_dispatch():
+            from storch.util import lazy_plates_kept  # util builds on this module
+
+            with no_dispatch(), lazy_plates_kept(node.distribution):
                 log_p = node.distribution.log_prob(node.samples)
             if torch.is_grad_enabled():
                 node.own_log_prob = (log_p, log_p._version)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -19,7 +20,7 @@ __all__ = [
     "magic_box", "get_distr_parameters", "distribution_layout", "has_differentiable_path",
     "has_backwards_path", "walk_backward_graph", "print_graph", "topological_sort", "split",
     "rsample_gumbel", "rsample_gumbel_softmax", "conditional_gumbel_rsample", "tensor_stats",
-    "reduce_mean", "log_prob_of_own_samples", "restore_lazy_plates", "floating_dtype", "with_nested",
+    "reduce_mean", "log_prob_of_own_samples", "restore_lazy_plates", "lazy_plates_kept", "floating_dtype", "with_nested",
     "elementwise",
 ]
 
@@ -195,6 +196,29 @@ def restore_lazy_plates(d: Distribution) -> None:
                 dist.__dict__[name] = wrap(value, layout)
 
 
+@contextlib.contextmanager
+def lazy_plates_kept(d: Distribution) -> Iterator[None]:
+    """Compute with ``d`` while dispatch is off and leave no plain parameter cached on it.
+
+    A ``lazy_property`` that ``d`` (or a distribution nested in it) first computes inside the block
+    is cached as a plain tensor. On exit each such value gets its plates back (as
+    [`restore_lazy_plates`][storch.util.restore_lazy_plates] does) or, where its shape does not
+    start with the plates' sizes, is forgotten, to be computed again with dispatch on. So the user's
+    later ``q.logits`` or ``q.log_prob(z)`` sees the same plates whichever order they come in.
+    """
+    dists = with_nested(d)
+    before = [set(dist.__dict__) for dist in dists]
+    try:
+        yield
+    finally:
+        restore_lazy_plates(d)
+        for dist, names in zip(dists, before):
+            lazy = _lazy_property_names(type(dist))
+            for name in [n for n in dist.__dict__ if n not in names and n in lazy]:
+                if type(dist.__dict__[name]) is torch.Tensor:
+                    del dist.__dict__[name]
+
+
 def without_plate(d: Distribution, plate: Plate) -> Distribution:
     """A copy of ``d`` (and of the distributions nested in it) whose tensors no longer carry the size-1
     ``plate``: that dimension is dropped from each tensor that carries it (a view) and from the batch
@@ -246,7 +270,8 @@ def log_prob_of_own_samples(d: Distribution, samples: torch.Tensor) -> torch.Ten
     try:
         for dist in dists:
             dist._validate_args = False
-        return d.log_prob(samples)
+        with lazy_plates_kept(d):
+            return d.log_prob(samples)
     finally:
         for dist, old in zip(dists, saved):
             if old is None:

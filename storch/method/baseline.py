@@ -218,7 +218,10 @@ def _weighted_mean(cost: CostTensor) -> torch.Tensor:
     if all(p.has_uniform_weight for p in layout_of(cost).plates):
         with no_dispatch():
             return cost.detach().mean()
-    return plain(reduce_plates(cost.detach()))
+    mean = reduce_plates(cost.detach())
+    while layout_of(mean).plates:  # reducing a chain's step leaves the step it extended
+        mean = reduce_plates(mean)
+    return plain(mean)
 
 
 class BatchAverageBaseline(Baseline):

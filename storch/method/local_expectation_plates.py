@@ -160,11 +160,13 @@ def move_to_plate(distr: Distribution, plate: LocalExpectationPlate) -> None:
     ``q.log_prob(z)`` then lines up (torch.distributions compares the raw shapes of the value and
     the batch before storch could align them) and ``q.batch_shape`` starts with the plate's size.
 
-    Cached lazy parameters (``probs`` of a ``Bernoulli(logits=…)``) are re-indexed alike.
+    Cached lazy parameters (``probs`` of a ``Bernoulli(logits=…)``) are re-indexed alike, and the batch
+    shape moves for every distribution in ``distr``: also for one without tensors of its own
+    (``OneHotCategorical`` keeps its parameters in the ``Categorical`` it wraps).
     """
     restore_lazy_plates(distr)  # cached plain parameters get their plates back first
+    moved = False
     for dist in with_nested(distr):
-        moved = False
         for name, value in list(dist.__dict__.items()):
             if not isinstance(value, Tensor):
                 continue
@@ -176,7 +178,8 @@ def move_to_plate(distr: Distribution, plate: LocalExpectationPlate) -> None:
                 aligned = align_to(value, union)
             dist.__dict__[name] = wrap(aligned, union)
             moved = True
-        if moved:
+    if moved:  # the chain step leads every batch: also that of a wrapper (OneHotCategorical, Independent)
+        for dist in with_nested(distr):
             dist._batch_shape = torch.Size((plate.size,) + tuple(dist._batch_shape)[1:])
 
 

@@ -18,6 +18,7 @@ from storch.extend import (
     Plate,
     StochasticTensor,
     Tensor,
+    layout_of,
     layout_of_plates,
     log_prob_of_own_samples,
     magic_box,
@@ -128,6 +129,8 @@ def local_expectation_term(tensor: StochasticTensor, cost: torch.Tensor) -> Tens
     segments = _segments(tensor)
     size = segments[-1].group.size
     plate = tensor.plate
+    _check_cost_plates(tensor, cost, segments[-1])
+    segments = [segment for segment in segments if _carries_plates_of(cost, segment)]
     groups = group_plate(plate, size)
     per_group = split_groups(cost, plate, size)  # (groups, *rest), the group's points as the last dimension
     total = None
@@ -135,3 +138,29 @@ def local_expectation_term(tensor: StochasticTensor, cost: torch.Tensor) -> Tens
         term = _segment_term(segment, per_group, groups, segments[s + 1:])
         total = term if total is None else total + term
     return spread_groups(total, cost, plate, size)  # type: ignore[arg-type]
+
+
+def _carries_plates_of(cost: torch.Tensor, segment: Segment) -> bool:
+    """Whether ``cost`` carries every plate of the segment's node besides the chain's.
+
+    storch reads which nodes a cost depends on from its plates: a cost without a plate of an earlier
+    node of the chain (a ``joint_with`` sibling's own cost, without the data plate of the node it
+    joined) does not depend on that node, and neither on the later nodes drawn from it, so their terms
+    and scores are left out of its surrogate (they would be zero: the sibling is drawn once per group).
+    """
+    plates = layout_of(cost).plates
+    return all(p in plates for p in segment.parents)
+
+
+def _check_cost_plates(tensor: StochasticTensor, cost: torch.Tensor, newest: Segment) -> None:
+    """Refuse a cost computed from the node's samples with one of their plates reduced: each value of
+    those plates needs its own local expectation."""
+    if not _carries_plates_of(cost, newest):
+        plates = layout_of(cost).plates
+        missing = [p.name for p in newest.parents if p not in plates]
+        name = getattr(cost, "name", "cost")
+        raise ValueError(
+            f"{type(node_of(tensor).method).__name__}({tensor.name!r}): the cost {name!r} carries the node's plate "
+            f"but not the plates {missing} of its samples; it was reduced over them before storch.add_cost. "
+            "Register the cost per value of those plates (storch.add_cost reduces them itself)."
+        )
