@@ -24,7 +24,10 @@ An entry declares:
 * ``requires``: a condition on the model beyond the distribution type, in words (a multi-sample bound,
   a cost differentiable in the sample); an entry with one is not drawn for arbitrary graphs;
 * ``source``: optionally, the code that builds the method (``{name}`` and ``{shape}`` filled in), which
-  the tester prints in its reproducers.
+  the tester prints in its reproducers;
+* ``make_counted``: optionally, ``make`` with the number of samples (its ``n_samples``, or ``k`` for
+  sampling without replacement) given, for tools that build estimators at a budget
+  (`storch.method.Auto`); ``None`` for an estimator whose cost has no count (enumeration).
 
 Examples:
     >>> from torch.distributions import Bernoulli, Normal
@@ -40,7 +43,9 @@ Examples:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+import inspect
+import re
+from typing import Callable, Optional
 
 from torch.distributions import Bernoulli, Categorical, Distribution, Normal, OneHotCategorical
 
@@ -79,6 +84,8 @@ EVERY_ORDER = 1_000_000
 #: ``make(plate_name, event_shape)``: the method for one node whose samples have ``event_shape``
 #: beyond their plates (``()`` for one Categorical variable, ``(D,)`` for ``D`` Bernoullis, ...)
 MakeMethod = Callable[[str, "tuple[int, ...]"], Method]
+#: ``make_counted(plate_name, event_shape, count)``: the same with ``count`` samples
+MakeCounted = Callable[[str, "tuple[int, ...]", int], Method]
 
 DISCRETE = (Bernoulli, Categorical, OneHotCategorical)
 ANY = (Distribution,)
@@ -98,6 +105,7 @@ class CatalogEntry:
     joinable: bool = False
     requires: str = ""
     source: str = ""
+    make_counted: Optional[MakeCounted] = None
 
     def handles(self, distribution: type) -> bool:
         """Whether the entry declares ``distribution`` (a type) among those it handles."""
@@ -157,7 +165,29 @@ def _source_entry(label: str, source: str, distributions: tuple[type, ...], orde
     def make(name: str, event_shape: tuple[int, ...]) -> Method:
         return eval(source.format(name=repr(name), shape=tuple(event_shape) or 1), dict(_NAMESPACE))  # noqa: S307
 
-    register_estimator(CatalogEntry(label, estimator, make, distributions, orders, source=source, **kw))
+    counted = _counted_source(source, estimator)
+    make_counted = None
+    if counted:
+        def make_counted(name: str, event_shape: tuple[int, ...], count: int) -> Method:
+            code = counted.format(name=repr(name), shape=tuple(event_shape) or 1, count=int(count))
+            return eval(code, dict(_NAMESPACE))  # noqa: S307
+
+    register_estimator(CatalogEntry(label, estimator, make, distributions, orders, source=source,
+                                    make_counted=make_counted, **kw))
+
+
+_COUNT = re.compile(r"\b(n_samples|k)=\d+")
+
+
+def _counted_source(source: str, estimator: type) -> str:
+    """``source`` with its count (the first ``n_samples=`` or ``k=``) as ``{count}``; one added as
+    ``n_samples={count}`` when the estimator takes it; ``""`` when the count is not the estimator's own
+    (a ``sampling_method`` given) or it has none (enumeration)."""
+    if _COUNT.search(source):
+        return _COUNT.sub(lambda m: m.group(1) + "={count}", source, count=1)
+    if "sampling_method=" in source or "n_samples" not in inspect.signature(estimator).parameters:
+        return ""
+    return source[:-1] + ", n_samples={count})"
 
 
 _NAMESPACE: dict[str, object] = {

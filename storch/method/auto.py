@@ -1,0 +1,485 @@
+"""`Auto`: the estimator of a node chosen, during training, by its measured efficiency.
+
+For its node's distribution type, `Auto` takes the estimators that the catalog
+(`storch.method.catalog.unbiased_estimators`) declares unbiased at the derivative order asked for,
+builds each at the budget (the cost evaluations per step that one node may spend), and runs them on
+the user's own model: a round of measurements visits every candidate a few steps in turn, then the
+best one is used for a while, longer after each round, until the next round re-checks the ranking.
+
+**What is measured.** After each step, the gradient of the surrogate loss with respect to the node's
+distribution parameters (``z.param_grads``: the estimate ``ĝ`` for those parameters) and the step's
+wall time (from the node's sampling to the end of `storch.backward`, the candidate's own updates
+included) or its cost evaluations (the size of the node's plate). A candidate's score is its mean
+second moment ``E‖ĝ‖²`` in the round times its median seconds (or evaluations) per step; the lowest
+score wins. The second moment is ``‖∇‖² + Var ĝ``: all candidates estimate the same ``∇``, so ranking by
+it ranks by variance, and it is what sets the progress of stochastic gradient descent per step at its
+best step size (the number of steps to a given accuracy grows as ``E‖ĝ‖² / ‖∇‖²``); times the cost of
+a step it ranks the candidates by progress per second. Two candidates that are both almost exact tie on
+it, and the cheaper one wins. Measurements of one round are compared with each other only, since the
+gradient's scale changes as training moves on; within a round the candidates are interleaved (one step
+each, in turn) so that they see the same phase of training.
+
+**Unbiasedness.** The candidate of step ``t`` is a function of the history only (the earlier steps'
+gradients and times): it is fixed when step ``t − 1`` ends, before step ``t``'s samples are drawn. So,
+conditionally on the history, step ``t``'s gradient is that candidate's estimate, unbiased for
+``∇ E[cost]`` at the current parameters; the sequence of gradients is therefore unbiased at every step,
+also at the steps where the candidate switches, exactly as stochastic gradient descent with a fixed
+estimator. A rule that looked at the current step's samples (keeping the better of two draws) would
+not be. Each candidate keeps its own state (baselines, control variates, temperatures) between the
+steps it is used in. With ``allow_bias=True``, biased estimators (relaxations, straight-through,
+finite differences) join the candidates; their bias does not enter the score, so a low-variance
+biased candidate may win over every unbiased one: that trades the guarantee above for speed, and
+`Auto` says so in its table.
+
+**Which candidates.** Entries of the catalog that handle the distribution and are declared unbiased
+at ``order`` (derivatives of that order of the surrogate are unbiased for every candidate), at most
+``budget`` cost evaluations per step. Left out, with the reason in `Auto.excluded`:
+entries whose declaration ``requires`` something of the model (a cost differentiable in the sample,
+one categorical variable per plate element), unless named in ``include`` (the user declares it safe);
+entries that evaluate the cost at relaxed, continuous values of the sample (REBAR, RELAX), unless
+``relaxed=True`` says the model's costs accept them; those over the budget or that fail to sample the
+distribution.
+
+**Overhead.** A step of `Auto` runs its candidate's step plus a few host operations: the sum of
+squares of the parameters' gradients and a clock read. On the linear sigmoid belief network of
+``storch-bench`` (batch 50) this is within the run-to-run noise of the settled candidate's own step;
+the measurements are in the documentation's page on choosing an estimator. Exploration rounds cost
+what their candidates cost.
+
+**Compiled steps.** `storch.compile_step` refuses `Auto` (it chooses on the host, between steps);
+`Auto.settled` is the chosen candidate itself, with its learned state, to compile once the choice is
+made.
+
+Examples:
+    >>> import torch, storch
+    >>> from torch.distributions import Bernoulli
+    >>> logits = torch.zeros(3, requires_grad=True)
+    >>> auto = storch.method.Auto("z", budget=4, visits=2, explore_every=5)
+    >>> for step in range(60):
+    ...     z = auto(Bernoulli(logits=logits))
+    ...     storch.add_cost(((z - torch.tensor([0.1, 0.5, 0.9])) ** 2).sum(-1), "cost")
+    ...     _ = storch.backward()
+    >>> auto.choice in auto.labels, len(auto.switches) > 0
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.distributions import Distribution
+
+from storch.extend import StepState, distribution_layout, get_distr_parameters, no_dispatch, node_of
+from storch.method.catalog import CatalogEntry, catalog
+from storch.method.method import Method
+
+__all__ = ["Auto", "CandidateStats"]
+
+COSTS = ("time", "evaluations")
+
+
+@dataclass
+class CandidateStats:
+    """What `Auto` measured of one candidate: its uses, and the latest round's measurements."""
+
+    label: str
+    evaluations: int
+    unbiased: bool
+    warmup: int
+    uses: int = 0
+    round_moments: list[float] = field(default_factory=list)
+    round_seconds: list[float] = field(default_factory=list)
+    second_moment: Optional[float] = None
+    seconds: Optional[float] = None
+
+    def close_round(self) -> None:
+        """Summarise the round's measurements (mean second moment, median seconds) and clear them."""
+        if self.round_moments:
+            self.second_moment = sum(self.round_moments) / len(self.round_moments)
+            self.seconds = statistics.median(self.round_seconds)
+        self.round_moments, self.round_seconds = [], []
+
+
+class Auto(Method):
+    """A node's estimator chosen among the catalog's by measured efficiency (module docstring).
+
+    Args:
+        plate_name: the node's name.
+        budget: the most cost evaluations per step (the size of the node's plate: samples, antithetic
+            pairs times 2, local-expectation points, ...); each candidate that takes a number of
+            samples gets the most that fit. ``None``: the catalog's own counts, no limit.
+        order: the derivative order whose unbiasedness every candidate must declare (``1``: gradients;
+            ``2``: Hessians too, for ``storch.backward(create_graph=True)``).
+        allow_bias: also biased candidates (relaxations, straight-through, finite differences).
+        relaxed: the model's costs accept relaxed (continuous) values of the sample, so REBAR and RELAX
+            (and, with ``allow_bias``, the relaxations) may be candidates.
+        include: catalog labels of entries whose ``requires`` condition the model meets (e.g.
+            ``"DoubleControlVariate"`` for a cost differentiable in the sample).
+        candidates: catalog labels to choose among (default: every entry that applies).
+        cost: ``"time"`` (seconds per step) or ``"evaluations"`` (the node's plate size).
+        visits: measured steps of each candidate per round.
+        explore_every: steps on the chosen candidate before the first re-check.
+        growth: factor by which the steps between re-checks grow after each round.
+
+    Attributes:
+        choice: the label of the candidate used in the current (or next) step.
+        switches: ``(step, from, to, reason)`` for every change of the chosen candidate and every round.
+    """
+
+    step_state = StepState.host(
+        "Auto chooses its candidate estimator on the host, between steps, from the gradients and times it "
+        "measured; compile its settled candidate (Auto.settled) instead"
+    )
+    state_hooks = ("update_parameters",)
+
+    def __init__(
+        self,
+        plate_name: str,
+        budget: Optional[int] = None,
+        *,
+        order: int = 1,
+        allow_bias: bool = False,
+        relaxed: bool = False,
+        include: Sequence[str] = (),
+        candidates: Optional[Sequence[str]] = None,
+        cost: str = "time",
+        visits: int = 4,
+        explore_every: int = 100,
+        growth: float = 2.0,
+    ) -> None:
+        super().__init__(plate_name)
+        owner = f"Auto({plate_name!r})"
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"{owner}: budget must be a positive int (cost evaluations per step) or None, got {budget!r}.")
+        if cost not in COSTS:
+            raise ValueError(f"{owner}: cost must be one of {COSTS}, got {cost!r}.")
+        if not isinstance(order, int) or order < 1:
+            raise ValueError(f"{owner}: order must be a positive int, got {order!r}.")
+        if visits < 1 or explore_every < 1 or growth < 1:
+            raise ValueError(f"{owner}: visits and explore_every must be >= 1 and growth >= 1.")
+        known = {e.label for e in catalog()}
+        unknown = sorted(set(include) - known) + sorted(set(candidates or ()) - known)
+        if unknown:
+            raise ValueError(f"{owner}: no catalog entries labelled {unknown}; the labels are {sorted(known)}.")
+        self.budget, self.order, self.allow_bias, self.relaxed = budget, order, bool(allow_bias), bool(relaxed)
+        self.include, self.only = tuple(include), None if candidates is None else tuple(candidates)
+        self.cost, self.visits, self.explore_every, self.growth = cost, int(visits), int(explore_every), float(growth)
+        self.methods = nn.ModuleList()
+        self.stats: list[CandidateStats] = []
+        self.excluded: list[tuple[str, str]] = []
+        self.switches: list[tuple[int, str, str, str]] = []
+        self.step = 0
+        self._current = 0
+        self._chosen: Optional[int] = None
+        self._round = 0
+        self._queue: list[int] = []
+        self._exploit_left = 0
+        self._t0: Optional[float] = None
+        self._owner: Optional[Method] = None
+        self._owners: dict[int, Method] = {}
+        self._hooks: dict[int, Any] = {}
+        self._moment = 0.0
+
+    # ------------------------------------------------------------ candidates
+    def _build(self, distr: Distribution) -> None:
+        """Build the candidates for ``distr``'s type and event shape, at the budget."""
+        kind = type(distr)
+        shape = _event_shape(distr)
+        for entry in catalog():
+            reason = self._why_not(entry, kind)
+            if reason:
+                if entry.handles(kind):
+                    self.excluded.append((entry.label, reason))
+                continue
+            try:
+                label, method, evals = self._sized(entry, distr, shape)
+            except Exception as error:  # noqa: BLE001  (a candidate that cannot sample this node is left out)
+                self.excluded.append((entry.label, f"cannot sample this node: {str(error).splitlines()[0][:160]}"))
+                continue
+            if method is None:
+                self.excluded.append((entry.label, f"needs {evals} cost evaluations per step, over the budget of {self.budget}"))
+                continue
+            if any(s.label == label for s in self.stats):
+                continue  # the same estimator at the same count as an earlier entry
+            self.methods.append(method)
+            self.stats.append(CandidateStats(label, evals, entry.unbiased_for(kind, self.order), entry.warmup))
+        if not self.stats:
+            raise ValueError(
+                f"Auto({self.plate_name!r}): no catalog estimator applies to {kind.__name__} at order {self.order}"
+                f"{'' if self.budget is None else f' within a budget of {self.budget}'}; left out: "
+                + "; ".join(f"{label} ({why})" for label, why in self.excluded)
+                + ". Raise the budget, or name entries the model allows in include=."
+            )
+        self._start_round()
+
+    def _why_not(self, entry: CatalogEntry, kind: type) -> str:
+        """Why ``entry`` is not a candidate for ``kind`` (``""``: it is)."""
+        if not entry.handles(kind):
+            return "does not handle the distribution"
+        if self.only is not None and entry.label not in self.only:
+            return "not among candidates="
+        if not entry.unbiased_for(kind, self.order) and not self.allow_bias:
+            return f"not declared unbiased at order {self.order} (allow_bias=True admits it)"
+        if entry.requires and entry.label not in self.include:
+            return f"requires {entry.requires} (name it in include= if the model meets it)"
+        if entry.relaxes and not (self.relaxed or entry.label in self.include):
+            return "evaluates the cost at relaxed (continuous) samples (relaxed=True admits it)"
+        return ""
+
+    def _sized(self, entry: CatalogEntry, distr: Distribution, shape: tuple[int, ...]) -> tuple[str, Optional[Method], int]:
+        """``(label, method or None when over the budget, evaluations per step)`` for ``entry``."""
+        name = self.plate_name
+        if entry.make_counted is None or self.budget is None:
+            method = entry.make(name, shape)
+            evals = _evaluations(method, distr)
+            fits = self.budget is None or evals <= self.budget
+            return entry.label, (method if fits else None), evals
+        try:  # evaluations per sample, from one sample (two for estimators that need them)
+            first, per = 1, _evaluations(entry.make_counted(name, shape, 1), distr)
+        except ValueError:
+            first, per = 2, _evaluations(entry.make_counted(name, shape, 2), distr) / 2
+        count = int(self.budget // per)
+        if count < first:
+            return entry.label, None, int(math.ceil(per * first))
+        base = entry.label.split("(", 1)[0].rstrip()
+        method = entry.make_counted(name, shape, count)
+        return f"{base} [n={count}]", method, int(round(per * count))
+
+    # -------------------------------------------------------------- sampling
+    def forward(self, distr: Distribution):
+        if not self.stats:
+            self._build(distr)
+        if torch.is_grad_enabled():
+            if self._t0 is None:
+                self._t0 = time.perf_counter()
+            self._hook_parameters(distr)
+        tensor = self.methods[self._current](distr)
+        node = node_of(tensor)
+        # the surrogate asks Auto, which hands over to the method that drew the node (the candidate, or
+        # the method it delegated to, as Infer does)
+        self._owner = self._owners[id(node)] = node.method
+        node.method = self
+        return tensor
+
+    def _hook_parameters(self, distr: Distribution) -> None:
+        """Sum the squares of the step's gradient with respect to the parameters ``distr`` was built with
+        (each tensor once, whatever path the candidate's surrogate takes to it)."""
+        with no_dispatch():
+            for param in get_distr_parameters(distr).values():
+                if id(param) not in self._hooks:
+                    self._hooks[id(param)] = param.register_hook(self._add_moment)
+
+    def _add_moment(self, grad: torch.Tensor) -> None:
+        with no_dispatch():
+            self._moment += float((grad.detach().double() ** 2).sum())
+
+    def _owner_of(self, tensor) -> Method:
+        return self._owners.get(id(node_of(tensor)), self._owner or self.candidate)
+
+    @property
+    def candidate(self) -> Method:
+        """The candidate method of the current (or next) step."""
+        if not self.stats:
+            raise RuntimeError(f"Auto({self.plate_name!r}) has no candidates before its first sample.")
+        return self.methods[self._current]
+
+    @property
+    def labels(self) -> list[str]:
+        """The candidates' labels."""
+        return [s.label for s in self.stats]
+
+    @property
+    def choice(self) -> Optional[str]:
+        """The label of the candidate of the current (or next) step; ``None`` before the first sample."""
+        return self.stats[self._current].label if self.stats else None
+
+    @property
+    def settled(self) -> Optional[Method]:
+        """The candidate chosen by the latest round (with its learned state); ``None`` before one ends."""
+        return None if self._chosen is None else self.methods[self._chosen]
+
+    # the method that drew the step's node answers for it
+    @property
+    def reparameterized(self) -> bool:  # type: ignore[override]
+        return self._owner is not None and self._owner.reparameterized
+
+    @property
+    def needs_graph_after_backward(self) -> bool:  # type: ignore[override]
+        return self._owner is not None and self._owner.needs_graph_after_backward
+
+    @property
+    def handles_joint_bound(self) -> bool:  # type: ignore[override]
+        return self._owner is not None and self._owner.handles_joint_bound
+
+    @property
+    def n_samples(self) -> int:
+        return self.candidate.n_samples if self.stats else 0
+
+    def estimator(self, tensor, cost):
+        return self._owner_of(tensor).estimator(tensor, cost)
+
+    def on_joint_bound(self, cost_name, plate, log_w, later=()) -> None:
+        owner = self._owners.get(id(plate.node), self._owner)
+        if owner is not None:
+            owner.on_joint_bound(cost_name, plate, log_w, later)
+
+    # ------------------------------------------------------------ measuring
+    def update_parameters(self, result_triples: Sequence[tuple]) -> None:
+        by_owner: dict[int, tuple[Method, list]] = {}
+        for triple in result_triples:
+            owner = self._owner_of(triple[0])
+            by_owner.setdefault(id(owner), (owner, []))[1].append(triple)
+        for owner, triples in by_owner.values():
+            owner.update_parameters(triples)
+        self._owners.clear()
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+        moment, self._moment = self._moment, 0.0
+        if self._t0 is None:
+            return
+        seconds = time.perf_counter() - self._t0
+        self._t0 = None
+        stats = self.stats[self._current]
+        stats.uses += 1
+        self.step += 1
+        if self._queue is not None and self._queue and stats.uses > (stats.warmup if self._round == 1 else 0):
+            evals = _evaluations_of(result_triples)
+            stats.round_moments.append(moment)
+            stats.round_seconds.append(seconds if self.cost == "time" else float(evals))
+        self._advance()
+
+    def _start_round(self) -> None:
+        """Queue a round of measurements: each candidate ``visits`` times (plus its warm-up in the first
+        round), interleaved."""
+        self._round += 1
+        needs = [self.visits + (s.warmup if self._round == 1 else 0) for s in self.stats]
+        self._queue = [c for i in range(max(needs)) for c in range(len(self.stats)) if i < needs[c]]
+        if len(self.stats) == 1:
+            self._queue = self._queue[:1]
+        previous = self.choice
+        self._current = self._queue[0]
+        self.switches.append((self.step, previous or "", "(measuring)",
+                              f"round {self._round}: {len(self.stats)} candidates, {self.visits} measured steps each"))
+
+    def _advance(self) -> None:
+        """Pick the candidate of the next step (from the history only)."""
+        if self._queue:
+            self._queue.pop(0)
+            if self._queue:
+                self._current = self._queue[0]
+                return
+            self._settle()
+            return
+        self._exploit_left -= 1
+        if self._exploit_left <= 0:
+            self._start_round()
+
+    def _settle(self) -> None:
+        """End a round: score the candidates, choose the best, schedule the next round."""
+        for s in self.stats:
+            s.close_round()
+        scores = self.scores()
+        best = min(scores, key=lambda c: (scores[c], self.stats[c].seconds or 0.0))
+        ranked = sorted(scores, key=scores.get)
+        runner = next((c for c in ranked if c != best), None)
+        versus = "" if runner is None else f", next {self.stats[runner].label} at {_ratio(scores[runner], scores[best])}"
+        bias = "" if self.stats[best].unbiased else " (a biased candidate: allow_bias=True)"
+        what = "second moment × seconds per step" if self.cost == "time" else "second moment × evaluations"
+        self.switches.append((self.step, "(measuring)", self.stats[best].label,
+                              f"lowest {what} in round {self._round}{versus}{bias}"))
+        self._chosen = self._current = best
+        self._queue = []
+        self._exploit_left = int(round(self.explore_every * self.growth ** (self._round - 1)))
+
+    def scores(self) -> dict[int, float]:
+        """Each measured candidate's score (second moment × cost) from its latest round, by index."""
+        return {
+            c: s.second_moment * s.seconds for c, s in enumerate(self.stats)
+            if s.second_moment is not None and s.seconds is not None
+        }
+
+    # ------------------------------------------------------------ reporting
+    def record(self) -> dict[str, Any]:
+        """The choice, the per-candidate table and the switches, as plain data (JSON)."""
+        scores = self.scores()
+        low_m = min((s.second_moment for s in self.stats if s.second_moment), default=None)
+        low_s = min(scores.values(), default=None)
+        rows = []
+        for c, s in enumerate(self.stats):
+            rows.append({
+                "candidate": s.label, "unbiased": s.unbiased, "evaluations": s.evaluations, "steps": s.uses,
+                "cost_per_step": s.seconds, "cost_unit": "seconds" if self.cost == "time" else "evaluations",
+                "second_moment": s.second_moment,
+                "relative_second_moment": _relative(s.second_moment, low_m),
+                "relative_score": _relative(scores.get(c), low_s),
+                "chosen": c == self._chosen,
+            })
+        return {
+            "node": self.plate_name, "budget": self.budget, "order": self.order, "allow_bias": self.allow_bias,
+            "choice": self.choice, "settled": None if self._chosen is None else self.stats[self._chosen].label,
+            "step": self.step, "round": self._round, "candidates": rows,
+            "excluded": [{"entry": label, "reason": why} for label, why in self.excluded],
+            "switches": [{"step": t, "from": a, "to": b, "reason": r} for t, a, b, r in self.switches],
+        }
+
+    def table(self) -> str:
+        """The per-candidate table of the latest round: second moment and score relative to the best."""
+        rec = self.record()
+        unit = "s/step" if self.cost == "time" else "evals"
+        lines = [f"Auto({self.plate_name!r}) after {self.step} steps, choice {self.choice}",
+                 f"{'candidate':<36} {'evals':>5} {'steps':>6} {unit:>9} {'E|g|^2 rel':>10} {'score rel':>9}"]
+        for r in rec["candidates"]:
+            cost = "-" if r["cost_per_step"] is None else format(r["cost_per_step"], ".3g")
+            mark = " *" if r["chosen"] else ("  (biased)" if not r["unbiased"] else "")
+            lines.append(f"{r['candidate']:<36} {r['evaluations']:>5} {r['steps']:>6} {cost:>9} "
+                         f"{_fmt(r['relative_second_moment']):>10} {_fmt(r['relative_score']):>9}{mark}")
+        return "\n".join(lines)
+
+    def reset(self) -> None:
+        for method in self.methods:
+            method.reset()
+
+    def extra_repr(self) -> str:
+        return f"plate_name={self.plate_name!r}, budget={self.budget}, choice={self.choice!r}"
+
+
+def _event_shape(distr: Distribution) -> tuple[int, ...]:
+    """The sample's shape beyond the distribution's plates (the catalog's ``event_shape``)."""
+    full = tuple(distr.batch_shape) + tuple(distr.event_shape)
+    return full[len(distribution_layout(distr).sizes):]
+
+
+def _evaluations(method: Method, distr: Distribution) -> int:
+    """The size of the plate that ``method`` gives a node of ``distr``: the points the cost is evaluated at
+    (sampled from a shallow copy without gradients, so that nothing is cached on ``distr``)."""
+    with torch.no_grad():
+        tensor = method(copy.copy(distr))
+        return tensor.plate.size
+
+
+def _evaluations_of(triples: Sequence[tuple]) -> int:
+    """The plate sizes of the step's nodes, summed: the points the cost was evaluated at."""
+    sizes = {id(node_of(tensor)): tensor.plate.size for tensor, *_ in triples}
+    return sum(sizes.values())
+
+
+def _relative(value: Optional[float], low: Optional[float]) -> Optional[float]:
+    if value is None or low is None:
+        return None
+    return value / low if low > 0 else (1.0 if value == 0 else math.inf)
+
+
+def _ratio(a: float, b: float) -> str:
+    return "the same score" if a == b else (f"{a / b:.3g}×" if b > 0 else "a higher score")
+
+
+def _fmt(value: Optional[float]) -> str:
+    return "-" if value is None else format(value, ".3g")
