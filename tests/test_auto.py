@@ -194,3 +194,26 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="no catalog estimator applies"):
         _run(auto, 1)
     assert entry("Expect").make_counted is None
+
+
+def test_a_checkpoint_restores_the_measurements_and_the_schedule():
+    auto = Auto("x", budget=2, candidates=["ScoreFunction + moving_average", "DisARM"], visits=2, explore_every=3)
+    _run(auto, 9)
+    state = auto.state_dict()
+    fresh = Auto("x", budget=2, candidates=["ScoreFunction + moving_average", "DisARM"], visits=2, explore_every=3)
+    with pytest.raises(ValueError, match="differ"):
+        fresh.load_state_dict(state)
+    fresh.build(Bernoulli(logits=torch.zeros(3)))
+    fresh.load_state_dict(state)
+    assert fresh.record() == auto.record()
+    torch.manual_seed(5)
+    _run(auto, 4)
+    torch.manual_seed(5)
+    _run(fresh, 4)
+    assert [s[:3] for s in fresh.switches] == [s[:3] for s in auto.switches] and fresh.choice == auto.choice
+
+
+def test_the_state_dict_holds_each_candidate_once():
+    auto = Auto("x", budget=2, candidates=["ScoreFunction + critic", "DisARM"], visits=1)
+    _run(auto, 3)
+    assert all(key.startswith(("methods.", "_extra_state", "sampling_method")) for key in auto.state_dict())

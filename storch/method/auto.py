@@ -188,6 +188,14 @@ class Auto(Method):
         self._moment = 0.0
 
     # ------------------------------------------------------------ candidates
+    def build(self, distribution: Distribution) -> "Auto":
+        """Build the candidates for nodes like ``distribution`` (its type, and its sample's shape beyond
+        the plates) now rather than at the first sample: before ``load_state_dict`` of a checkpoint, or
+        to give an optimizer the candidates' parameters. Returns ``self``."""
+        if not self.stats:
+            self._build(distribution)
+        return self
+
     def _build(self, distr: Distribution) -> None:
         """Build the candidates for ``distr``'s type and event shape, at the budget."""
         kind = type(distr)
@@ -264,7 +272,8 @@ class Auto(Method):
         node = node_of(tensor)
         # the surrogate asks Auto, which hands over to the method that drew the node (the candidate, or
         # the method it delegated to, as Infer does)
-        self._owner = self._owners[id(node)] = node.method
+        self._owners[id(node)] = node.method
+        self.__dict__["_owner"] = node.method  # a reference, not a submodule (its state is the candidate's)
         node.method = self
         return tensor
 
@@ -405,6 +414,26 @@ class Auto(Method):
             c: s.second_moment * s.seconds for c, s in enumerate(self.stats)
             if s.second_moment is not None and s.seconds is not None
         }
+
+    # ------------------------------------------------------------ checkpoints
+    _SCHEDULE = ("excluded", "switches", "step", "_current", "_chosen", "_round", "_queue", "_exploit_left")
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """The measurements and the schedule (the candidates' own state is in their ``state_dict``)."""
+        state = {key: copy.deepcopy(getattr(self, key)) for key in self._SCHEDULE}
+        state["stats"] = [vars(s).copy() for s in self.stats]
+        return state
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        labels = [s["label"] for s in state["stats"]]
+        if labels != self.labels:
+            raise ValueError(
+                f"Auto({self.plate_name!r}).load_state_dict: the checkpoint's candidates {labels} differ from this "
+                f"Auto's {self.labels}; build it for the same distribution and budget first (Auto.build)."
+            )
+        for key in self._SCHEDULE:
+            setattr(self, key, copy.deepcopy(state[key]))
+        self.stats = [CandidateStats(**s) for s in state["stats"]]
 
     # ------------------------------------------------------------ reporting
     def record(self) -> dict[str, Any]:
