@@ -267,7 +267,8 @@ class Auto(Method):
         if torch.is_grad_enabled():
             if self._t0 is None:
                 self._t0 = time.perf_counter()
-            self._hook_parameters(distr)
+            if self._queue:  # a step of a round: its gradient is measured (the chosen one's are not)
+                self._hook_parameters(distr)
         tensor = self.methods[self._current](distr)
         node = node_of(tensor)
         # the surrogate asks Auto, which hands over to the method that drew the node (the candidate, or
@@ -341,16 +342,21 @@ class Auto(Method):
 
     # ------------------------------------------------------------ measuring
     def update_parameters(self, result_triples: Sequence[tuple]) -> None:
-        by_owner: dict[int, tuple[Method, list]] = {}
-        for triple in result_triples:
-            owner = self._owner_of(triple[0])
-            by_owner.setdefault(id(owner), (owner, []))[1].append(triple)
-        for owner, triples in by_owner.values():
-            owner.update_parameters(triples)
+        owners = {id(m): m for m in self._owners.values()}
+        if len(owners) <= 1:
+            next(iter(owners.values()), self._owner or self.candidate).update_parameters(result_triples)
+        else:  # several nodes of this Auto in the step, drawn by different methods (as Infer delegates)
+            by_owner: dict[int, tuple[Method, list]] = {}
+            for triple in result_triples:
+                owner = self._owner_of(triple[0])
+                by_owner.setdefault(id(owner), (owner, []))[1].append(triple)
+            for owner, triples in by_owner.values():
+                owner.update_parameters(triples)
         self._owners.clear()
-        for handle in self._hooks.values():
-            handle.remove()
-        self._hooks.clear()
+        if self._hooks:
+            for handle in self._hooks.values():
+                handle.remove()
+            self._hooks.clear()
         moment, self._moment = self._moment, 0.0
         if self._t0 is None:
             return
