@@ -9,6 +9,7 @@ only, and each step is compared with the exact gradient (enumeration) by storch.
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 from torch.distributions import Bernoulli
 
 import storch
-from storch.exceptions import CompileStepError
+from storch.exceptions import CompileStepError, UnusedNodeWarning
 from storch.method import Auto
 from storch.method.catalog import entry, unbiased_estimators
 from storch.testing import assert_unbiased, check_unbiased, replicated_gradients
@@ -121,7 +122,9 @@ def test_candidates_follow_the_catalog_declarations():
     assert "over the budget of 4" in excluded["Expect"]  # 8 configurations
     assert "DisARM [n=2]" in auto.labels and "ScoreFunction [n=4]" in auto.labels
     wider = Auto("x", budget=8, include=["DoubleControlVariate"], relaxed=True)
-    _run(wider, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnusedNodeWarning)  # the candidates' probes are no nodes of the step
+        _run(wider, 1)
     assert {"Expect", "DoubleControlVariate [n=8]", "REBAR [n=2]"} <= set(wider.labels)
     assert all(s.unbiased for s in wider.stats)
 
@@ -217,3 +220,14 @@ def test_the_state_dict_holds_each_candidate_once():
     auto = Auto("x", budget=2, candidates=["ScoreFunction + critic", "DisARM"], visits=1)
     _run(auto, 3)
     assert all(key.startswith(("methods.", "_extra_state", "sampling_method")) for key in auto.state_dict())
+
+
+def test_evaluations_count_the_points_of_differentiated_parameters():
+    # measure-valued derivatives lay out 1 + D points per sample for parameters that require grad: also
+    # when Auto is built ahead from a distribution whose parameters do not (storch-bench's dummies)
+    for logits in (torch.zeros(200), torch.zeros(200, requires_grad=True)):
+        auto = Auto("z", budget=201, candidates=["MVD", "DisARM"]).build(Bernoulli(logits=logits))
+        assert dict(zip(auto.labels, (s.evaluations for s in auto.stats))) == {"MVD [n=1]": 201, "DisARM [n=100]": 200}
+        narrow = Auto("z", budget=200, candidates=["MVD", "DisARM"]).build(Bernoulli(logits=logits))
+        assert narrow.labels == ["DisARM [n=100]"] and "over the budget of 200" in dict(narrow.excluded)["MVD"]
+        assert len(narrow.excluded) == 1

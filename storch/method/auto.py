@@ -203,7 +203,7 @@ class Auto(Method):
         for entry in catalog():
             reason = self._why_not(entry, kind)
             if reason:
-                if entry.handles(kind):
+                if entry.handles(kind) and self.only is None or entry.label in (self.only or ()):
                     self.excluded.append((entry.label, reason))
                 continue
             try:
@@ -493,10 +493,19 @@ def _event_shape(distr: Distribution) -> tuple[int, ...]:
 
 
 def _evaluations(method: Method, distr: Distribution) -> int:
-    """The size of the plate that ``method`` gives a node of ``distr``: the points the cost is evaluated at
-    (sampled from a shallow copy without gradients, so that nothing is cached on ``distr``)."""
-    with torch.no_grad():
-        tensor = method(copy.copy(distr))
+    """The size of the plate that ``method`` gives a node of ``distr``: the points the cost is evaluated at.
+
+    Sampled from a copy of ``distr`` whose parameters are detached leaves that require grad (estimators
+    lay out points for the parameters they differentiate, as measure-valued derivatives do), so that
+    nothing reaches the user's graph or is cached on ``distr``; drawn without gradients, so that
+    the probe is no node of the step.
+    """
+    probe = copy.copy(distr)
+    for name, value in list(vars(probe).items()):
+        if name in distr.arg_constraints and isinstance(value, torch.Tensor) and value.is_floating_point():
+            probe.__dict__[name] = value.detach().requires_grad_()
+    with torch.no_grad():  # and not noted as a node of the step
+        tensor = method(probe)
         return tensor.plate.size
 
 
