@@ -146,7 +146,8 @@ def test_choice_table_and_record_are_visible():
     _run(auto, 10, logits)
     record = json.loads(json.dumps(auto.record()))
     assert record["choice"] == auto.choice and len(record["candidates"]) == 2
-    assert [s["to"] for s in record["switches"]][:2] == ["(measuring)", record["settled"]]
+    assert [(s["from"], s["to"]) for s in record["switches"]][:2] == \
+        [("", "(measuring)"), ("(measuring)", record["settled"])]
     assert all(r["steps"] >= 2 and r["cost_per_step"] > 0 for r in record["candidates"])
     table = auto.table()
     assert "DisARM [n=2]" in table and "*" in table

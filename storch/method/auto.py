@@ -379,9 +379,9 @@ class Auto(Method):
         self._queue = [c for i in range(max(needs)) for c in range(len(self.stats)) if i < needs[c]]
         if len(self.stats) == 1:
             self._queue = self._queue[:1]
-        previous = self.choice
+        previous = "" if self._chosen is None else self.stats[self._chosen].label
         self._current = self._queue[0]
-        self.switches.append((self.step, previous or "", "(measuring)",
+        self.switches.append((self.step, previous, "(measuring)",
                               f"round {self._round}: {len(self.stats)} candidates, {self.visits} measured steps each"))
 
     def _advance(self) -> None:
