@@ -105,12 +105,28 @@ def test_the_harness_catches_a_biased_candidate():
     assert auto.record()["candidates"][0]["unbiased"] is False
 
 
-def _run(auto: Auto, steps: int, logits: torch.Tensor | None = None) -> None:
+def _run(auto: Auto, steps: int, logits: torch.Tensor | None = None, offset: float = 0.0) -> None:
     logits = torch.zeros(3, requires_grad=True) if logits is None else logits
     for _ in range(steps):
         z = auto(Bernoulli(logits=logits))
-        storch.add_cost(((z - torch.tensor([0.1, 0.5, 0.9])) ** 2).sum(-1) + 2.0 * z[..., 0] * z[..., 1], "f")
+        cost = ((z - torch.tensor([0.1, 0.5, 0.9])) ** 2).sum(-1) + 2.0 * z[..., 0] * z[..., 1] + offset
+        storch.add_cost(cost, "f")
         storch.backward()
+
+
+def test_a_far_noisier_candidate_leaves_the_rounds():
+    # without a baseline, a cost offset of 100 makes the score function's second moment about 10^4 times
+    # the exact gradient's: it is dropped after its first measured step, from this round and the next
+    auto = Auto("x", budget=8, candidates=["ScoreFunction", "Expect"], cost="evaluations", visits=4,
+                explore_every=2, growth=1.0)
+    _run(auto, 12, offset=100.0)
+    score_function, expect = auto.stats
+    assert score_function.uses == 1 and "round 1" in score_function.dropped and not expect.dropped
+    assert auto.choice == "Expect" and auto.record()["candidates"][0]["dropped"]
+    kept = Auto("x", budget=8, candidates=["ScoreFunction", "Expect"], cost="evaluations", visits=4,
+                explore_every=2, growth=1.0, prune=None)
+    _run(kept, 12, offset=100.0)
+    assert kept.stats[0].uses == 5  # 4 in round 1, the first step of round 2
 
 
 def test_candidates_follow_the_catalog_declarations():
@@ -137,7 +153,8 @@ def test_lower_second_moment_wins_at_equal_cost():
 
 
 def test_choice_table_and_record_are_visible():
-    auto = Auto("x", budget=4, candidates=["ScoreFunction + batch_average", "DisARM"], visits=2, explore_every=3)
+    auto = Auto("x", budget=4, candidates=["ScoreFunction + batch_average", "DisARM"], visits=2, explore_every=3,
+                prune=None)
     logits = torch.zeros(3, requires_grad=True)
     z = auto(Bernoulli(logits=logits))
     assert z.method is auto and z.method.choice == "ScoreFunction + batch_average [n=4]"
@@ -154,7 +171,7 @@ def test_choice_table_and_record_are_visible():
 
 
 def test_candidates_keep_their_state_between_steps():
-    auto = Auto("x", budget=2, candidates=["ScoreFunction + moving_average", "DisARM"], visits=2)
+    auto = Auto("x", budget=2, candidates=["ScoreFunction + moving_average", "DisARM"], visits=2, prune=None)
     averages = []
     for _ in range(8):
         used = auto.choice

@@ -96,15 +96,26 @@ class CandidateStats:
     uses: int = 0
     round_moments: list[float] = field(default_factory=list)
     round_seconds: list[float] = field(default_factory=list)
+    warm_moments: list[float] = field(default_factory=list)
+    warm_seconds: list[float] = field(default_factory=list)
     second_moment: Optional[float] = None
     seconds: Optional[float] = None
+    dropped: str = ""
+
+    def running_score(self) -> tuple[Optional[float], bool]:
+        """The round's score so far and whether it is from measured steps (else from warm-up steps)."""
+        for moments, seconds, measured in ((self.round_moments, self.round_seconds, True),
+                                           (self.warm_moments, self.warm_seconds, False)):
+            if moments:
+                return sum(moments) / len(moments) * statistics.median(seconds), measured
+        return None, False
 
     def close_round(self) -> None:
         """Summarise the round's measurements (mean second moment, median seconds) and clear them."""
         if self.round_moments:
             self.second_moment = sum(self.round_moments) / len(self.round_moments)
             self.seconds = statistics.median(self.round_seconds)
-        self.round_moments, self.round_seconds = [], []
+        self.round_moments, self.round_seconds, self.warm_moments, self.warm_seconds = [], [], [], []
 
 
 class Auto(Method):
@@ -127,6 +138,10 @@ class Auto(Method):
         visits: measured steps of each candidate per round.
         explore_every: steps on the chosen candidate before the first re-check.
         growth: factor by which the steps between re-checks grow after each round.
+        prune: a candidate whose score in a round exceeds ``prune`` times the best one's (``prune²``
+            times during its warm-up) leaves the round at once, and the later rounds; ``None``: never.
+            Exploration steps are training steps, so a candidate with a gradient hundreds of times
+            noisier than the best one's is dropped after a step or two rather than run ``visits`` times.
 
     Attributes:
         choice: the label of the candidate used in the current (or next) step.
@@ -153,6 +168,7 @@ class Auto(Method):
         visits: int = 4,
         explore_every: int = 100,
         growth: float = 2.0,
+        prune: Optional[float] = 20.0,
     ) -> None:
         super().__init__(plate_name)
         owner = f"Auto({plate_name!r})"
@@ -162,8 +178,8 @@ class Auto(Method):
             raise ValueError(f"{owner}: cost must be one of {COSTS}, got {cost!r}.")
         if not isinstance(order, int) or order < 1:
             raise ValueError(f"{owner}: order must be a positive int, got {order!r}.")
-        if visits < 1 or explore_every < 1 or growth < 1:
-            raise ValueError(f"{owner}: visits and explore_every must be >= 1 and growth >= 1.")
+        if visits < 1 or explore_every < 1 or growth < 1 or (prune is not None and prune <= 1):
+            raise ValueError(f"{owner}: visits and explore_every must be >= 1, growth >= 1 and prune > 1 (or None).")
         known = {e.label for e in catalog()}
         unknown = sorted(set(include) - known) + sorted(set(candidates or ()) - known)
         if unknown:
@@ -171,6 +187,7 @@ class Auto(Method):
         self.budget, self.order, self.allow_bias, self.relaxed = budget, order, bool(allow_bias), bool(relaxed)
         self.include, self.only = tuple(include), None if candidates is None else tuple(candidates)
         self.cost, self.visits, self.explore_every, self.growth = cost, int(visits), int(explore_every), float(growth)
+        self.prune = None if prune is None else float(prune)
         self.methods = nn.ModuleList()
         self.stats: list[CandidateStats] = []
         self.excluded: list[tuple[str, str]] = []
@@ -365,24 +382,48 @@ class Auto(Method):
         stats = self.stats[self._current]
         stats.uses += 1
         self.step += 1
-        if self._queue is not None and self._queue and stats.uses > (stats.warmup if self._round == 1 else 0):
-            evals = _evaluations_of(result_triples)
-            stats.round_moments.append(moment)
-            stats.round_seconds.append(seconds if self.cost == "time" else float(evals))
+        if self._queue:
+            cost = seconds if self.cost == "time" else float(_evaluations_of(result_triples))
+            if stats.uses > (stats.warmup if self._round == 1 else 0):
+                stats.round_moments.append(moment)
+                stats.round_seconds.append(cost)
+            else:
+                stats.warm_moments.append(moment)
+                stats.warm_seconds.append(cost)
+            self._prune()
         self._advance()
+
+    def _prune(self) -> None:
+        """Drop, from this round and the later ones, the candidates whose running score exceeds ``prune``
+        times the best measured one (``prune²`` times while they warm up)."""
+        if self.prune is None:
+            return
+        running = {c: s.running_score() for c, s in enumerate(self.stats) if not s.dropped}
+        measured = [score for score, full in running.values() if score is not None and full]
+        if not measured:
+            return
+        best = min(measured)
+        leader = next(c for c, (score, full) in running.items() if full and score == best)
+        for c, (score, full) in running.items():
+            limit = self.prune if full else self.prune**2
+            if score is not None and score > limit * best:
+                phase = "" if full else " while warming up"
+                self.stats[c].dropped = (f"round {self._round}, step {self.step}: score {_ratio(score, best)} that of "
+                                         f"{self.stats[leader].label}{phase}")
+                self._queue[1:] = [q for q in self._queue[1:] if q != c]
 
     def _start_round(self) -> None:
         """Queue a round of measurements: each candidate ``visits`` times (plus its warm-up in the first
         round), interleaved."""
         self._round += 1
-        needs = [self.visits + (s.warmup if self._round == 1 else 0) for s in self.stats]
+        needs = [0 if s.dropped else self.visits + (s.warmup if self._round == 1 else 0) for s in self.stats]
         self._queue = [c for i in range(max(needs)) for c in range(len(self.stats)) if i < needs[c]]
-        if len(self.stats) == 1:
+        if len(needs) - needs.count(0) == 1:
             self._queue = self._queue[:1]
         previous = "" if self._chosen is None else self.stats[self._chosen].label
         self._current = self._queue[0]
         self.switches.append((self.step, previous, "(measuring)",
-                              f"round {self._round}: {len(self.stats)} candidates, {self.visits} measured steps each"))
+                              f"round {self._round}: {len(needs) - needs.count(0)} candidates, {self.visits} measured steps each"))
 
     def _advance(self) -> None:
         """Pick the candidate of the next step (from the history only)."""
@@ -401,7 +442,9 @@ class Auto(Method):
         """End a round: score the candidates, choose the best, schedule the next round."""
         for s in self.stats:
             s.close_round()
-        scores = self.scores()
+        scores = {c: v for c, v in self.scores().items() if not self.stats[c].dropped}
+        if not scores:  # nothing measured in the round (every candidate dropped while warming up)
+            scores = {self._current: 0.0}
         best = min(scores, key=lambda c: (scores[c], self.stats[c].seconds or 0.0))
         ranked = sorted(scores, key=scores.get)
         runner = next((c for c in ranked if c != best), None)
@@ -455,7 +498,7 @@ class Auto(Method):
                 "second_moment": s.second_moment,
                 "relative_second_moment": _relative(s.second_moment, low_m),
                 "relative_score": _relative(scores.get(c), low_s),
-                "chosen": c == self._chosen,
+                "chosen": c == self._chosen, "dropped": s.dropped,
             })
         return {
             "node": self.plate_name, "budget": self.budget, "order": self.order, "allow_bias": self.allow_bias,
@@ -474,6 +517,7 @@ class Auto(Method):
         for r in rec["candidates"]:
             cost = "-" if r["cost_per_step"] is None else format(r["cost_per_step"], ".3g")
             mark = " *" if r["chosen"] else ("  (biased)" if not r["unbiased"] else "")
+            mark += "  (dropped)" if r["dropped"] else ""
             lines.append(f"{r['candidate']:<36} {r['evaluations']:>5} {r['steps']:>6} {cost:>9} "
                          f"{_fmt(r['relative_second_moment']):>10} {_fmt(r['relative_score']):>9}{mark}")
         return "\n".join(lines)
