@@ -163,8 +163,9 @@ def test_choice_table_and_record_are_visible():
     _run(auto, 10, logits)
     record = json.loads(json.dumps(auto.record()))
     assert record["choice"] == auto.choice and len(record["candidates"]) == 2
-    assert [(s["from"], s["to"]) for s in record["switches"]][:2] == \
-        [("", "(measuring)"), ("(measuring)", record["settled"])]
+    pairs = [(s["from"], s["to"]) for s in record["switches"]]
+    assert pairs[0] == ("", "(measuring)") and pairs[1][0] == "(measuring)" and pairs[1][1] in auto.labels
+    assert pairs[-1] == ("(measuring)", record["settled"])  # the settled choice of the latest round (time-based)
     assert all(r["steps"] >= 2 and r["cost_per_step"] > 0 for r in record["candidates"])
     table = auto.table()
     assert "DisARM [n=2]" in table and "*" in table
@@ -218,10 +219,14 @@ def test_bad_arguments():
 
 
 def test_a_checkpoint_restores_the_measurements_and_the_schedule():
-    auto = Auto("x", budget=2, candidates=["ScoreFunction + moving_average", "DisARM"], visits=2, explore_every=3)
+    def make() -> Auto:  # cost by evaluations: the choices are a function of the seed
+        return Auto("x", budget=2, candidates=["ScoreFunction + moving_average", "DisARM"], visits=2,
+                    explore_every=3, cost="evaluations")
+
+    auto = make()
     _run(auto, 9)
     state = auto.state_dict()
-    fresh = Auto("x", budget=2, candidates=["ScoreFunction + moving_average", "DisARM"], visits=2, explore_every=3)
+    fresh = make()
     with pytest.raises(ValueError, match="differ"):
         fresh.load_state_dict(state)
     fresh.build(Bernoulli(logits=torch.zeros(3)))
@@ -249,3 +254,21 @@ def test_evaluations_count_the_points_of_differentiated_parameters():
         narrow = Auto("z", budget=200, candidates=["MVD", "DisARM"]).build(Bernoulli(logits=logits))
         assert narrow.labels == ["DisARM [n=100]"] and "over the budget of 200" in dict(narrow.excluded)["MVD"]
         assert len(narrow.excluded) == 1
+
+
+def test_a_slow_step_alone_drops_no_candidate(monkeypatch):
+    # a clock that makes every DisARM step 100 times slower: its score is over prune x the best, but its
+    # second moment is not, so it stays in the round (the time of a step is too noisy to drop on)
+    import storch.method.auto as auto_module
+
+    clock = [0.0]
+    monkeypatch.setattr(auto_module.time, "perf_counter", lambda: clock[0])
+    auto = Auto("x", budget=2, candidates=["ScoreFunction + batch_average", "DisARM"], visits=3)
+    logits = torch.zeros(3, requires_grad=True)
+    for _ in range(6):
+        z = auto(Bernoulli(logits=logits))
+        clock[0] += 100.0 if auto.choice.startswith("DisARM") else 1.0
+        storch.add_cost(((z - torch.tensor([0.1, 0.5, 0.9])) ** 2).sum(-1), "f")
+        storch.backward()
+    assert not any(s.dropped for s in auto.stats) and [s.uses for s in auto.stats] == [3, 3]
+    assert auto.choice == "ScoreFunction + batch_average [n=2]"

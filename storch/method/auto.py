@@ -102,13 +102,15 @@ class CandidateStats:
     seconds: Optional[float] = None
     dropped: str = ""
 
-    def running_score(self) -> tuple[Optional[float], bool]:
-        """The round's score so far and whether it is from measured steps (else from warm-up steps)."""
+    def running(self) -> tuple[Optional[float], Optional[float], bool]:
+        """The round's second moment and score so far, and whether they are from measured steps (else
+        from warm-up steps); ``None`` before any step of the round."""
         for moments, seconds, measured in ((self.round_moments, self.round_seconds, True),
                                            (self.warm_moments, self.warm_seconds, False)):
             if moments:
-                return sum(moments) / len(moments) * statistics.median(seconds), measured
-        return None, False
+                moment = sum(moments) / len(moments)
+                return moment, moment * statistics.median(seconds), measured
+        return None, None, False
 
     def close_round(self) -> None:
         """Summarise the round's measurements (mean second moment, median seconds) and clear them."""
@@ -138,8 +140,9 @@ class Auto(Method):
         visits: measured steps of each candidate per round.
         explore_every: steps on the chosen candidate before the first re-check.
         growth: factor by which the steps between re-checks grow after each round.
-        prune: a candidate whose score in a round exceeds ``prune`` times the best one's (``prune²``
-            times during its warm-up) leaves the round at once, and the later rounds; ``None``: never.
+        prune: a candidate whose second moment and score in a round both exceed ``prune`` times those of
+            the best one (``prune²`` times during its warm-up) leaves the round at once, and the later
+            rounds; ``None``: never. (Both: the time of a single step is too noisy to drop a candidate on.)
             Exploration steps are training steps, so a candidate with a gradient hundreds of times
             noisier than the best one's is dropped after a step or two rather than run ``visits`` times.
 
@@ -398,15 +401,17 @@ class Auto(Method):
         times the best measured one (``prune²`` times while they warm up)."""
         if self.prune is None:
             return
-        running = {c: s.running_score() for c, s in enumerate(self.stats) if not s.dropped}
-        measured = [score for score, full in running.values() if score is not None and full]
+        running = {c: s.running() for c, s in enumerate(self.stats) if not s.dropped}
+        measured = {c: r for c, r in running.items() if r[2]}
         if not measured:
             return
-        best = min(measured)
-        leader = next(c for c, (score, full) in running.items() if full and score == best)
-        for c, (score, full) in running.items():
+        leader = min(measured, key=lambda c: measured[c][1])
+        best, low = measured[leader][1], min(r[0] for r in measured.values())
+        if best <= 0 or low <= 0:  # an exactly zero estimate so far (an antithetic pair that agreed): no ratio
+            return
+        for c, (moment, score, full) in running.items():
             limit = self.prune if full else self.prune**2
-            if score is not None and score > limit * best:
+            if score is not None and score > limit * best and moment > limit * low:
                 phase = "" if full else " while warming up"
                 self.stats[c].dropped = (f"round {self._round}, step {self.step}: score {_ratio(score, best)} that of "
                                          f"{self.stats[leader].label}{phase}")
