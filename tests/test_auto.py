@@ -19,6 +19,7 @@ from torch.distributions import Bernoulli
 import storch
 from storch.exceptions import CompileStepError, UnusedNodeWarning
 from storch.method import Auto
+from storch.method.auto import COLD_START
 from storch.method.catalog import entry, unbiased_estimators
 from storch.testing import assert_unbiased, check_unbiased, replicated_gradients
 
@@ -136,7 +137,11 @@ def test_candidates_follow_the_catalog_declarations():
     assert "requires a cost differentiable in the sample" in excluded["DoubleControlVariate"]
     assert "relaxed" in excluded["REBAR"] and "allow_bias" in excluded["StraightThrough"]
     assert "over the budget of 4" in excluded["Expect"]  # 8 configurations
-    assert "DisARM [n=2]" in auto.labels and "ScoreFunction [n=4]" in auto.labels
+    assert "DisARM [n=2]" in auto.labels and "ScoreFunction + batch_average [n=4]" in auto.labels
+    assert all("COLD_START" in excluded[label] for label in COLD_START)  # no baseline in their first steps
+    everything = Auto("x", budget=4, exclude=())
+    _run(everything, 1)
+    assert {"ScoreFunction [n=4]", "MAPO [n=4]"} <= set(everything.labels)
     wider = Auto("x", budget=8, include=["DoubleControlVariate"], relaxed=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnusedNodeWarning)  # the candidates' probes are no nodes of the step
