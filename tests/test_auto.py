@@ -277,3 +277,23 @@ def test_a_slow_step_alone_drops_no_candidate(monkeypatch):
         storch.backward()
     assert not any(s.dropped for s in auto.stats) and [s.uses for s in auto.stats] == [3, 3]
     assert auto.choice == "ScoreFunction + batch_average [n=2]"
+
+
+@pytest.mark.parametrize("label", ["DoubleControlVariate", "REBAR", "ScoreFunction + batch_average"])
+def test_the_measured_second_moment_is_the_steps_gradient(label):
+    # the hooks count the backward pass of the surrogate only: not double control variates' own gradients
+    # while they build their terms, nor REBAR's variance gradient in its update
+    other = "DisARM"
+    logits = torch.tensor([0.3, -0.5, 1.0], requires_grad=True)
+    auto = Auto("x", budget=4, candidates=[label, other], visits=3, prune=None, include=[label], relaxed=True)
+    auto.build(Bernoulli(logits=logits))
+    seen: dict[str, list[float]] = {name: [] for name in auto.labels}
+    while auto.settled is None:
+        used = auto.choice
+        logits.grad = None
+        _run(auto, 1, logits)
+        seen[used].append(float((logits.grad.double() ** 2).sum()))
+    for stats in auto.stats:
+        measured = seen[stats.label][stats.warmup:]
+        assert len(measured) == 3
+        assert stats.second_moment == pytest.approx(sum(measured) / 3, rel=1e-5)

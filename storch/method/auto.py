@@ -229,6 +229,7 @@ class Auto(Method):
         self._owners: dict[int, Method] = {}
         self._hooks: dict[int, Any] = {}
         self._moment = 0.0
+        self._listening = True
 
     # ------------------------------------------------------------ candidates
     def build(self, distribution: Distribution) -> "Auto":
@@ -316,7 +317,11 @@ class Auto(Method):
                 self._t0 = time.perf_counter()
             if self._queue:  # a step of a round: its gradient is measured (the chosen one's are not)
                 self._hook_parameters(distr)
-        tensor = self.methods[self._current](distr)
+        self._listening = False  # a candidate's own autograd calls while it samples are not the step's gradient
+        try:
+            tensor = self.methods[self._current](distr)
+        finally:
+            self._listening = True
         node = node_of(tensor)
         # the surrogate asks Auto, which hands over to the method that drew the node (the candidate, or
         # the method it delegated to, as Infer does)
@@ -334,6 +339,8 @@ class Auto(Method):
                     self._hooks[id(param)] = param.register_hook(self._add_moment)
 
     def _add_moment(self, grad: torch.Tensor) -> None:
+        if not self._listening:
+            return
         with no_dispatch():
             self._moment += float((grad.detach().double() ** 2).sum())
 
@@ -380,7 +387,13 @@ class Auto(Method):
         return self.candidate.n_samples if self.stats else 0
 
     def estimator(self, tensor, cost):
-        return self._owner_of(tensor).estimator(tensor, cost)
+        # the candidate's own gradients while it builds its terms (double control variates' α statistics)
+        # are not the step's gradient: the hooks count the backward pass of the surrogate only
+        self._listening = False
+        try:
+            return self._owner_of(tensor).estimator(tensor, cost)
+        finally:
+            self._listening = True
 
     def on_joint_bound(self, cost_name, plate, log_w, later=()) -> None:
         owner = self._owners.get(id(plate.node), self._owner)
@@ -389,6 +402,13 @@ class Auto(Method):
 
     # ------------------------------------------------------------ measuring
     def update_parameters(self, result_triples: Sequence[tuple]) -> None:
+        # the step's gradient is complete: stop counting before the candidate's update, which may
+        # differentiate the surrogate again (RELAX's and REBAR's variance gradients)
+        if self._hooks:
+            for handle in self._hooks.values():
+                handle.remove()
+            self._hooks.clear()
+        moment, self._moment = self._moment, 0.0
         owners = {id(m): m for m in self._owners.values()}
         if len(owners) <= 1:
             next(iter(owners.values()), self._owner or self.candidate).update_parameters(result_triples)
@@ -400,11 +420,6 @@ class Auto(Method):
             for owner, triples in by_owner.values():
                 owner.update_parameters(triples)
         self._owners.clear()
-        if self._hooks:
-            for handle in self._hooks.values():
-                handle.remove()
-            self._hooks.clear()
-        moment, self._moment = self._moment, 0.0
         if self._t0 is None:
             return
         seconds = time.perf_counter() - self._t0
