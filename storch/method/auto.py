@@ -18,8 +18,9 @@ best step size (the number of steps to a given accuracy grows as ``E‖ĝ‖² /
 a step it ranks the candidates by progress per second. Two candidates that are both almost exact tie on
 it, and the cheaper one wins. Measurements of one round are compared with each other only, since the
 gradient's scale changes as training moves on; within a round the candidates are interleaved (one step
-each, in turn) so that they see the same phase of training. A candidate whose second moment and score
-both exceed ``prune`` (20) times the best one's leaves the round at once, and the later rounds: the steps
+each, in turn) so that they see the same phase of training. A candidate whose score exceeds ``prune``
+(20) times the best one's leaves the round at once, and the later rounds (on its second step, if its
+second moment is within that factor and only its time is over: one step's time is noisy): the steps
 of a round are training steps, and one far noisier step already costs an adaptive optimizer (it inflates
 Adam's second-moment estimate for about ``1 / (1 − β₂)`` steps).
 
@@ -161,9 +162,10 @@ class Auto(Method):
         visits: measured steps of each candidate per round.
         explore_every: steps on the chosen candidate before the first re-check.
         growth: factor by which the steps between re-checks grow after each round.
-        prune: a candidate whose second moment and score in a round both exceed ``prune`` times those of
-            the best one (``prune²`` times during its warm-up) leaves the round at once, and the later
-            rounds; ``None``: never. (Both: the time of a single step is too noisy to drop a candidate on.)
+        prune: a candidate whose score in a round exceeds ``prune`` times the best one's (``prune²`` times
+            during its warm-up) leaves the round at once, and the later rounds, if its second moment
+            does too or it has run two steps of the round (the time of a single step is too noisy to drop
+            a candidate on); ``None``: never.
             Exploration steps are training steps, so a candidate with a gradient hundreds of times
             noisier than the best one's is dropped after a step or two rather than run ``visits`` times.
 
@@ -453,7 +455,8 @@ class Auto(Method):
             return
         for c, (moment, score, full) in running.items():
             limit = self.prune if full else self.prune**2
-            if score is not None and score > limit * best and moment > limit * low:
+            steps = len(self.stats[c].round_moments if full else self.stats[c].warm_moments)
+            if score is not None and score > limit * best and (moment > limit * low or steps >= 2):
                 phase = "" if full else " while warming up"
                 self.stats[c].dropped = (f"round {self._round}, step {self.step}: score {_ratio(score, best)} that of "
                                          f"{self.stats[leader].label}{phase}")
