@@ -97,7 +97,7 @@ COSTS = ("time", "evaluations")
 #: candidate's (on storch-bench's linear SBN at 4 evaluations: 600 to 5000 times the second moment of
 #: the leave-one-out score function). Every candidate runs at least one real training step, and one such
 #: step inflates Adam's second-moment estimate for about ``1 / (1 − β₂)`` steps: with them, Auto's
-#: −ELBO on that model after 600 steps was 180.2 against 168.6 without them (RLOO alone: 167.9).
+#: training −ELBO on that model after 600 steps was 180.0 against 168.3 without them (RLOO alone: 167.9).
 #: ``exclude=()`` admits them.
 COLD_START = (
     "ScoreFunction", "ScoreFunction(n_samples=3)", "ScoreFunction + moving_average", "ScoreFunction + critic",
