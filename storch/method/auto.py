@@ -86,7 +86,7 @@ from torch.distributions import Distribution
 
 from storch.extend import StepState, distribution_layout, get_distr_parameters, no_dispatch, node_of
 from storch.method.catalog import CatalogEntry, catalog
-from storch.method.method import Method
+from storch.method.method import Method, check_floating_parameters
 
 __all__ = ["Auto", "CandidateStats", "COLD_START"]
 
@@ -313,6 +313,8 @@ class Auto(Method):
     # -------------------------------------------------------------- sampling
     def forward(self, distr: Distribution):
         if not self.stats:
+            if isinstance(distr, Distribution):
+                check_floating_parameters(distr, type(self).__name__, self.plate_name)
             self._build(distr)
         if torch.is_grad_enabled():
             if self._t0 is None:
