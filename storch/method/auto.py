@@ -86,6 +86,7 @@ from torch.distributions import Distribution
 
 from storch.extend import StepState, distribution_layout, get_distr_parameters, no_dispatch, node_of
 from storch.method.catalog import CatalogEntry, catalog
+from storch.method.catalog import entry as catalog_entry
 from storch.method.method import Method, check_floating_parameters
 
 __all__ = ["Auto", "CandidateStats", "COLD_START"]
@@ -121,6 +122,8 @@ class CandidateStats:
     second_moment: Optional[float] = None
     seconds: Optional[float] = None
     dropped: str = ""
+    entry: str = ""  # the catalog entry it was built from, and its count (None: the entry's own)
+    count: Optional[int] = None
 
     def running(self) -> tuple[Optional[float], Optional[float], bool]:
         """The round's second moment and score so far, and whether they are from measured steps (else
@@ -232,12 +235,14 @@ class Auto(Method):
         self._hooks: dict[int, Any] = {}
         self._moment = 0.0
         self._listening = True
+        self._shape: tuple[int, ...] = ()
 
     # ------------------------------------------------------------ candidates
     def build(self, distribution: Distribution) -> "Auto":
         """Build the candidates for nodes like ``distribution`` (its type, and its sample's shape beyond
-        the plates) now rather than at the first sample: before ``load_state_dict`` of a checkpoint, or
-        to give an optimizer the candidates' parameters. Returns ``self``."""
+        the plates) now rather than at the first sample, e.g. to give an optimizer the candidates'
+        parameters. (``load_state_dict`` into a fresh `Auto` rebuilds them from the checkpoint.) Returns
+        ``self``."""
         if not self.stats:
             self._build(distribution)
         return self
@@ -245,7 +250,7 @@ class Auto(Method):
     def _build(self, distr: Distribution) -> None:
         """Build the candidates for ``distr``'s type and event shape, at the budget."""
         kind = type(distr)
-        shape = _event_shape(distr)
+        shape = self._shape = _event_shape(distr)
         for entry in catalog():
             reason = self._why_not(entry, kind)
             if reason:
@@ -253,7 +258,7 @@ class Auto(Method):
                     self.excluded.append((entry.label, reason))
                 continue
             try:
-                label, method, evals = self._sized(entry, distr, shape)
+                label, method, evals, count = self._sized(entry, distr, shape)
             except Exception as error:  # noqa: BLE001  (a candidate that cannot sample this node is left out)
                 self.excluded.append((entry.label, f"cannot sample this node: {str(error).splitlines()[0][:160]}"))
                 continue
@@ -263,7 +268,8 @@ class Auto(Method):
             if any(s.label == label for s in self.stats):
                 continue  # the same estimator at the same count as an earlier entry
             self.methods.append(method)
-            self.stats.append(CandidateStats(label, evals, entry.unbiased_for(kind, self.order), entry.warmup))
+            self.stats.append(CandidateStats(label, evals, entry.unbiased_for(kind, self.order), entry.warmup,
+                                             entry=entry.label, count=count))
         if not self.stats:
             raise ValueError(
                 f"Auto({self.plate_name!r}): no catalog estimator applies to {kind.__name__} at order {self.order}"
@@ -291,24 +297,26 @@ class Auto(Method):
             return "evaluates the cost at relaxed (continuous) samples (relaxed=True admits it)"
         return ""
 
-    def _sized(self, entry: CatalogEntry, distr: Distribution, shape: tuple[int, ...]) -> tuple[str, Optional[Method], int]:
-        """``(label, method or None when over the budget, evaluations per step)`` for ``entry``."""
+    def _sized(
+        self, entry: CatalogEntry, distr: Distribution, shape: tuple[int, ...]
+    ) -> tuple[str, Optional[Method], int, Optional[int]]:
+        """``(label, method or None when over the budget, evaluations per step, count)`` for ``entry``."""
         name = self.plate_name
         if entry.make_counted is None or self.budget is None:
             method = entry.make(name, shape)
             evals = _evaluations(method, distr)
             fits = self.budget is None or evals <= self.budget
-            return entry.label, (method if fits else None), evals
+            return entry.label, (method if fits else None), evals, None
         try:  # evaluations per sample, from one sample (two for estimators that need them)
             first, per = 1, _evaluations(entry.make_counted(name, shape, 1), distr)
         except ValueError:
             first, per = 2, _evaluations(entry.make_counted(name, shape, 2), distr) / 2
         count = int(self.budget // per)
         if count < first:
-            return entry.label, None, int(math.ceil(per * first))
+            return entry.label, None, int(math.ceil(per * first)), None
         base = entry.label.split("(", 1)[0].rstrip()
         method = entry.make_counted(name, shape, count)
-        return f"{base} [n={count}]", method, int(round(per * count))
+        return f"{base} [n={count}]", method, int(round(per * count)), count
 
     # -------------------------------------------------------------- sampling
     def forward(self, distr: Distribution):
@@ -517,7 +525,7 @@ class Auto(Method):
         }
 
     # ------------------------------------------------------------ checkpoints
-    _SCHEDULE = ("excluded", "switches", "step", "_current", "_chosen", "_round", "_queue", "_exploit_left")
+    _SCHEDULE = ("excluded", "switches", "step", "_current", "_chosen", "_round", "_queue", "_exploit_left", "_shape")
 
     def get_extra_state(self) -> dict[str, Any]:
         """The measurements and the schedule (the candidates' own state is in their ``state_dict``)."""
@@ -526,6 +534,13 @@ class Auto(Method):
         return state
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
+        if not self.stats:  # a fresh Auto: its candidates, rebuilt from their catalog entries and counts
+            shape = tuple(state["_shape"])
+            for s in state["stats"]:
+                made = catalog_entry(s["entry"])
+                self.methods.append(made.make(self.plate_name, shape) if s["count"] is None
+                                    else made.make_counted(self.plate_name, shape, s["count"]))
+            self.stats = [CandidateStats(**s) for s in state["stats"]]
         labels = [s["label"] for s in state["stats"]]
         if labels != self.labels:
             raise ValueError(
@@ -535,6 +550,7 @@ class Auto(Method):
         for key in self._SCHEDULE:
             setattr(self, key, copy.deepcopy(state[key]))
         self.stats = [CandidateStats(**s) for s in state["stats"]]
+        self._shape = tuple(self._shape)
 
     # ------------------------------------------------------------ reporting
     def record(self) -> dict[str, Any]:
