@@ -170,7 +170,7 @@ def test_moving_average_follows_the_dtype_and_state_of_its_module():
 def test_every_method_round_trips_its_state_dict_and_trains_on_identically():
     """``state_dict`` → ``torch.save`` → ``torch.load(weights_only=True)`` → ``load_state_dict`` into
     a freshly built method, for every method class; both then take the same step."""
-    from test_construction import METHODS, Model as HoldingModel, _step
+    from test_construction import METHODS, Model as HoldingModel, _assert_same_state, _step
 
     for name, (build, distr) in METHODS.items():
         torch.manual_seed(0)
@@ -183,14 +183,17 @@ def test_every_method_round_trips_its_state_dict_and_trains_on_identically():
         torch.manual_seed(1)
         fresh = HoldingModel(build())
         fresh.load_state_dict(torch.load(buffer, weights_only=True))
-        torch.testing.assert_close(dict(fresh.state_dict()), dict(original.state_dict()), msg=name)
+        _assert_same_state(dict(fresh.state_dict()), dict(original.state_dict()))
         rng = torch.get_rng_state()
         storch.reset()
         _step(original, distr)
         torch.set_rng_state(rng)
         storch.reset()
         _step(fresh, distr)
-        torch.testing.assert_close(dict(fresh.state_dict()), dict(original.state_dict()), msg=name)
+        # Auto's record holds the seconds it measured, which differ between the two runs
+        timed = "method._extra_state" if name == "Auto" else None
+        torch.testing.assert_close({k: v for k, v in fresh.state_dict().items() if k != timed},
+                                   {k: v for k, v in original.state_dict().items() if k != timed}, msg=name)
         assert torch.equal(fresh.scale, original.scale), name
 
 

@@ -37,6 +37,7 @@ from storch.sampling import MonteCarlo, SamplingMethod
 
 #: the in-tree classes whose own declared state is not NONE (every other class: NONE)
 NOT_NONE = {
+    "Auto": StateKind.HOST,
     "MAPO": StateKind.HOST,
     "SPSA": StateKind.HOST,
     "GumbelSoftmax": StateKind.IN_PLACE,

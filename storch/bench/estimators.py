@@ -147,6 +147,9 @@ ESTIMATORS: dict[str, Estimator] = {e.name: e for e in [
     Estimator("expect", "exact enumeration of the K^D joint configurations (small latents only, --latent-dim)",
               lambda p, n, a, lat: sm.Expect(p, budget=max(10000, lat.support)), evals=lambda lat: lat.support,
               exact=True),
+    Estimator("auto", "storch.method.Auto: the catalog's unbiased estimators at the budget, the one with the lowest "
+              "measured second moment x seconds per step chosen and re-checked (record in auto.json)",
+              lambda p, n, a, lat: sm.Auto(p, budget=n, relaxed=True, include=("DoubleControlVariate",))),
     Estimator("wor", "score function with k = n samples without replacement (unbiased)",
               lambda p, n, a, lat: sm.ScoreFunctionWOR(p, k=n), max_samples=lambda lat: lat.support),
     Estimator("unordered-set", "unordered set estimator (Kool et al. 2020) with its baseline, k = n >= 2",

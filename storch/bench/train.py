@@ -187,6 +187,9 @@ class Run:
         cfg["n_samples_resolved"], cfg["evals_per_datum"] = n, evals
         cfg["label"] = run_label(cfg)
         self.methods = build_methods(est, self.model.latents, n, _Namespace(cfg))
+        for lat in self.model.latents:  # Auto's candidates exist before a checkpoint is loaded
+            if isinstance(self.methods[lat.name], storch.method.Auto):
+                self.methods[lat.name].build(lat.dummy())
         for method in self.methods.values():
             method.to(self.device)  # control variates, temperatures, baselines' buffers
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg["lr"])
@@ -445,8 +448,17 @@ class Run:
         summary = self._summary(final)
         with open(self.dir / "summary.json", "w") as f:
             json.dump(summary, f, indent=2)
+        self.write_auto_record()
         plot_run(self.dir, self.rows, cfg["label"], self.log)
         return summary
+
+    def write_auto_record(self) -> None:
+        """``auto.json``: for each latent layer drawn by `storch.method.Auto`, its choice, per-candidate
+        table and switches (`storch.method.Auto.record`)."""
+        records = {name: m.record() for name, m in self.methods.items() if isinstance(m, storch.method.Auto)}
+        if records:
+            with open(self.dir / "auto.json", "w") as f:
+                json.dump(records, f, indent=2)
 
     def _summary(self, final: dict[str, float]) -> dict[str, Any]:
         """The run's ``summary.json``: its configuration, the final evaluation ``final`` and its costs."""
@@ -522,7 +534,7 @@ def _prepare_dir(run_dir: Path, overwrite: bool) -> None:
                                       "to replace it")
             raise FileExistsError(f"{run_dir} exists (without a checkpoint to resume from): pass --overwrite to "
                                   "replace it, with --checkpoint-every N to make the new run resumable")
-        for name in ("config.json", "metrics.csv", "summary.json", "checkpoint.pt", "plots.png"):
+        for name in ("config.json", "metrics.csv", "summary.json", "checkpoint.pt", "plots.png", "auto.json"):
             (run_dir / name).unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
 

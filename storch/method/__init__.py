@@ -12,13 +12,15 @@ generalized stochastic backpropagation (`storch.method.gsb`, cumulants in
 (`storch.method.score_function_wor`, `storch.method.unordered_set`),
 Rao-Blackwellisation
 (`storch.method.rao_blackwell`), memory-augmented policy optimization (`storch.method.mapo`)
-and multi-sample bounds (`storch.method.vimco`).
+and multi-sample bounds (`storch.method.vimco`). `storch.method.auto.Auto` chooses among the
+catalog's estimators (`storch.method.catalog`) by their measured efficiency.
 """
 
 from storch.method import baseline, critic, cumulants
 from storch.method.arm import ARM, DisARM
 from storch.method.arms import ARMS, ARMSMultiSample
 from storch.method.arsm import ARSM
+from storch.method.auto import Auto
 from storch.method.carms import CARMS
 from storch.method.coupled_categorical import CoupledCategorical, CoupledCategoricalIW
 from storch.method.double_control_variate import DoubleControlVariate
@@ -54,4 +56,5 @@ __all__ = [
     "GumbelSparseMax", "GumbelEntmax",
     "ARMS", "ARMSMultiSample", "DoubleControlVariate", "GappedStraightThrough",
     "CoupledCategorical", "CoupledCategoricalIW", "ARSM", "CARMS",
+    "Auto",
 ]

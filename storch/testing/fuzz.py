@@ -1,0 +1,455 @@
+"""storch's random-graph tester: random graphs, storch's estimates against exact values, shrinking.
+
+For one `storch.testing.graphs.Graph`, `storch.testing.fuzz.check_graph`
+computes the exact gradient of the expected cost (and at order 2 a Hessian-vector product ``H v``)
+with `storch.testing.exact`, draws many independent estimates with storch
+(the leaf parameters copied ``R`` times along an independent plate, as
+`storch.testing.replicated_gradients` does, over several steps after the
+estimators' warm-up steps, so that baselines and control variates learn between steps) and
+z-tests every coordinate: with ``N`` estimates of mean ``m`` and standard error ``se``, a coordinate
+fails when ``|m − exact| − tol > z · se`` (``z = 5.5`` by default: a correct estimator fails one of a
+hundred coordinates with probability below 1e-5, so thousands of graphs raise no false alarm; ``tol``
+covers rounding of exact estimators). A graph fails when storch raises or a coordinate fails.
+
+`storch.testing.fuzz.shrink` reduces a failing graph while it still fails in the same way
+(drops costs, nodes, edges, log-probability terms and the plate, lowers the order, makes nodes
+smaller and estimators simpler), and `storch.testing.fuzz.reproducer` prints it as a
+standalone script. The command line runs many seeds::
+
+    python -m storch.testing.fuzz --count 1000 --out fuzz-failures
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+import traceback
+from dataclasses import dataclass, replace
+from typing import Callable, Iterator, Optional
+
+import torch
+
+import storch
+from storch.method.catalog import entry, unbiased_estimators
+from storch.testing.exact import exact_derivatives
+from storch.testing.graphs import (
+    DISTRIBUTIONS, Cost, Graph, Node, compile_model, event_shape, model_source, random_graph, values,
+)
+
+__all__ = ["Outcome", "check_graph", "storch_estimates", "shrink", "reproducer", "main"]
+
+#: the z-score beyond which a coordinate fails
+Z_LIMIT = 5.5
+#: the largest number of evaluation points per replicate and step
+POINT_BUDGET = 40_000
+
+
+@dataclass
+class Outcome:
+    """The result of checking one graph."""
+
+    graph: Graph
+    kind: str  # "pass", "biased" or "error"
+    max_z: float = 0.0
+    detail: str = ""
+    estimates: int = 0
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        return self.kind != "pass"
+
+    def line(self) -> str:
+        g = self.graph
+        what = {"pass": f"max |z| {self.max_z:.2f}", "biased": f"BIASED {self.detail}", "error": f"ERROR {self.detail}"}
+        nodes = ", ".join(f"{n.name}:{n.kind}[{n.estimator}]" for n in g.nodes)
+        return f"seed {g.seed} order {g.order} plate {g.plate} ({nodes}): {what[self.kind]}"
+
+
+def _points(graph: Graph) -> int:
+    """A rough bound on the evaluation points of one replicate (the product of the nodes' plates)."""
+    total = max(graph.plate, 1)
+    for node in graph.nodes:
+        label = node.estimator
+        if label == "Expect":
+            total *= node.categories ** node.size
+        elif label.startswith("LocalExpectation"):
+            total *= (2 if "2" in label else 1) * (1 + node.size * (node.categories - 1))
+        elif label in ("MVD", "GSB"):
+            total *= 1 + 2 * node.size * node.categories
+        else:
+            total *= 6
+    return total
+
+
+def _direction(graph: Graph, p: dict) -> dict:
+    gen = torch.Generator().manual_seed(graph.seed + 17)
+    return {k: torch.randn(t.shape, generator=gen, dtype=torch.float64) for k, t in sorted(p.items())}
+
+
+def storch_estimates(
+    graph: Graph, p: dict, x: dict, c: dict, v: Optional[dict], estimates: int
+) -> tuple[dict, Optional[dict]]:
+    """Independent estimates ``(∇J, H v)`` by parameter name, each ``(N, *shape)``, from storch."""
+    model = compile_model(graph)
+    methods = {n.name: entry(n.estimator).make(n.name, event_shape(n)) for n in graph.nodes}
+    xs = {k: storch.denote_independent(t, 0, "data") for k, t in x.items()}
+
+    def draw(name: str, q, joint_with=None):
+        return methods[name](q) if joint_with is None else methods[name](q, joint_with=joint_with)
+
+    replicates = max(32, min(1000, POINT_BUDGET // _points(graph), estimates))
+    steps = max(1, math.ceil(estimates / replicates))
+    warmup = max(entry(n.estimator).warmup for n in graph.nodes)
+    grads: dict[str, list] = {k: [] for k in p}
+    hvs: dict[str, list] = {k: [] for k in p}
+    for step in range(warmup + steps):
+        storch.reset()
+        leaves = {k: t.detach().unsqueeze(0).repeat((replicates,) + (1,) * t.dim()).requires_grad_()
+                  for k, t in p.items()}
+        views = {k: storch.denote_independent(t, 0, "replicate") for k, t in leaves.items()}
+        for name, cost in model(draw, views, xs, c).items():
+            storch.add_cost(cost, name)
+        storch.backward(create_graph=v is not None)
+        if step < warmup:
+            continue
+        g = {k: (torch.zeros_like(t) if t.grad is None else t.grad * replicates) for k, t in leaves.items()}
+        for k in p:
+            grads[k].append(g[k].detach())
+        if v is not None:
+            s = sum((g[k] * v[k]).sum() for k in p if g[k].requires_grad)
+            names = [k for k in p]
+            hv = (torch.autograd.grad(s, [leaves[k] for k in names], allow_unused=True)
+                  if isinstance(s, torch.Tensor) else [None] * len(names))
+            for k, h in zip(names, hv):
+                hvs[k].append(torch.zeros_like(leaves[k]) if h is None else h.detach())
+    storch.reset()
+    stack = {k: torch.cat(t) for k, t in grads.items()}
+    return stack, ({k: torch.cat(t) for k, t in hvs.items()} if v is not None else None)
+
+
+def _ztest(estimates: dict, exact: dict, what: str, z_limit: float) -> tuple[float, str, bool]:
+    """``(max z, description of the worst coordinate, failed)`` over every coordinate."""
+    worst, text, failed = 0.0, "", False
+    for k in sorted(exact):
+        est = estimates[k].double().reshape(estimates[k].shape[0], -1)
+        ex = exact[k].double().reshape(-1)
+        n = est.shape[0]
+        mean = est.mean(0)
+        se = est.std(0) / math.sqrt(n)
+        diff = (mean - ex).abs() - 1e-6 * (1 + ex.abs())
+        z = torch.where(diff > 0, diff / se.clamp_min(1e-300), torch.zeros_like(diff))
+        z = torch.where((se == 0) & (diff > 0), torch.full_like(z, math.inf), z)
+        i = int(z.argmax())
+        if float(z[i]) > worst or not text:
+            worst = max(worst, float(z[i]))
+            text = (f"{what} {k}[{i}]: mean {float(mean[i]):.5g}, exact {float(ex[i]):.5g}, "
+                    f"se {float(se[i]):.3g}, |z| {float(z[i]):.2f} ({n} estimates)")
+        failed = failed or bool((z > z_limit).any())
+    return worst, text, failed
+
+
+def check_graph(graph: Graph, estimates: int = 1000, z_limit: float = Z_LIMIT) -> Outcome:
+    """Check ``graph``: storch's estimates against the exact values (module docstring)."""
+    start = time.perf_counter()
+    p, x, c = values(graph)
+    v = _direction(graph, p) if graph.order == 2 else None
+    exact_grad, exact_hv = exact_derivatives(compile_model(graph, exact=True), graph, p, x, c, v)
+    torch.manual_seed(graph.seed)
+    try:
+        est_grad, est_hv = storch_estimates(graph, p, x, c, v, estimates)
+    except Exception as error:  # noqa: BLE001 -- any error on a supported graph is a finding
+        storch.reset()
+        lines = [ln for ln in traceback.format_exception_only(type(error), error)[-1].strip().splitlines() if ln]
+        detail = " / ".join(lines[:3])[:400]
+        return Outcome(graph, "error", detail=detail, seconds=time.perf_counter() - start)
+    z, text, failed = _ztest(est_grad, exact_grad, "gradient", z_limit)
+    if est_hv is not None:
+        z2, text2, failed2 = _ztest(est_hv, exact_hv, "Hessian-vector product", z_limit)
+        if z2 > z:
+            z, text = z2, text2
+        failed = failed or failed2
+    n = next(iter(est_grad.values())).shape[0]
+    return Outcome(graph, "biased" if failed else "pass", z, text, n, time.perf_counter() - start)
+
+
+# ----------------------------------------------------------------------------------------- shrinking
+
+
+def _without_node(graph: Graph, name: str) -> Optional[Graph]:
+    nodes = tuple(
+        replace(n, parents=tuple(q for q in n.parents if q != name),
+                joint_with=None if n.joint_with == name else n.joint_with)
+        for n in graph.nodes if n.name != name
+    )
+    if not nodes:
+        return None
+    costs = []
+    for cost in graph.costs:
+        cost = Cost(cost.name, tuple(z for z in cost.uses if z != name), tuple(z for z in cost.log_prob if z != name),
+                    tuple(z for z in cost.own_score if z != name),
+                    tuple((z, "" if by == name else by) for z, by in cost.scores if z != name))
+        if cost.uses or cost.log_prob or cost.own_score or cost.scores:
+            costs.append(cost)
+    return replace(graph, nodes=nodes, costs=tuple(costs)) if costs else None
+
+
+def _terms(cost: Cost) -> int:
+    return len(cost.uses) + len(cost.log_prob) + len(cost.own_score) + len(cost.scores)
+
+
+def _smaller_costs(graph: Graph) -> Iterator[Graph]:
+    for i, cost in enumerate(graph.costs):
+        def with_cost(new: Cost) -> Graph:
+            return replace(graph, costs=graph.costs[:i] + (new,) + graph.costs[i + 1:])
+        if _terms(cost) > 1:
+            for field_name in ("uses", "log_prob", "own_score", "scores"):
+                items = getattr(cost, field_name)
+                for j in range(len(items)):
+                    yield with_cost(replace(cost, **{field_name: items[:j] + items[j + 1:]}))
+        for j, (z, by) in enumerate(cost.scores):
+            if by:
+                yield with_cost(replace(cost, scores=cost.scores[:j] + ((z, ""),) + cost.scores[j + 1:]))
+
+
+SIMPLER_ESTIMATORS = ("Expect", "Reparameterization", "ScoreFunction")
+
+
+def _smaller_nodes(graph: Graph) -> Iterator[Graph]:
+    for i, node in enumerate(graph.nodes):
+        def with_node(new: Node) -> Graph:
+            return replace(graph, nodes=graph.nodes[:i] + (new,) + graph.nodes[i + 1:])
+        for parent in node.parents:
+            yield with_node(replace(node, parents=tuple(q for q in node.parents if q != parent)))
+        if node.joint_with:
+            yield with_node(replace(node, joint_with=None))
+        if node.in_plate:
+            yield with_node(replace(node, in_plate=False))
+        if node.probs:
+            yield with_node(replace(node, probs=False))
+        if node.size > 1 and not any(node.name in n.parents for n in graph.nodes) and not _scored_by(graph, node.name):
+            yield with_node(replace(node, size=1))
+        allowed = {e.label for e in unbiased_estimators(DISTRIBUTIONS[node.kind], graph.order)}
+        if node.joint_with is None:
+            for label in SIMPLER_ESTIMATORS:
+                if label in allowed and label != node.estimator and node.estimator not in SIMPLER_ESTIMATORS[:1]:
+                    yield with_node(replace(node, estimator=label))
+
+
+def _scored_by(graph: Graph, name: str) -> bool:
+    return any(by == name for cost in graph.costs for _, by in cost.scores)
+
+
+def _candidates(graph: Graph) -> Iterator[Graph]:
+    if len(graph.costs) > 1:
+        for i in range(len(graph.costs)):
+            yield replace(graph, costs=graph.costs[:i] + graph.costs[i + 1:])
+    for node in reversed(graph.nodes):
+        smaller = _without_node(graph, node.name)
+        if smaller is not None:
+            yield smaller
+    if graph.plate:
+        yield replace(graph, plate=0, nodes=tuple(replace(n, in_plate=False) for n in graph.nodes))
+    if graph.order == 2:
+        yield replace(graph, order=1)
+    yield from _smaller_costs(graph)
+    yield from _smaller_nodes(graph)
+
+
+def _valid(graph: Graph) -> bool:
+    """Every node's estimator is still declared unbiased for it at the graph's order; joins are kept
+    between joinable single-sample nodes."""
+    for node in graph.nodes:
+        if not entry(node.estimator).unbiased_for(DISTRIBUTIONS[node.kind], graph.order):
+            return False
+        if node.joint_with and not entry(node.estimator).joinable:
+            return False
+    return True
+
+
+def shrink(graph: Graph, fails: Callable[[Graph], bool], max_checks: int = 200) -> Graph:
+    """A smaller graph on which ``fails`` still holds (greedy: the first smaller candidate that fails,
+    until none does or ``max_checks`` candidates were tried)."""
+    checks = 0
+    progress = True
+    while progress and checks < max_checks:
+        progress = False
+        for candidate in _candidates(graph):
+            if not _valid(candidate):
+                continue
+            checks += 1
+            if fails(candidate):
+                graph, progress = candidate, True
+                break
+            if checks >= max_checks:
+                break
+    return graph
+
+
+def same_failure(outcome: Outcome, estimates: int) -> Callable[[Graph], bool]:
+    """The predicate of `storch.testing.fuzz.shrink` for ``outcome``: the same error type, or
+    a bias again."""
+    if outcome.kind == "error":
+        error_type = outcome.detail.split(":", 1)[0]
+        return lambda g: (o := check_graph(g, estimates)).kind == "error" and o.detail.split(":", 1)[0] == error_type
+    return lambda g: check_graph(g, estimates).kind == "biased"
+
+
+# ----------------------------------------------------------------------------------------- reproducers
+
+
+def _literal(t: torch.Tensor) -> str:
+    return f"torch.tensor({t.tolist()!r}, dtype=torch.float64)"
+
+
+def reproducer(graph: Graph, outcome: Optional[Outcome] = None, estimates: int = 2000) -> str:
+    """``graph`` as a standalone script: storch's estimates of the gradient (and ``H v``) against the
+    exact values, printed per coordinate."""
+    p, x, c = values(graph)
+    sources = {n.name: (entry(n.estimator).source or f"entry({n.estimator!r}).make({{name}}, {event_shape(n)})")
+               for n in graph.nodes}
+    classes = sorted({src.split("(", 1)[0] for src in sources.values()} - {"entry"})
+    imports = ["ImportanceSampling"] if any("ImportanceSampling" in s for s in sources.values()) else []
+    shape = {n.name: event_shape(n) for n in graph.nodes}
+    methods = ",\n".join(
+        f"        {name!r}: " + src.format(name=repr(name), shape=shape[name] if shape[name] else 1)
+        for name, src in sources.items()
+    )
+    what = f"\n{outcome.line()}\n" if outcome is not None else ""
+
+    def block(d: dict) -> str:
+        return "{\n" + "".join(f"    {k!r}: {_literal(t)},\n" for k, t in d.items()) + "}"
+
+    method_imports = f"from storch.method import {', '.join(classes)}\n" if classes else ""
+    sampling_imports = f"from storch.sampling import {', '.join(imports)}\n" if imports else ""
+    return f'''"""A random stochastic computation graph on which storch fails (storch.testing.fuzz, seed {graph.seed}).
+{what}
+storch's estimates (parameters copied R times along an independent plate) against the exact values
+(enumeration and quadrature with plain torch, storch.testing.exact).
+"""
+import math
+
+import torch
+from torch.distributions import Bernoulli, Categorical, Normal, OneHotCategorical
+
+import storch
+{method_imports}{sampling_imports}from storch.method.catalog import entry
+from storch.testing.exact import exact_derivatives
+from storch.testing.graphs import Cost, Graph, Node
+
+graph = {graph!r}
+
+p = {block(p)}
+x = {block(x)}
+c = {block(c)}
+
+
+{model_source(graph)}
+
+{model_source(graph, exact=True, name="exact_model")}
+
+def methods():
+    return {{
+{methods},
+    }}
+
+
+def estimates(steps, replicates={min(1000, estimates)}, warmup={max(entry(n.estimator).warmup for n in graph.nodes)}, order={graph.order}):
+    m = methods()
+    xs = {{k: storch.denote_independent(t, 0, "data") for k, t in x.items()}}
+
+    def draw(name, q, joint_with=None):
+        return m[name](q) if joint_with is None else m[name](q, joint_with=joint_with)
+
+    out = []
+    for step in range(warmup + steps):
+        storch.reset()
+        leaves = {{k: t.unsqueeze(0).repeat((replicates,) + (1,) * t.dim()).requires_grad_() for k, t in p.items()}}
+        views = {{k: storch.denote_independent(t, 0, "replicate") for k, t in leaves.items()}}
+        for name, cost in model(draw, views, xs, c).items():
+            storch.add_cost(cost, name)
+        storch.backward(create_graph=order == 2)
+        if step >= warmup:
+            out.append({{k: (torch.zeros_like(t) if t.grad is None else t.grad * replicates).detach()
+                        for k, t in leaves.items()}})
+    return {{k: torch.cat([o[k] for o in out]) for k in p}}
+
+
+torch.manual_seed(0)
+exact, _ = exact_derivatives(exact_model, graph, p, x, c)
+got = estimates(steps={max(1, estimates // 1000)})
+for k in p:
+    n = got[k].shape[0]
+    mean, se = got[k].mean(0), got[k].std(0) / math.sqrt(n)
+    z = ((mean - exact[k]).abs() / se.clamp_min(1e-300)).reshape(-1)
+    print(k, "max |z|", round(float(z.max()), 2), "mean", mean.reshape(-1).tolist(), "exact", exact[k].reshape(-1).tolist())
+'''
+
+
+# ----------------------------------------------------------------------------------------- command line
+
+
+def _seeds(text: str) -> list[int]:
+    seeds: list[int] = []
+    for part in text.split(","):
+        if "-" in part:
+            a, b = part.split("-")
+            seeds.extend(range(int(a), int(b) + 1))
+        elif part:
+            seeds.append(int(part))
+    return seeds
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m storch.testing.fuzz``: check random graphs; shrink and write each failure."""
+    parser = argparse.ArgumentParser(prog="python -m storch.testing.fuzz", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", help="seeds, e.g. 0-99,150 (default: --start .. --start+--count-1)")
+    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--count", type=int, default=1000)
+    parser.add_argument("--order", type=int, choices=(1, 2), help="the derivative order (default: drawn)")
+    parser.add_argument("--estimates", type=int, default=1000, help="independent estimates per graph")
+    parser.add_argument("--out", help="a folder for the reproducers of failing graphs (shrunk)")
+    parser.add_argument("--no-shrink", action="store_true")
+    parser.add_argument("--verbose", action="store_true", help="a line per graph, not only per failure")
+    args = parser.parse_args(argv)
+    seeds = _seeds(args.seeds) if args.seeds else list(range(args.start, args.start + args.count))
+    torch.set_num_threads(1)
+    failures: list[Outcome] = []
+    worst = 0.0
+    start = time.perf_counter()
+    for seed in seeds:
+        outcome = check_graph(random_graph(seed, order=args.order), args.estimates)
+        worst = max(worst, outcome.max_z)
+        if args.verbose or outcome.failed:
+            print(outcome.line(), flush=True)
+        if outcome.failed:
+            failures.append(outcome)
+            _write(outcome, args)
+    seconds = time.perf_counter() - start
+    print(f"{len(seeds)} graphs in {seconds:.0f} s: {len(seeds) - len(failures)} passed, "
+          f"{len(failures)} failed; max |z| of the passing graphs {worst:.2f} (limit {Z_LIMIT})")
+    return 1 if failures else 0
+
+
+def _write(outcome: Outcome, args: argparse.Namespace) -> None:
+    if not args.out:
+        return
+    import pathlib
+
+    graph = outcome.graph
+    small = outcome
+    if not args.no_shrink:
+        graph = shrink(graph, same_failure(outcome, args.estimates))
+        small = check_graph(graph, args.estimates)
+        print(f"    shrunk to: {small.line()}", flush=True)
+    folder = pathlib.Path(args.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"seed_{outcome.graph.seed}.py"
+    path.write_text(reproducer(graph, small, args.estimates))
+    print(f"    reproducer: {path}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""Random stochastic computation graphs for storch's randomized tester, as data and as code.
+
+A `storch.testing.graphs.Graph` is plain data: nodes (a Bernoulli, Categorical,
+OneHotCategorical or Normal variable each, with its parents, its estimator's catalog label, whether
+it is built from ``probs=`` and whether its parameters carry a data plate, and optionally the node
+whose local-expectation points it joins), costs (a smooth function of some samples plus
+log-probability terms: ``z.log_prob()``, ``q.log_prob(z)`` with the node's own distribution, and
+``r.log_prob(z)`` with a distribution of the same type built from leaves and another node's sample),
+an optional data plate and the derivative order to check.
+
+`storch.testing.graphs.random_graph` draws one from a seed; the estimators are drawn
+from the entries that `storch.method.catalog` declares unbiased for the
+node's distribution at that order. `storch.testing.graphs.model_source` writes the
+graph as a Python function ``model(draw, p, x, c)``: ``draw(name, q)`` samples node ``name`` from
+``q`` (storch's method, or the enumeration of `storch.testing.exact`), ``p``
+holds the leaf parameters, ``x`` the data of the plated nodes and ``c`` the constants of the costs; it
+returns the costs by name. Parameters, data and constants are drawn per name
+(`storch.testing.graphs.values`), so dropping a node leaves the others' values unchanged.
+
+A child's logits (a Normal child's location) are its own leaf plus, per parent, a linear map of the
+parent's sample; a cost is ``(u − t)² + sin(2u)`` with ``u`` linear in the samples it uses, plus
+half of each log-probability term.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import torch
+from torch.distributions import Bernoulli, Categorical, Normal, OneHotCategorical
+
+from storch.method.catalog import entry, unbiased_estimators
+
+__all__ = ["Node", "Cost", "Graph", "DISTRIBUTIONS", "random_graph", "model_source", "values", "event_shape"]
+
+#: the node kinds and their torch distributions
+DISTRIBUTIONS = {"bernoulli": Bernoulli, "categorical": Categorical, "onehot": OneHotCategorical, "normal": Normal}
+_CLASS_NAMES = {"bernoulli": "Bernoulli", "categorical": "Categorical", "onehot": "OneHotCategorical",
+                "normal": "Normal"}
+
+
+@dataclass(frozen=True)
+class Node:
+    """One stochastic node: ``size`` variables of ``kind`` with ``categories`` values each."""
+
+    name: str
+    kind: str
+    size: int
+    categories: int
+    parents: tuple[str, ...]
+    estimator: str
+    probs: bool = False
+    in_plate: bool = False
+    joint_with: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One cost: a smooth part in the samples of ``uses`` plus log-probability terms."""
+
+    name: str
+    uses: tuple[str, ...]
+    log_prob: tuple[str, ...] = ()  # z.log_prob()
+    own_score: tuple[str, ...] = ()  # q.log_prob(z), q the node's own distribution
+    scores: tuple[tuple[str, str], ...] = ()  # (z, by): r(· | by).log_prob(z); by "" for a leaf-only r
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A random stochastic computation graph (module docstring)."""
+
+    seed: int
+    nodes: tuple[Node, ...]
+    costs: tuple[Cost, ...]
+    plate: int = 0  # size of the data plate, 0 for none
+    order: int = 1  # derivative order checked: 1 (gradients) or 2 (gradients and a Hessian-vector product)
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def node(self, name: str) -> Node:
+        return next(n for n in self.nodes if n.name == name)
+
+
+def event_shape(node: Node) -> tuple[int, ...]:
+    """The shape of one sample of ``node`` beyond its plates."""
+    return (node.size, node.categories) if node.kind == "onehot" else (node.size,)
+
+
+def _param_shape(node: Node) -> tuple[int, ...]:
+    """The shape of the node's logits (a Normal's location)."""
+    return (node.size, node.categories) if node.kind in ("categorical", "onehot") else (node.size,)
+
+
+def _relaxes(node: Node) -> bool:
+    return entry(node.estimator).relaxes
+
+
+# ----------------------------------------------------------------------------------------- drawing
+
+
+def random_graph(seed: int, *, order: Optional[int] = None, max_nodes: int = 4,
+                 relaxed_log_prob: bool = True) -> Graph:
+    """A random graph from ``seed``: 1–``max_nodes`` nodes (at most one Normal), 1–3 costs.
+
+    ``order`` fixes the derivative order (default: 2 for about a fifth of the seeds).
+    ``relaxed_log_prob``: ``z.log_prob()`` terms also on nodes whose estimator relaxes the sample.
+    """
+    rng = random.Random(seed)
+    order = order if order is not None else (2 if rng.random() < 0.2 else 1)
+    plate = rng.choice((2, 3)) if rng.random() < 0.4 else 0
+    nodes: list[Node] = []
+    for i in range(rng.randint(1, max_nodes)):
+        kinds = ["bernoulli", "categorical", "onehot"]
+        if not any(n.kind == "normal" for n in nodes) and rng.random() < 0.25:
+            kinds = ["normal"]
+        kind = rng.choice(kinds)
+        size = 1 if kind == "normal" else rng.choice((1, 2))
+        categories = {"bernoulli": 2, "normal": 1}.get(kind) or rng.choice((2, 3))
+        parents = tuple(n.name for n in nodes if rng.random() < 0.5)
+        labels = sorted(e.label for e in unbiased_estimators(DISTRIBUTIONS[kind], order))
+        estimator = rng.choice(labels)
+        joinable = [n.name for n in nodes if entry(n.estimator).joinable and n.name not in parents]
+        joint_with = rng.choice(joinable) if entry(estimator).joinable and joinable and rng.random() < 0.4 else None
+        nodes.append(Node(
+            f"z{i}", kind, size, categories, parents, estimator,
+            probs=kind != "normal" and rng.random() < 0.3,
+            in_plate=bool(plate) and rng.random() < 0.6,
+            joint_with=joint_with,
+        ))
+    costs = [_random_cost(rng, f"f{k}", nodes, relaxed_log_prob) for k in range(rng.randint(1, 3))]
+    return Graph(seed, tuple(nodes), tuple(costs), plate, order)
+
+
+def _random_cost(rng: random.Random, name: str, nodes: list[Node], relaxed_log_prob: bool) -> Cost:
+    names = [n.name for n in nodes]
+    uses = tuple(n for n in names if rng.random() < 0.6) or (rng.choice(names),)
+    hard = [n.name for n in nodes if not _relaxes(n)]
+    log_prob = tuple(n.name for n in nodes if (relaxed_log_prob or not _relaxes(n)) and rng.random() < 0.25)
+    own_score = tuple(n for n in hard if rng.random() < 0.2)
+    scores = tuple(
+        (z, rng.choice([""] + [n for n in names if n != z])) for z in hard if rng.random() < 0.25
+    )
+    return Cost(name, uses, log_prob, own_score, scores)
+
+
+# ----------------------------------------------------------------------------------------- values
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**62)
+
+
+def _draw(seed: int, name: str, shape: tuple[int, ...], scale: float, shift: float = 0.0) -> torch.Tensor:
+    return shift + scale * torch.randn(shape, generator=_generator(seed, name), dtype=torch.float64)
+
+
+def values(graph: Graph) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(p, x, c)``: the leaf parameters, the data of plated nodes ``(plate, *logits shape)`` and
+    the costs' constants, float64, each drawn from the graph's seed and its own name."""
+    s = graph.seed
+    p: dict[str, torch.Tensor] = {}
+    x: dict[str, torch.Tensor] = {}
+    c: dict[str, torch.Tensor] = {}
+    for node in graph.nodes:
+        shape = _param_shape(node)
+        p[f"theta_{node.name}"] = _draw(s, f"theta_{node.name}", shape, 0.6)
+        if node.kind == "normal":
+            p[f"scale_{node.name}"] = _draw(s, f"scale_{node.name}", shape, 0.2, -0.5)
+        for parent in node.parents:
+            w = f"w_{node.name}_{parent}"
+            p[w] = _draw(s, w, shape + event_shape(graph.node(parent)), 0.5)
+        if graph.plate and node.in_plate:
+            x[node.name] = _draw(s, f"x_{node.name}", (graph.plate,) + shape, 0.8)
+    for cost in graph.costs:
+        for z in cost.uses:
+            c[f"a_{cost.name}_{z}"] = _draw(s, f"a_{cost.name}_{z}", event_shape(graph.node(z)), 0.7)
+        c[f"t_{cost.name}"] = _draw(s, f"t_{cost.name}", (), 1.0)
+        for z, by in cost.scores:
+            shape = _param_shape(graph.node(z))
+            p.setdefault(f"rho_{z}_{by}", _draw(s, f"rho_{z}_{by}", shape, 0.6))
+            if by:
+                v = f"v_{z}_{by}"
+                p.setdefault(v, _draw(s, v, shape + event_shape(graph.node(by)), 0.5))
+    return p, x, c
+
+
+# ----------------------------------------------------------------------------------------- code
+
+
+def _feature(node: Node) -> str:
+    return f"{node.name}.double()" if node.kind == "categorical" else node.name
+
+
+def _linear(weight: str, child: Node, parent: Node) -> str:
+    """The linear map of ``parent``'s sample into ``child``'s logits, as code."""
+    f = _feature(parent)
+    spread = ".unsqueeze(-2)" if child.kind in ("categorical", "onehot") else ""
+    if parent.kind == "onehot":
+        return f"(p[{weight!r}] * {f}.unsqueeze(-3){spread.replace('-2', '-3')}).sum(-1).sum(-1)"
+    return f"(p[{weight!r}] * {f}.unsqueeze(-2){spread}).sum(-1)"
+
+
+def _distribution(node: Node, logits: str) -> str:
+    cls = _CLASS_NAMES[node.kind]
+    if node.kind == "normal":
+        return f"{cls}({logits}, p['scale_{node.name}'].exp())"
+    if not node.probs:
+        return f"{cls}(logits={logits})"
+    squash = f"torch.sigmoid({logits})" if node.kind == "bernoulli" else f"torch.softmax({logits}, -1)"
+    return f"{cls}(probs={squash})"
+
+
+def _sum_event(node: Node) -> str:
+    return ".sum(-1).sum(-1)" if node.kind == "onehot" else ".sum(-1)"
+
+
+def model_source(graph: Graph, *, exact: bool = False, name: str = "model") -> str:
+    """The graph as the source of ``def model(draw, p, x, c)`` returning its costs by name.
+
+    ``exact``: write each ``z.log_prob()`` as ``q_z.log_prob(z)`` (the enumeration's samples are
+    plain tensors); nothing else differs.
+    """
+    lines = [f"def {name}(draw, p, x, c):"]
+    for node in graph.nodes:
+        logits = f"p['theta_{node.name}']"
+        if graph.plate and node.in_plate:
+            logits += f" + x[{node.name!r}]"
+        for parent in node.parents:
+            logits += " + " + _linear(f"w_{node.name}_{parent}", node, graph.node(parent))
+        lines.append(f"    q_{node.name} = {_distribution(node, logits)}")
+        joint = f", joint_with={node.joint_with}" if node.joint_with else ""
+        lines.append(f"    {node.name} = draw({node.name!r}, q_{node.name}{joint})")
+    returned = []
+    for cost in graph.costs:
+        terms = []
+        if cost.uses:
+            u = " + ".join(f"(c['a_{cost.name}_{z}'] * {_feature(graph.node(z))}){_sum_event(graph.node(z))}"
+                           for z in cost.uses)
+            lines.append(f"    u_{cost.name} = {u}")
+            terms.append(f"(u_{cost.name} - c['t_{cost.name}']) ** 2 + torch.sin(2 * u_{cost.name})")
+        for z in cost.log_prob:
+            lp = f"q_{z}.log_prob({z})" if exact else f"{z}.log_prob()"
+            terms.append(f"0.5 * {lp}.sum(-1)")
+        for z in cost.own_score:
+            terms.append(f"0.5 * q_{z}.log_prob({z}).sum(-1)")
+        for z, by in cost.scores:
+            node = graph.node(z)
+            logits = f"p['rho_{z}_{by}']"
+            if by:
+                logits += " + " + _linear(f"v_{z}_{by}", node, graph.node(by))
+            r = _distribution(replace(node, probs=False), logits).replace(f"p['scale_{z}'].exp()", "1.0")
+            terms.append(f"0.5 * {r}.log_prob({z}).sum(-1)")
+        lines.append(f"    {cost.name} = " + " + ".join(terms or ["0.0"]))
+        returned.append(f"{cost.name!r}: {cost.name}")
+    lines.append("    return {" + ", ".join(returned) + "}")
+    return "\n".join(lines) + "\n"
+
+
+def compile_model(graph: Graph, *, exact: bool = False):
+    """The function `storch.testing.graphs.model_source` writes, defined."""
+    namespace = {"torch": torch, "Bernoulli": Bernoulli, "Categorical": Categorical,
+                 "OneHotCategorical": OneHotCategorical, "Normal": Normal}
+    exec(compile(model_source(graph, exact=exact), f"<graph {graph.seed}>", "exec"), namespace)  # noqa: S102
+    return namespace["model"]
+
