@@ -126,10 +126,17 @@ def control_variate_term(phi: torch.Tensor, g: torch.Tensor, n_event: int) -> to
     return term.sum(tuple(range(-n_event, 0))) if n_event else term
 
 
-def on_every_point(term: torch.Tensor, target: PlateLayout, plate: Plate, group_size: int, i: int) -> torch.Tensor:
+def on_every_point(
+    term: torch.Tensor, target: PlateLayout | None, plate: Plate, group_size: int, i: int
+) -> torch.Tensor:
     """The term of each group (``target``'s first plate) given to each of its ``group_size`` points, the
-    other plates of ``target`` expanded, and the node's plate moved back to position ``i``."""
-    term = term.expand(target.sizes)
-    term = term.unsqueeze(1).expand((term.shape[0], group_size) + tuple(term.shape[1:]))
-    term = term.reshape((plate.size,) + tuple(term.shape[2:]))
+    other plates of ``target`` expanded (``target=None``: the term has them all already), and the node's
+    plate moved back to position ``i``. A single group is expanded to its points without a copy."""
+    if target is not None:
+        term = term.expand(target.sizes)
+    if term.shape[0] == 1:
+        term = term.expand((group_size,) + tuple(term.shape[1:]))
+    else:
+        term = term.unsqueeze(1).expand((term.shape[0], group_size) + tuple(term.shape[1:]))
+        term = term.reshape((plate.size,) + tuple(term.shape[2:]))
     return term.movedim(0, i) if i else term
