@@ -113,8 +113,11 @@ def points_first(cost: CostTensor, i: int) -> torch.Tensor:
     return cost.detach().movedim(i, 0) if i else cost.detach()
 
 
-def control_variate_term(phi: torch.Tensor, g: torch.Tensor, n_event: int) -> torch.Tensor:
-    """``(φ − stopgrad φ) · g``, summed over the ``n_event`` trailing dimensions.
+def control_variate_term(
+    phi: torch.Tensor, g: torch.Tensor, n_event: int, detached: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(φ − stopgrad φ) · g``, summed over the ``n_event`` trailing dimensions (``detached``: ``φ.detach()``
+    if the caller has it already).
 
     Examples:
         >>> phi = torch.tensor([0.5, -1.0], requires_grad=True)
@@ -122,7 +125,7 @@ def control_variate_term(phi: torch.Tensor, g: torch.Tensor, n_event: int) -> to
         >>> float(term.detach()), torch.autograd.grad(term, phi)[0]
         (0.0, tensor([2., 3.]))
     """
-    term = (phi - phi.detach()) * g
+    term = (phi - (phi.detach() if detached is None else detached)) * g
     return term.sum(tuple(range(-n_event, 0))) if n_event else term
 
 

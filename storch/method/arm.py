@@ -137,8 +137,9 @@ class _AntitheticBernoulli(Method, ABC):
             n_event = phi.dim() - len(cost_layout.sizes) + 1
             c = points_first(cost, i)
             c = c.reshape((plate.size // 2, 2) + tuple(c.shape[1:]) + (1,) * n_event)
-            g = self._gradient(tensor, c[:, 0], c[:, 1], phi.detach(), _as_laid_out)
-            term = on_every_point(control_variate_term(phi, g, n_event), None, plate, 2, i)
+            detached = phi.detach()
+            g = self._gradient(tensor, c[:, 0], c[:, 1], detached, _as_laid_out)
+            term = on_every_point(control_variate_term(phi, g, n_event, detached), None, plate, 2, i)
         return wrap_new(term, cost_layout)
 
     def _aligned_term(self, tensor: StochasticTensor, cost: CostTensor, phi: torch.Tensor) -> torch.Tensor:
