@@ -138,7 +138,8 @@ class _AntitheticBernoulli(Method, ABC):
             c = points_first(cost, i)
             c = c.reshape((plate.size // 2, 2) + tuple(c.shape[1:]) + (1,) * n_event)
             detached = phi.detach()
-            g = self._gradient(tensor, c[:, 0], c[:, 1], detached, _as_laid_out)
+            f_b, f_b_tilde = c.unbind(1)
+            g = self._gradient(tensor, f_b, f_b_tilde, detached, _as_laid_out)
             term = on_every_point(control_variate_term(phi, g, n_event, detached), None, plate, 2, i)
         return wrap_new(term, cost_layout)
 
