@@ -396,7 +396,7 @@ class Method(nn.Module, DeclaresStepState):
         plate.weight = self._plate_weight(tensor, plate)
         restore_lazy_plates(distr)  # parameters computed while sampling with dispatch disabled
         if isinstance(plate, ChainPlate) and plate.ancestor is not None:
-            # the node's distribution without the step it extended, as its samples are
+            # the node's distribution without the step it extended, as its samples are (copied when first read)
             node_of(tensor).step_of_chain(distr, 1 + parents.position(plate.ancestor))
         if not self.reparameterized and torch.is_grad_enabled() and get_distr_parameters(distr):
             note_sampled(plate)  # its gradient needs a cost that carries its plate (see storch.backward)
