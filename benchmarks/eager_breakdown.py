@@ -13,11 +13,14 @@
 * ``broadcast_all``, ``binary_cross_entropy_with_logits`` (after ``broadcast_all``), ``z == 0``,
   ``neg`` and ``sum``: the operations inside it, one at a time;
 * ``add_cost + surrogate``: registering the cost and forming the surrogate loss (storch recomputes
-  ``log q(z)``, forms the magic box and reduces the plates) against ``(f + f.detach() * log_q).mean()``.
+  ``log q(z)``, forms the magic box and reduces the plates) against ``(f + f.detach() * log_q).mean()``;
+* ``add_cost + surrogate`` of the ARM and DisARM steps (``sbn_step.make_method("ARM")``): the
+  control-variate term of the antithetic pair and the weighted reduction over the pair, against the
+  same arithmetic in ``sbn_step.hw_arm`` / ``hw_disarm`` (from the pair's costs to the loss).
 
 Each row runs the plain and the storch piece in alternating blocks and reports the minimum block
-of each (µs per call) and the median of the paired differences, so that load that changes slower
-than a block pair cancels. One thread.
+of each (µs per call, thread CPU time: other processes on the machine do not count) and the median
+of the paired differences, so that load that changes slower than a block pair cancels. One thread.
 
 Run from the repository root::
 
@@ -54,13 +57,13 @@ def paired(plain: Callable, stochastic: Callable, inner: int, pairs: int) -> tup
         plain(), stochastic()
     p, s = [], []
     for _ in range(pairs):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         for _ in range(inner):
             plain()
-        t1 = time.perf_counter()
+        t1 = time.thread_time()
         for _ in range(inner):
             stochastic()
-        t2 = time.perf_counter()
+        t2 = time.thread_time()
         p.append((t1 - t0) / inner * 1e6)
         s.append((t2 - t1) / inner * 1e6)
     return min(p), min(s), statistics.median(b - a for a, b in zip(p, s))
@@ -114,6 +117,36 @@ def pieces() -> list[tuple[str, Callable, Callable]]:
     ]
 
 
+def antithetic_pieces() -> list[tuple[str, Callable, Callable]]:
+    """``(label, hand-written arithmetic, storch add_cost + surrogate)`` for the ARM and DisARM steps."""
+    rows = []
+    seeded = torch.Generator().manual_seed(0)
+    batch = torch.bernoulli(torch.full((sbn_step.BATCH, sbn_step.X_DIM), 0.3), generator=seeded)
+    model, _ = sbn_step.make_model(0)
+    for name in ("ARM", "DisARM"):
+        method = sbn_step.make_method(name)
+        x = storch.denote_independent(batch, 0, "data")
+        q = Bernoulli(logits=model.encoder(x))
+        z = method(q)
+        log_px = Bernoulli(logits=model.decoder(z)).log_prob(x).sum(-1)
+        log_pz = Bernoulli(logits=model.prior_logits).log_prob(z).sum(-1)
+        cost = -(log_px + log_pz - z.log_prob().sum(-1))
+        phi, phid, u, b, bt, f, _, _ = sbn_step._antithetic(model, batch, 1)
+        storch.reset()
+
+        def plain(f=f, phi=phi, phid=phid, u=u, b=b, bt=bt, name=name) -> torch.Tensor:
+            pairs = f.detach().reshape(1, 2, -1)
+            f_b, f_bt = pairs[:, 0].unsqueeze(-1), pairs[:, 1].unsqueeze(-1)
+            if name == "ARM":
+                g = (f_bt - f_b) * (u - 0.5)
+            else:
+                g = 0.5 * (f_b - f_bt) * (1.0 - 2.0 * bt) * (b != bt).to(phid.dtype) * torch.sigmoid(phid.abs())
+            return f.mean() + ((phi - phid) * g).sum(-1).mean()
+
+        rows.append((f"add_cost + surrogate, {name}", plain, lambda cost=cost: _surrogate_of(cost)))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--inner", type=int, default=20, help="calls per block")
@@ -121,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     print(f"{'piece':28s} {'plain':>8s} {'storch':>8s} {'storch - plain':>15s}   (µs per call; min blocks, median paired difference)")
-    for label, plain, stochastic in pieces():
+    for label, plain, stochastic in pieces() + antithetic_pieces():
         p, s, d = paired(plain, stochastic, args.inner, args.pairs)
         print(f"{label:28s} {p:8.1f} {s:8.1f} {d:15.1f}")
 

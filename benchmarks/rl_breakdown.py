@@ -7,8 +7,8 @@ to the same part of the hand-written step, in µs per decision (the part's time 
 * ``policy``: ``embed``, the GRU cell (storch: through ``storch.make_left_broadcastable``) and the
   linear head;
 * ``Categorical(logits=...)``: the distribution (its argument validation, the normalised logits);
-* ``draw``: ``method(distribution)`` (the sample and the node: its plate, the distribution's copy
-  without the step it extends, the unused-node bookkeeping) against ``distribution.sample()``;
+* ``draw``: ``method(distribution)`` (the sample and the node: its plate, layout and view of the
+  samples, the unused-node bookkeeping) against ``distribution.sample()``;
 * ``log_prob``: the hand-written step's ``distribution.log_prob(action)`` in the rollout (storch
   computes it in the surrogate);
 * ``reward + add_cost``: the reward and its registration (against appending it to a list);

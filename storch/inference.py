@@ -131,10 +131,18 @@ def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
     if name in _COST_NAMES.get():
         name = _next_name(name)
     layout = layout_of(cost)
-    registered = CostTensor._retype_as(alias(cost), layout, name)
+    # storch's own object for the cost: a view while gradients flow through it; else a detached tensor on the
+    # same values, which does not keep the user's tensor object alive (a view holds its base)
+    registered = CostTensor._retype_as(alias(cost) if cost.requires_grad else _detached(cost), layout, name)
     _COSTS.set(costs + (registered,))  # type: ignore[operator]
     _COST_NAMES.set(_COST_NAMES.get().adding(name))
     _CONSUMED.set(False)
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """A new plain tensor object on the values of ``t`` (no view: ``t``'s own object can be freed)."""
+    with _Disable():
+        return t.detach()
 
 
 def _next_name(name: str) -> str:
@@ -448,8 +456,10 @@ def _surrogate(costs: tuple[CostTensor, ...], record: _Record) -> torch.Tensor:
     if partials:
         chained = _chain_steps(partials, record)
         total = chained if total is None else total + chained
-    for node in record.nodes.values():  # parameters the estimators computed with dispatch off
-        restore_lazy_plates(node.distribution)
+    for tensor in record.nodes.values():  # parameters the estimators computed with dispatch off
+        distribution = tensor._node.distribution_if_made()  # (a copy not made was not computed with)
+        if distribution is not None:
+            restore_lazy_plates(distribution)
     return total  # type: ignore[return-value]
 
 
@@ -530,14 +540,21 @@ def _retain_param_grads(record: _Record) -> list[Any]:
         for tensor in record.nodes.values():
             grads = tensor.param_grads
             grads.clear()
-            for name, param in get_distr_parameters(tensor.distribution).items():
-                handles.append(param.register_hook(functools.partial(_keep_grad, grads, name, layout_of(param))))
+            distribution, previous_step = tensor._node.drawn_distribution()
+            for name, param in get_distr_parameters(distribution).items():
+                layout = layout_of(param)
+                # a chain step drawn from parameters that carry the previous step: its gradient without it
+                carried = previous_step is not None and any(p is previous_step for p in layout.plates)
+                at = layout.position(previous_step) if carried else None
+                kept_layout = layout if at is None else layout.without_position(at)
+                handles.append(param.register_hook(functools.partial(_keep_grad, grads, name, kept_layout, at)))
     return handles
 
 
-def _keep_grad(grads: dict, name: str, layout: Any, grad: torch.Tensor) -> None:
+def _keep_grad(grads: dict, name: str, layout: Any, drop: int | None, grad: torch.Tensor) -> None:
+    """Store a parameter's gradient, laid out as ``layout``, with the size-1 dimension ``drop`` removed."""
     with _Disable():
-        value = grad.detach().clone()  # autograd may accumulate into the tensor it hands over
+        value = (grad if drop is None else grad.select(drop, 0)).detach().clone()  # autograd may reuse ``grad``
     grads[name] = wrap_new(value, layout) if layout.plates else value
 
 

@@ -326,7 +326,8 @@ class ChainPlate(AncestralPlate):
     meet, the newer is kept and the older relabelled (one sample each: nothing to re-index).
 
     The node sees its distribution without the step it extends (that size-1 dimension dropped, on a
-    copy of the distribution), so its samples and distribution look like any other node's. In the
+    copy of the distribution made when first read), so its samples and distribution look like any
+    other node's. In the
     surrogate loss every step is its own node, processed newest first, and the costs that reach a
     step are summed before its node's term is formed: a reward after each of ``T`` decisions costs
     ``O(T)`` (the reward to go; see `storch.inference`).

@@ -227,7 +227,7 @@ def _reduce_by_vector(tensor: Tensor, plate: Plate, w: torch.Tensor) -> Tensor:
     with _Disable():
         w = w.reshape((plate.size,) + (1,) * (tensor.dim() - i - 1))
         # read on the host (no device sync); a traced step (storch.compile_step) must not branch on it
-        if w.device.type == "cpu" and not _tracing.active() and not bool((w == 0).any()):
+        if w.is_cpu and not _tracing.active() and bool(w.all()):
             weighted = tensor * w  # no weight of zero, so nothing to leave out
         else:
             ignored = (w == 0) & ~torch.isfinite(tensor)

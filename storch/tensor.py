@@ -293,7 +293,8 @@ class StochasticNode:
     """
 
     __slots__ = (
-        "name", "method", "distribution", "samples", "param_grads", "parents", "own_log_prob", "_plate", "_layout",
+        "name", "method", "_distribution", "_step_dim", "samples", "param_grads", "parents", "own_log_prob", "_plate",
+        "_layout",
     )
 
     def __init__(
@@ -316,6 +317,54 @@ class StochasticNode:
         self.own_log_prob: tuple[torch.Tensor, int] | None = None
         self._plate = weakref.ref(plate)
         self._layout = weakref.ref(layout)
+
+    @property
+    def distribution(self) -> Distribution:
+        """The distribution of the samples; its tensors carry the plates the samples carry besides the node's.
+
+        A step of a single-sample chain was drawn from a distribution that still carries the chain's
+        previous step as a size-1 plate (`step_of_chain`); the copy without it is made on the first read
+        (a rollout whose surrogate needs only the log-probabilities never makes it).
+        """
+        if self._step_dim is not None:
+            from storch.util import without_plate  # it builds on this module
+
+            ancestor = self.plate.ancestor  # type: ignore[attr-defined]
+            self._distribution, self._step_dim = without_plate(self._distribution, ancestor), None
+        return self._distribution
+
+    @distribution.setter
+    def distribution(self, distribution: Distribution) -> None:
+        self._distribution, self._step_dim = distribution, None
+
+    def step_of_chain(self, distribution: Distribution, dim: int) -> None:
+        """Keep ``distribution``, which still carries the previous step of the node's chain (its plate's
+        ``ancestor``) as a size-1 plate at dimension ``dim`` of the drawn samples, which the node's samples
+        dropped; `distribution` gives its copy without that plate when first read."""
+        self._distribution, self._step_dim = distribution, dim
+
+    def drawn_distribution(self) -> tuple[Distribution, Plate | None]:
+        """The distribution the surrogate's log-probabilities come from, and the chain's previous step
+        that it still carries as a size-1 plate (``None`` once `distribution`'s copy is made, or for a
+        node that is no chain step)."""
+        if self._step_dim is None:
+            return self._distribution, None
+        return self._distribution, self.plate.ancestor  # type: ignore[attr-defined]
+
+    def distribution_if_made(self) -> Distribution | None:
+        """`distribution` if it was read or needs no copy; ``None`` for a chain step's copy not made yet."""
+        return self._distribution if self._step_dim is None else None
+
+    def own_samples_log_prob(self) -> torch.Tensor:
+        """``log p(samples)`` (plain; call with storch dispatch disabled): for a chain step whose
+        distribution's copy was not made, computed from the distribution it was drawn from, on the
+        samples with the previous step's size-1 dimension put back (the same values, no copy)."""
+        from storch.util import log_prob_of_own_samples  # it builds on this module
+
+        dim = self._step_dim
+        if dim is None:
+            return log_prob_of_own_samples(self._distribution, self.samples)
+        return log_prob_of_own_samples(self._distribution, self.samples.unsqueeze(dim)).select(dim, 0)
 
     @property
     def plate(self) -> Plate:

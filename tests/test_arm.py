@@ -186,3 +186,28 @@ def test_a_cost_without_the_logits_plates_is_refused_by_name(name):
     storch.add_cost(storch.reduce_plates(z.sum(-1), "data"), "f")
     with pytest.raises(ValueError, match=r"carry plates \['data'\] that the cost 'f' does not have"):
         storch.backward()
+
+
+# ------------------------------------------------------------------------------ the term without alignment
+@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("n_samples", [1, 3])
+def test_laid_out_term_equals_the_aligned_term(name, n_samples):
+    """The shortcut taken when the logits carry the cost's other plates in its order gives the same term
+    (values and gradient) as the general alignment, for one group (a view) and several (a copy)."""
+    torch.manual_seed(0)
+    phi = torch.randn(4, 3, requires_grad=True)
+    x = storch.denote_independent(phi, 0, "data")
+    method = METHODS[name]("b", n_samples=n_samples)
+    b = method(Bernoulli(logits=x))
+    cost = ((b - 0.3) ** 2 * torch.arange(1.0, 4.0)).sum(-1)
+    storch.add_cost(cost, "f")
+    registered = storch.registered_costs()[0]
+    logits = bernoulli_logits(b.distribution)
+    fast = method._laid_out_term(b, registered, logits)
+    general = method._aligned_term(b, registered, logits)
+    storch.reset()
+    assert fast.plate_names == general.plate_names == ["b", "data"]
+    assert torch.equal(fast.plain(), general.plain())
+    (g_fast,) = torch.autograd.grad(fast.plain().sum(), phi)
+    (g_general,) = torch.autograd.grad(general.plain().sum(), phi)
+    assert torch.equal(g_fast, g_general)

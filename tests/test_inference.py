@@ -461,3 +461,21 @@ def test_the_score_function_surrogate_runs_without_dispatch(monkeypatch):
     assert _dispatched_in_backward(monkeypatch, chain) == 0
     monkeypatch.undo()
     assert _dispatched_in_backward(monkeypatch, minibatch) == 0
+
+
+def test_a_registered_cost_without_gradient_does_not_keep_the_users_tensor_object():
+    """storch's own object for a cost that no gradient flows through is not a view of the user's tensor (a
+    view holds its base's object, with its plates): that object is freed when the user drops it, while
+    the registered cost keeps the values."""
+    import weakref
+
+    x = storch.denote_independent(torch.tensor([1.0, 3.0]), 0, "data")
+    reward = x * 2.0
+    ref = weakref.ref(reward)
+    storch.add_cost(reward, "r")
+    del reward
+    assert ref() is None
+    (cost,) = storch.registered_costs()
+    assert cost.plate_names == ["data"] and cost.plain().tolist() == [2.0, 6.0]
+    assert storch.surrogate_loss().item() == 4.0
+    storch.reset()

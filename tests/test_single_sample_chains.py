@@ -302,3 +302,65 @@ def test_a_node_drawn_from_two_chains_extends_the_newer():
     storch.add_cost(c, "f")
     storch.backward()
     assert torch.isfinite(p.grad)
+
+
+def test_a_chain_steps_distribution_copy_is_made_only_when_read():
+    """A step's distribution without the previous step's plate is copied on the first read only: the
+    surrogate's log-probabilities come from the distribution it was drawn from (the same values), so a
+    rollout's backward makes no copy; a read gives the copy, with the samples' plates."""
+    W = torch.randn(4, 4, requires_grad=True)
+    data = storch.denote_independent(torch.zeros(3), 0, "episodes")
+    method = storch.method.ScoreFunction("a")
+    tok = method(Categorical(logits=W[0] + data.unsqueeze(-1)))
+    steps = [tok]
+    for _ in range(3):
+        tok = method(Categorical(logits=(F.one_hot(tok, 4).to(W.dtype).unsqueeze(-1) * W).sum(-2)))
+        steps.append(tok)
+        storch.add_cost((tok == 2).to(W.dtype), "r")
+    nodes = [s._node for s in steps]
+    assert all(n.distribution_if_made() is None for n in nodes[1:])
+    storch.backward()
+    assert all(n.distribution_if_made() is None for n in nodes[1:])  # backward made no copy
+    for node in nodes[1:]:
+        with storch.extend.no_dispatch():
+            drawn_from = node.own_samples_log_prob()
+        copy = node.distribution  # made now
+        assert node.distribution_if_made() is copy
+        assert storch.extend.layout_of(copy.logits).plates == node.layout.plates[1:]
+        with storch.extend.no_dispatch():
+            assert torch.equal(drawn_from, node.own_samples_log_prob())
+            assert torch.equal(drawn_from, copy.log_prob(node.samples))
+
+
+def test_param_grads_of_chain_steps_are_the_gradients_of_their_parameters():
+    """``param_grads`` of a chain step (whose distribution's copy without the previous step is never made)
+    is the surrogate's gradient with respect to the parameters it was drawn from, without the previous
+    step's size-1 dimension, laid out with the samples' other plates."""
+    W = torch.randn(4, 4, requires_grad=True)
+
+    def steps():
+        data = storch.denote_independent(torch.zeros(3), 0, "episodes")
+        method = storch.method.ScoreFunction("a")
+        tok = method(Categorical(logits=W[0] + data.unsqueeze(-1)))
+        out = []
+        for _ in range(3):
+            logits = (F.one_hot(tok, 4).to(W.dtype).unsqueeze(-1) * W).sum(-2)
+            tok = method(Categorical(logits=logits))
+            out.append((tok, logits))
+            storch.add_cost((tok == 2).to(W.dtype) + tok.to(W.dtype), "r")
+        return out
+
+    manual_seed(3)
+    drawn = steps()
+    dists = [tok._node.drawn_distribution() for tok, _ in drawn]
+    params = [d.logits for d, _ in dists]
+    expected = torch.autograd.grad(storch.surrogate_loss(), params)
+    storch.reset()
+    manual_seed(3)
+    drawn = steps()
+    storch.backward()
+    for (tok, _), (_, previous), grad in zip(drawn, dists, expected):
+        got = tok.param_grads["logits"]
+        assert got.plate_names == ["episodes"]
+        at = storch.extend.layout_of(grad).names.index(previous.name)
+        assert torch.equal(got.plain(), grad.plain().select(at, 0))

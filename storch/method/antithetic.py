@@ -113,8 +113,11 @@ def points_first(cost: CostTensor, i: int) -> torch.Tensor:
     return cost.detach().movedim(i, 0) if i else cost.detach()
 
 
-def control_variate_term(phi: torch.Tensor, g: torch.Tensor, n_event: int) -> torch.Tensor:
-    """``(φ − stopgrad φ) · g``, summed over the ``n_event`` trailing dimensions.
+def control_variate_term(
+    phi: torch.Tensor, g: torch.Tensor, n_event: int, detached: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(φ − stopgrad φ) · g``, summed over the ``n_event`` trailing dimensions (``detached``: ``φ.detach()``
+    if the caller has it already).
 
     Examples:
         >>> phi = torch.tensor([0.5, -1.0], requires_grad=True)
@@ -122,14 +125,21 @@ def control_variate_term(phi: torch.Tensor, g: torch.Tensor, n_event: int) -> to
         >>> float(term.detach()), torch.autograd.grad(term, phi)[0]
         (0.0, tensor([2., 3.]))
     """
-    term = (phi - phi.detach()) * g
+    term = (phi - (phi.detach() if detached is None else detached)) * g
     return term.sum(tuple(range(-n_event, 0))) if n_event else term
 
 
-def on_every_point(term: torch.Tensor, target: PlateLayout, plate: Plate, group_size: int, i: int) -> torch.Tensor:
+def on_every_point(
+    term: torch.Tensor, target: PlateLayout | None, plate: Plate, group_size: int, i: int
+) -> torch.Tensor:
     """The term of each group (``target``'s first plate) given to each of its ``group_size`` points, the
-    other plates of ``target`` expanded, and the node's plate moved back to position ``i``."""
-    term = term.expand(target.sizes)
-    term = term.unsqueeze(1).expand((term.shape[0], group_size) + tuple(term.shape[1:]))
-    term = term.reshape((plate.size,) + tuple(term.shape[2:]))
+    other plates of ``target`` expanded (``target=None``: the term has them all already), and the node's
+    plate moved back to position ``i``. A single group is expanded to its points without a copy."""
+    if target is not None:
+        term = term.expand(target.sizes)
+    if term.shape[0] == 1:
+        term = term.expand((group_size,) + tuple(term.shape[1:]))
+    else:
+        term = term.unsqueeze(1).expand((term.shape[0], group_size) + tuple(term.shape[1:]))
+        term = term.reshape((plate.size,) + tuple(term.shape[2:]))
     return term.movedim(0, i) if i else term

@@ -42,13 +42,18 @@ from storch.method.antithetic import (
 from storch.method.groups import GroupRecords, flatten_groups, group_plate, group_weights
 from storch.method.method import Method
 from storch.extend import (
-    CostTensor, StochasticTensor, align_to, layout_of, layout_of_plates, no_dispatch, node_of, wrap,
+    CostTensor, StochasticTensor, align_to, layout_of, layout_of_plates, no_dispatch, node_of, wrap, wrap_new,
 )
 
 __all__ = ["ARM", "DisARM", "bernoulli_logits"]
 
 #: lays out plain per-group values ``(n, *parameter plates, *C)`` like the estimator's other inputs
 PerGroup = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _as_laid_out(values: torch.Tensor) -> torch.Tensor:
+    """Per-group values that are laid out for the cost already (`_AntitheticBernoulli._laid_out_term`)."""
+    return values
 
 
 def bernoulli_logits(d: Bernoulli) -> torch.Tensor:
@@ -113,13 +118,37 @@ class _AntitheticBernoulli(Method, ABC):
 
         Computed on plain values: everything is laid out for the cost's plates with the node's plate
         replaced by its ``n`` groups (``[groups, *other plates of the cost, *C]``); the term is then
-        given to both points of each group.
+        given to both points of each group. When the logits and the node carry exactly the cost's
+        other plates, in its order (a model with one node per step and its data plates), the plain
+        values are laid out already and no alignment is made.
         """
+        plate, cost_layout = tensor.plate, layout_of(cost)
+        phi = bernoulli_logits(tensor.distribution)  # type: ignore[arg-type]
+        rest = tuple(p for p in cost_layout.plates if p is not plate)
+        if layout_of(phi).plates == rest and node_of(tensor).layout.plates[1:] == rest and not plate.size % 2:
+            return None, self._laid_out_term(tensor, cost, phi)
+        return None, self._aligned_term(tensor, cost, phi)
+
+    def _laid_out_term(self, tensor: StochasticTensor, cost: CostTensor, phi: torch.Tensor) -> torch.Tensor:
+        """The term when the plain logits, recorded values and cost (node's plate first) line up as they are."""
+        plate, cost_layout = tensor.plate, layout_of(cost)
+        i = cost_layout.position(plate)
+        with no_dispatch():
+            n_event = phi.dim() - len(cost_layout.sizes) + 1
+            c = points_first(cost, i)
+            c = c.reshape((plate.size // 2, 2) + tuple(c.shape[1:]) + (1,) * n_event)
+            detached = phi.detach()
+            f_b, f_b_tilde = c.unbind(1)
+            g = self._gradient(tensor, f_b, f_b_tilde, detached, _as_laid_out)
+            term = on_every_point(control_variate_term(phi, g, n_event, detached), None, plate, 2, i)
+        return wrap_new(term, cost_layout)
+
+    def _aligned_term(self, tensor: StochasticTensor, cost: CostTensor, phi: torch.Tensor) -> torch.Tensor:
+        """The term in general: logits and recorded values aligned for the cost's plates."""
         plate, cost_layout = tensor.plate, layout_of(cost)
         node_plates = node_of(tensor).layout.plates[1:]  # the parameters' plates
         groups = group_plate(plate, 2)
         target = cost_target(groups, plate, cost)
-        phi = bernoulli_logits(tensor.distribution)  # type: ignore[arg-type]
         phi_layout = check_logit_plates(f"{type(self).__name__}({self.plate_name!r})", phi, cost, target)
         i = cost_layout.position(plate)
         with no_dispatch():
@@ -133,7 +162,7 @@ class _AntitheticBernoulli(Method, ABC):
 
             g = self._gradient(tensor, c[:, 0], c[:, 1], phi.detach(), per_group)
             term = on_every_point(control_variate_term(phi, g, n_event), target, plate, 2, i)
-        return None, wrap(term, cost_layout)
+        return wrap_new(term, cost_layout)
 
     def extra_repr(self) -> str:
         return f"plate_name={self.plate_name!r}, n_samples={self.n_samples}"

@@ -33,10 +33,11 @@ Examples:
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from storch.extend import (
     Plate,
@@ -140,6 +141,13 @@ def spread_groups(term: torch.Tensor, like: Tensor, plate: Plate, group_size: in
     return wrap(x, like_layout)
 
 
+def _forget(records: dict[int, tuple[weakref.ref, Any]], key: int, ref: weakref.ref) -> None:
+    """Drop the record of samples that were freed (unless the key was taken by newer samples)."""
+    entry = records.get(key)
+    if entry is not None and entry[0] is ref:
+        del records[key]
+
+
 class GroupRecords:
     """What a method decided when it drew a node's evaluation groups, kept for its estimator.
 
@@ -170,7 +178,7 @@ class GroupRecords:
 
     def __init__(self, method: str, what: str) -> None:
         self.method, self.what = method, what
-        self._records: WeakIdKeyDictionary = WeakIdKeyDictionary()  # samples -> record
+        self._records: dict[int, tuple[weakref.ref, Any]] = {}  # id(samples) -> (weak samples, record)
 
     def __getstate__(self) -> dict:
         # records belong to the nodes of the current forward pass; a copy (deepcopy, pickle) starts empty
@@ -178,15 +186,18 @@ class GroupRecords:
 
     def __setstate__(self, state: dict) -> None:
         self.method, self.what = state["method"], state["what"]
-        self._records = WeakIdKeyDictionary()
+        self._records = {}
 
     def keep(self, samples: torch.Tensor, record: Any) -> None:
-        """Remember ``record`` for the node whose proposal returned ``samples``."""
-        self._records[samples] = record
+        """Remember ``record`` for the node whose proposal returned ``samples`` (until they are freed)."""
+        forget = functools.partial(_forget, self._records, id(samples))
+        self._records[id(samples)] = (weakref.ref(samples, forget), record)
 
     def of(self, tensor: StochasticTensor) -> Any:
         """The record kept for the node of ``tensor``; an error if its samples were drawn elsewhere."""
-        record = self._records.get(node_of(tensor).samples)
+        samples = node_of(tensor).samples
+        entry = self._records.get(id(samples))
+        record = entry[1] if entry is not None and entry[0]() is samples else None
         if record is None:
             raise RuntimeError(
                 f"{self.method}({tensor.name!r}): no {self.what} recorded for these samples; {self.method} nodes "

@@ -70,7 +70,6 @@ from storch.extend import (
     is_tracing,
     layout_of,
     layout_of_plates,
-    log_prob_of_own_samples,
     magic_box,
     new_node,
     no_dispatch,
@@ -79,7 +78,6 @@ from storch.extend import (
     reraise_cuda_dimension_error,
     restore_lazy_plates,
     wrap,
-    without_plate,
     wrap_new,
 )
 from storch.sampling.method import MonteCarlo, SamplingMethod, check_count, describe_argument
@@ -243,7 +241,7 @@ def log_prob(tensor: StochasticTensor) -> Tensor:
     with no_dispatch():
         lp = node.shared_log_prob()
         if lp is None:
-            lp = log_prob_of_own_samples(node.distribution, node.samples)
+            lp = node.own_samples_log_prob()
         extra = tuple(range(len(layout.sizes), lp.dim()))
         if extra:
             lp = lp.sum(extra)
@@ -398,8 +396,8 @@ class Method(nn.Module, DeclaresStepState):
         plate.weight = self._plate_weight(tensor, plate)
         restore_lazy_plates(distr)  # parameters computed while sampling with dispatch disabled
         if isinstance(plate, ChainPlate) and plate.ancestor is not None:
-            # the node's distribution without the step it extended, as its samples are
-            node_of(tensor).distribution = without_plate(distr, plate.ancestor)
+            # the node's distribution without the step it extended, as its samples are (copied when first read)
+            node_of(tensor).step_of_chain(distr, 1 + parents.position(plate.ancestor))
         if not self.reparameterized and torch.is_grad_enabled() and get_distr_parameters(distr):
             note_sampled(plate)  # its gradient needs a cost that carries its plate (see storch.backward)
         return tensor
