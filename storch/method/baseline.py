@@ -69,7 +69,10 @@ class Baseline(nn.Module, DeclaresStepState, ABC):
         ``to_go`` (plain, ``(T, *sizes of plates)``), as a plain tensor that broadcasts against it;
         ``names[s]``: the cost name of step ``s`` (as ``compute_baseline``'s ``cost_node.name``).
         Only called where `storch.method.baseline.Baseline.vectorises_chain` is true."""
-        raise NotImplementedError(f"{type(self).__name__} computes each step's baseline on its own.")
+        raise TypeError(
+            f"{type(self).__name__} computes each step's baseline on its own (its vectorises_chain is "
+            "False): call compute_baseline for each step instead of chain_baselines."
+        )
 
     def correction(self, tensor: StochasticTensor, cost_node: CostTensor) -> Optional[torch.Tensor]:
         """An extra surrogate term beside ``(1 − □(l)) · b``, of forward value 0; ``None`` (default): none.
