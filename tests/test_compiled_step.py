@@ -223,6 +223,7 @@ METHOD_CLASSES = {
     "UnorderedSetGumbelSoftmax": (lambda: M.UnorderedSetGumbelSoftmax("z", k=2), "one_hot"),
     "GSB": (lambda: M.GSB("z", n_samples=2), "normal"),
     "MAPO": (lambda: M.MAPO("z", n_samples=2, buffer_size=2, systematic_exploration=True), "one_hot"),
+    "Auto": (lambda: M.Auto("z", budget=2), "bernoulli"),
 }
 
 #: the method classes compile_step refuses, and the words of the reason it gives
@@ -231,6 +232,8 @@ REFUSED = {
     "SPSA": r"SPSA\('z'\) keeps state between steps that a replay cannot follow: it reads the random generator's",
     # its plate's size, its memory's growth and its sampling path are read from its memory on the host
     "MAPO": r"MAPO\('z'\) keeps state between steps that a replay cannot follow: its plate holds the longest",
+    # it chooses its candidate on the host, from the gradients and times of earlier steps
+    "Auto": r"Auto\('z'\) keeps state between steps that a replay cannot follow: Auto chooses its candidate",
 }
 
 
