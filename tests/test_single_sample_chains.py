@@ -244,7 +244,9 @@ def test_a_thousand_decisions_train_with_per_decision_baselines_as_hand_written_
         draws = [int(t._tensor) for t in rollout(W, T, [policy] * T)]
         storch.backward()
         expected = hand_written_reward_to_go(W.detach().requires_grad_(), draws, baselines=baselines)
-        torch.testing.assert_close(W.grad, expected, rtol=1e-5, atol=1e-4)
+        # float32 sums of 1000 terms in another order (stacked here, one at a time by hand): their
+        # rounding moves the last 4-5 digits with the CPU's kernels (ATEN_CPU_CAPABILITY)
+        torch.testing.assert_close(W.grad, expected, rtol=1e-4, atol=1e-3)
         optimizer.step()
         returns = [0.0] * T
         for s in reversed(range(T)):
