@@ -108,36 +108,49 @@ def _relaxes(node: Node) -> bool:
 # ----------------------------------------------------------------------------------------- drawing
 
 
-def random_graph(seed: int, *, order: Optional[int] = None, max_nodes: int = 4,
+def random_graph(seed: int, *, order: Optional[int] = None, max_nodes: int = 4, estimator: Optional[str] = None,
                  relaxed_log_prob: bool = True, cross_scores: bool = True) -> Graph:
     """A random graph from ``seed``: 1–``max_nodes`` nodes (at most one Normal), 1–3 costs.
 
     ``order`` fixes the derivative order (default: 2 for about a fifth of the seeds).
+    ``estimator``: a catalog label that one node (of a kind it handles) must use; the order is then
+    at most the one the entry declares.
     ``relaxed_log_prob``: ``z.log_prob()`` terms also on nodes whose estimator relaxes the sample.
     ``cross_scores``: ``r.log_prob(z)`` terms with ``r`` built from any other node's sample;
     ``False``: only from a descendant of ``z`` (a decoder ``p(z | h)`` with ``h`` drawn from ``z``)
-    that carries the data plate only if ``z`` does, or from constants.
+    whose plates end with those of ``z``, or from constants.
     """
     rng = random.Random(seed)
     order = order if order is not None else (2 if rng.random() < 0.2 else 1)
+    forced = entry(estimator) if estimator is not None else None
+    forced_kinds = [k for k, d in DISTRIBUTIONS.items() if forced is not None and forced.unbiased_for(d, 1)]
+    if forced is not None:
+        if not forced_kinds:
+            raise ValueError(f"random_graph: the catalog declares {estimator!r} unbiased for none of {list(DISTRIBUTIONS)}.")
+        order = min(order, max(1, forced.unbiased_orders))
     plate = rng.choice((2, 3)) if rng.random() < 0.4 else 0
+    count = rng.randint(1, max_nodes)
+    forced_at = rng.randrange(count)
     nodes: list[Node] = []
-    for i in range(rng.randint(1, max_nodes)):
+    for i in range(count):
+        normal_free = not any(n.kind == "normal" for n in nodes) and not (forced_kinds == ["normal"] and i < forced_at)
         kinds = ["bernoulli", "categorical", "onehot"]
-        if not any(n.kind == "normal" for n in nodes) and rng.random() < 0.25:
+        if normal_free and rng.random() < 0.25:
             kinds = ["normal"]
+        if forced is not None and i == forced_at:
+            kinds = [k for k in forced_kinds if k != "normal" or normal_free]
         kind = rng.choice(kinds)
         size = 1 if kind == "normal" else rng.choice((1, 2))
         categories = {"bernoulli": 2, "normal": 1}.get(kind) or rng.choice((2, 3))
         parents = tuple(n.name for n in nodes if rng.random() < 0.5)
         labels = sorted(e.label for e in unbiased_estimators(DISTRIBUTIONS[kind], order))
-        estimator = rng.choice(labels)
+        label = estimator if forced is not None and i == forced_at else rng.choice(labels)
         # a node joins the points of an earlier one whose chain began after all of its own parents
         joinable = [n.name for k, n in enumerate(nodes) if entry(n.estimator).joinable
                     and all(q.name not in parents for q in nodes[k:])]
-        joint_with = rng.choice(joinable) if entry(estimator).joinable and joinable and rng.random() < 0.4 else None
+        joint_with = rng.choice(joinable) if entry(label).joinable and joinable and rng.random() < 0.4 else None
         nodes.append(Node(
-            f"z{i}", kind, size, categories, parents, estimator,
+            f"z{i}", kind, size, categories, parents, label,
             probs=kind != "normal" and rng.random() < 0.3,
             in_plate=bool(plate) and rng.random() < 0.6,
             joint_with=joint_with,
