@@ -23,6 +23,7 @@ standalone script. The command line runs many seeds::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import time
@@ -157,18 +158,38 @@ def _ztest(estimates: dict, exact: dict, what: str, z_limit: float) -> tuple[flo
     return worst, text, failed
 
 
-def check_graph(graph: Graph, estimates: int = 1000, z_limit: float = Z_LIMIT, confirm: bool = True) -> Outcome:
+def check_graph(
+    graph: Graph, estimates: int = 1000, z_limit: float = Z_LIMIT, confirm: bool = True, rng_offset: int = 0
+) -> Outcome:
     """Check ``graph``: storch's estimates against the exact values (module docstring).
 
     With ``confirm``, a graph whose z-test fails is checked again with four times the estimates (other
     random numbers), and counts as biased only if it fails again: a heavy-tailed estimator (a score
     function on a Normal's scale) can make the standard error of a thousand estimates too small.
+    storch's random numbers start from ``graph.seed + rng_offset``. The graph's tensors are small: it
+    runs on one thread (the thread count is restored afterwards), many times faster than on several.
     """
+    with _one_thread():
+        return _check_graph(graph, estimates, z_limit, confirm, rng_offset)
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_graph(graph: Graph, estimates: int, z_limit: float, confirm: bool, rng_offset: int) -> Outcome:
     start = time.perf_counter()
     p, x, c = values(graph)
     v = _direction(graph, p) if graph.order == 2 else None
     exact = exact_derivatives(compile_model(graph, exact=True), graph, p, x, c, v)
-    runs = [(graph.seed, estimates)] + ([(graph.seed + 1, 4 * estimates)] if confirm else [])
+    first = graph.seed + rng_offset
+    runs = [(first, estimates)] + ([(first + 1, 4 * estimates)] if confirm else [])
     for seed, count in runs:
         torch.manual_seed(seed)
         try:
@@ -285,15 +306,19 @@ def _valid(graph: Graph) -> bool:
     return True
 
 
-def shrink(graph: Graph, fails: Callable[[Graph], bool], max_checks: int = 200) -> Graph:
+def shrink(
+    graph: Graph, fails: Callable[[Graph], bool], max_checks: int = 200, valid: Optional[Callable[[Graph], bool]] = None
+) -> Graph:
     """A smaller graph on which ``fails`` still holds (greedy: the first smaller candidate that fails,
-    until none does or ``max_checks`` candidates were tried)."""
+    until none does or ``max_checks`` candidates were tried). Candidates must be ``valid`` (default:
+    every node's estimator declared unbiased for it at the graph's order, joins between joinable nodes)."""
+    valid = valid or _valid
     checks = 0
     progress = True
     while progress and checks < max_checks:
         progress = False
         for candidate in _candidates(graph):
-            if not _valid(candidate):
+            if not valid(candidate):
                 continue
             checks += 1
             if fails(candidate):
@@ -440,7 +465,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="a line per graph, not only per failure")
     args = parser.parse_args(argv)
     seeds = _seeds(args.seeds) if args.seeds else list(range(args.start, args.start + args.count))
-    torch.set_num_threads(1)
     failures: list[Outcome] = []
     worst = 0.0
     start = time.perf_counter()

@@ -148,7 +148,10 @@ def random_graph(seed: int, *, order: Optional[int] = None, max_nodes: int = 4, 
         # a node joins the points of an earlier one whose chain began after all of its own parents
         joinable = [n.name for k, n in enumerate(nodes) if entry(n.estimator).joinable
                     and all(q.name not in parents for q in nodes[k:])]
-        joint_with = rng.choice(joinable) if entry(label).joinable and joinable and rng.random() < 0.4 else None
+        joiners = [lb for lb in labels if entry(lb).joinable]
+        if joinable and joiners and not (forced is not None and i == forced_at) and rng.random() < 0.5:
+            label = rng.choice(joiners)  # a sibling that joins an earlier node's points (joint_with)
+        joint_with = rng.choice(joinable) if entry(label).joinable and joinable and rng.random() < 0.7 else None
         nodes.append(Node(
             f"z{i}", kind, size, categories, parents, label,
             probs=kind != "normal" and rng.random() < 0.3,
