@@ -40,8 +40,8 @@ from storch.testing.exact import exact_objective
 from storch.testing.fuzz import check_graph, reproducer, same_failure, shrink
 from storch.testing.graphs import Cost, Graph, Node, compile_model, model_source, random_graph, values
 
-RANDOM_SEEDS = 100
-PER_ESTIMATOR = 2
+RANDOM_SEEDS = 200
+PER_ESTIMATOR = 3
 OPTIONS = {"relaxed_log_prob": False, "cross_scores": False}
 
 
