@@ -524,15 +524,17 @@ def _dim_values(value: Any) -> list[int]:
 def _check_dim_args(func: Callable, treat: Treatment, args: tuple, kwargs: dict) -> None:
     """Refuse a dimension argument that indexes a plate of the (first) input tensor."""
     subject = args[0] if args else _keyword_subject(kwargs)
-    if type(subject) is list or type(subject) is tuple:  # cat / stack: the first plated member
-        for b in subject:
-            if isinstance(b, Tensor) and b._layout.sizes:
-                subject = b
-                break
-        else:
+    layout = None
+    if type(subject) is list or type(subject) is tuple:  # cat / stack: dims count the members aligned
+        plated = [b for b in subject if isinstance(b, Tensor) and b._layout.sizes]
+        if not plated:
             return
+        subject = plated[0]
+        layout = union_of_layouts([b._layout for b in plated])
     if not isinstance(subject, Tensor) or not subject._layout.sizes:
         return  # dimensions of a plain tensor (e.g. the table of a gather with a plated index)
+    if layout is None:
+        layout = subject._layout
     values: list[int] = []
     n_args = len(args)
     for i in treat.dim_positions:
@@ -542,13 +544,13 @@ def _check_dim_args(func: Callable, treat: Treatment, args: tuple, kwargs: dict)
         for key in _DIM_KEYWORDS:
             if key in kwargs:
                 values += _dim_values(kwargs[key])
-    ndim = _dim(subject) + (1 if treat.adds_dim else 0)
+    n_plates = len(layout.sizes)
+    ndim = n_plates + _dim(subject) - len(subject._layout.sizes) + (1 if treat.adds_dim else 0)
     if not values and treat.implicit_dims is not None and ndim >= 2:
         values = list(treat.implicit_dims)
-    n_plates = len(subject._layout.sizes)
     for d in values:
         if -ndim <= d < ndim and d % ndim < n_plates:
-            raise plate_index_error(func, d, d % ndim, subject)
+            raise plate_index_error(func, d, d % ndim, subject, layout)
 
 
 def _einsum_per_sample(args: tuple) -> tuple:
@@ -624,12 +626,26 @@ for _func, _prepare in ((torch.Tensor.__getitem__, _prepare_indexing), (torch.ei
     _TREATMENTS[_func] = replace(treatment_of(_func), prepare=_prepare)
 
 
-def plate_index_error(func: Callable, dim: int, position: int, t: torch.Tensor) -> ValueError:
-    """The error for a dimension argument that falls on a plate."""
+#: functions that join tensors along a dimension (stacking is not a reduction: their error says so)
+_JOINS = frozenset({"cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack", "column_stack", "row_stack"})
+
+
+def plate_index_error(
+    func: Callable, dim: int, position: int, t: torch.Tensor, layout: PlateLayout | None = None
+) -> ValueError:
+    """The error for a dimension argument that falls on a plate (of ``layout``, by default ``t``'s;
+    for ``cat`` and ``stack``, the union of the inputs' plates)."""
     name = _func_name(func)
-    layout = t._layout
+    layout = t._layout if layout is None else layout
     plate = layout.plates[position]
     n = len(layout.sizes)
+    if name in _JOINS:
+        return ValueError(
+            f"{name} got dimension {dim}, which is plate {plate.name!r} (size {plate.size}) of its inputs "
+            f"aligned to the union of their plates {list(layout.names)}: {name} joins the events of each "
+            "sample, never plates (each input keeps its plates; storch broadcasts them to the union). "
+            f"Count dim from the right, over one sample's dimensions (e.g. {name}(tensors, dim=-1))."
+        )
     return ValueError(
         f"{name} got dimension {dim}, which is plate {plate.name!r} (size {plate.size}) of a tensor of "
         f"shape {tuple(t.shape)} whose first {n} dimensions are the plates {list(layout.names)}. "

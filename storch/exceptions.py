@@ -1,7 +1,8 @@
 """Exceptions raised by storch."""
 
 __all__ = [
-    "CompileStepError", "IllegalStorchExposeError", "NonFiniteCostError", "StaleCostError", "UnusedNodeWarning",
+    "CompileStepError", "IllegalStorchExposeError", "NonFiniteCostError", "RelaxedSampleError", "StaleCostError",
+    "UnusedNodeWarning",
 ]
 
 
@@ -26,6 +27,13 @@ class NonFiniteCostError(ValueError):
     Raised before anything is differentiated: no ``.grad`` is touched, no baseline or method state
     is updated, and the cost registry is cleared.
     """
+
+
+class RelaxedSampleError(ValueError):
+    """A distribution's ``log_prob`` got the relaxed samples of a node (Gumbel-softmax, REBAR's relaxed
+    points), which lie outside its discrete support. The message names the node, the estimator that
+    relaxes it and the fix ([`StochasticTensor.log_prob`][storch.tensor.StochasticTensor.log_prob]).
+    A `ValueError`, as torch's own validation error."""
 
 
 class StaleCostError(ValueError):

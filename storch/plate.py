@@ -601,7 +601,26 @@ def _chain_key(plate: Plate) -> str:
     return plate.chain_name if isinstance(plate, AncestralPlate) else plate.name
 
 
+def _independent(plate: Plate) -> bool:
+    """A plate of ``denote_independent`` (data, replicates): no node, no chain of steps."""
+    return plate.node is None and type(plate) is Plate
+
+
 def _raise_clash(seen: Plate, plate: Plate) -> None:
+    if _independent(seen) and _independent(plate):
+        raise PlateClashError(
+            f"Two independent plates are named {plate.name!r}, of sizes {seen.size} and {plate.size}: "
+            "tensors of two different batches met in one operation (denote_independent makes one plate "
+            "of a name and a size). Give one of them another name (storch.denote_independent(t, dim, "
+            f"'{plate.name}2')), or compute both from the same batch."
+        )
+    if (seen.node is not None and _independent(plate)) or (plate.node is not None and _independent(seen)):
+        node, independent = (seen, plate) if seen.node is not None else (plate, seen)
+        raise PlateClashError(
+            f"A stochastic node and an independent plate are both named {plate.name!r}: {_describe(node)} "
+            f"and {_describe(independent)}. Give the node another plate name (e.g. Method('{plate.name}_z')) "
+            "or the independent plate another name (storch.denote_independent(t, dim, name))."
+        )
     raise PlateClashError(
         f"Two different plates are named {plate.name!r}: {_describe(seen)} and "
         f"{_describe(plate)}. Samples of different stochastic nodes never merge, also when their "

@@ -19,6 +19,7 @@ Examples:
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Sequence
@@ -42,6 +43,8 @@ _T = torch.Tensor
 # ``func(*args)`` with torch functions of subclasses disabled, in C (no context manager)
 _call_plain = torch._C._disabled_torch_function_impl
 _SHAPE, _NDIM, _DTYPE, _DEVICE = (getattr(_T, name).__get__ for name in ("shape", "ndim", "dtype", "device"))
+# torch's check of a value before ``log_prob``, which `Tensor.size` answers with the aligned shape
+_VALIDATE_SAMPLE = Distribution._validate_sample.__code__
 
 
 def alias(t: torch.Tensor) -> torch.Tensor:
@@ -117,8 +120,17 @@ class Tensor(torch.Tensor):
         return _call_plain(_T.dim, (), (self,))
 
     def size(self, *args: Any, **kwargs: Any) -> Any:
+        """The shape, as ``torch.Tensor.size``; to torch's check of a value before ``log_prob``
+        (``Distribution._validate_sample``), the shape once aligned with the distribution's plates
+        (see ``storch._validation``)."""
         if kwargs:  # size(dim=0)
             return _call_plain(_T.size, (), (self, *args), kwargs)
+        if not args and self._layout.sizes:
+            caller = sys._getframe(1)
+            if caller.f_code is _VALIDATE_SAMPLE:
+                from storch._validation import size_to_validate  # it builds on this module
+
+                return size_to_validate(self, caller.f_locals.get("self"))
         return _call_plain(_T.size, (), (self, *args))
 
     @property
@@ -379,9 +391,19 @@ class StochasticTensor(Tensor):
         model whose cost contains the samples' own log-probability (the ``log q(z|x)`` of a negative
         ELBO), ``z.log_prob()`` is the cheaper way to write ``q.log_prob(z)``: the same values and
         gradients, one log-probability per step instead of two. (Computed with gradients disabled,
-        it is not kept, so that the surrogate loss still gets its gradient.) Relaxed samples
-        (`GumbelSoftmax` without ``straight_through``) are outside a discrete distribution's
-        support: as ``q.log_prob(z)`` does, it raises the distribution's validation error.
+        it is not kept, so that the surrogate loss still gets its gradient.)
+
+        Relaxed samples (`GumbelSoftmax` and its sparse variants without ``straight_through``,
+        `REBAR` and ``RELAX(rebar=True)`` at their relaxed points: estimators whose
+        ``relaxes_samples`` is true) lie between the values of a discrete distribution's support,
+        where ``q.log_prob`` is not defined (torch's validation refuses them; storch's message names
+        the node). For them it returns the continuous extension of ``log p`` that the relaxations'
+        papers evaluate an ELBO's ``log q`` with (Maddison et al. 2017, Concrete; Jang et al. 2017,
+        Gumbel-softmax; Tucker et al. 2017, REBAR; Grathwohl et al. 2018, RELAX):
+        ``z·log p + (1 − z)·log(1 − p)`` for a Bernoulli, ``Σ_k z_k log p_k`` for a
+        OneHotCategorical (``storch.distributions.relaxation.continuous_log_prob``),
+        equal to ``q.log_prob(z)`` at discrete values and differentiable in ``z`` (pathwise) and in
+        the parameters. It is not shared with the surrogate loss.
 
         Examples:
             >>> import torch, storch
@@ -393,6 +415,8 @@ class StochasticTensor(Tensor):
             (True, ['z'])
         """
         node = self._node
+        if getattr(node.method, "relaxes_samples", False):
+            return _continuous_log_prob(node)
         log_p = node.shared_log_prob()
         if log_p is None:
             from storch.util import lazy_plates_kept  # util builds on this module
@@ -406,6 +430,16 @@ class StochasticTensor(Tensor):
 
     def stochastic(self) -> bool:
         return True
+
+
+def _continuous_log_prob(node: StochasticNode) -> Tensor:
+    """``log p`` of a node's relaxed samples, continuously extended (see `StochasticTensor.log_prob`)."""
+    from storch.distributions.relaxation import continuous_log_prob
+    from storch.util import lazy_plates_kept  # util builds on this module
+
+    with no_dispatch(), lazy_plates_kept(node.distribution):
+        log_p = continuous_log_prob(node.distribution, node.samples)
+    return wrap_new(log_p, node.layout)
 
 
 class CostTensor(Tensor):

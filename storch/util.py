@@ -20,8 +20,8 @@ __all__ = [
     "magic_box", "get_distr_parameters", "distribution_layout", "has_differentiable_path",
     "has_backwards_path", "walk_backward_graph", "print_graph", "topological_sort", "split",
     "rsample_gumbel", "rsample_gumbel_softmax", "conditional_gumbel_rsample", "tensor_stats",
-    "reduce_mean", "log_prob_of_own_samples", "restore_lazy_plates", "lazy_plates_kept", "floating_dtype", "with_nested",
-    "elementwise",
+    "reduce_mean", "log_prob_of_own_samples", "restore_lazy_plates", "lazy_plates_kept", "floating_dtype",
+    "with_nested", "elementwise",
 ]
 
 

@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "storch.datasets": 0,
     # 1. the engine: the tensor type, dispatch, reductions, costs and the surrogate loss
     "storch._dispatch": 1,
+    "storch._validation": 1,
     "storch.tensor": 1,
     "storch.util": 1,
     "storch.reductions": 1,

@@ -325,10 +325,8 @@ def sbn2_model(theta):
     q2 = Bernoulli(logits=linear(wq2, bq2, z1))
     z2 = LocalExpectation("z2")(q2)
     assert q2.batch_shape[0] == z2.shape[0] == 1 + 2 + 2  # q2 was moved to z2's plate
-    p1 = Bernoulli(logits=linear(wp1, bp1, z2), validate_args=False)  # scores the earlier z1
-    # (the data plate is newer than the test's replicate plate, so x's raw shape does not line up
-    # with the decoder's batch either: torch's validation compares raw shapes)
-    px = Bernoulli(logits=linear(wpx, bpx, z1), validate_args=False)
+    p1 = Bernoulli(logits=linear(wp1, bp1, z2))  # scores the earlier z1 (validated as aligned to z2's points)
+    px = Bernoulli(logits=linear(wpx, bpx, z1))  # x's data plate is newer than the replicate plate
     cost = -(px.log_prob(x).sum(-1) + p1.log_prob(z1).sum(-1)
              + Bernoulli(logits=prior).log_prob(z2).sum(-1) - q1.log_prob(z1).sum(-1) - q2.log_prob(z2).sum(-1))
     storch.add_cost(cost, "neg_elbo")

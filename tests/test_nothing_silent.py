@@ -131,13 +131,20 @@ def _three_by_three():
         lambda t: t.sum(0), lambda t: t.sum(dim=0), lambda t: torch.sum(t, 0), lambda t: t.mean(-2),
         lambda t: t.softmax(0), lambda t: torch.nn.functional.log_softmax(t, dim=0), lambda t: t.max(0),
         lambda t: t.norm(2, 0), lambda t: t.transpose(0, 1), lambda t: t.T, lambda t: t.t(), lambda t: t.mT,
-        lambda t: t.flip(0), lambda t: t.movedim(1, 0), lambda t: t.unsqueeze(0), lambda t: torch.stack([t, t, t]),
-        lambda t: torch.cat([t, t], 0), lambda t: t.cumsum(0), lambda t: t.logsumexp(0),
+        lambda t: t.flip(0), lambda t: t.movedim(1, 0), lambda t: t.unsqueeze(0), lambda t: t.cumsum(0),
+        lambda t: t.logsumexp(0),
     ],
 )
 def test_a_dimension_argument_on_a_plate_is_refused_even_when_sizes_coincide(op):
     z = _three_by_three()  # plate 'z' of size 3 over a 3-valued one-hot: shape (3, 3)
     with pytest.raises(ValueError, match=r"dimension -?\d+, which is plate 'z' \(size 3\).*storch.reduce_plates\(t, 'z'\)"):
+        op(z * torch.tensor([1.0, 2.0, 3.0]))
+
+
+@pytest.mark.parametrize("op", [lambda t: torch.stack([t, t, t]), lambda t: torch.cat([t, t], 0)])
+def test_joining_along_a_plate_is_refused_even_when_sizes_coincide(op):
+    z = _three_by_three()
+    with pytest.raises(ValueError, match=r"dimension 0, which is plate 'z' \(size 3\).*joins the events of each sample"):
         op(z * torch.tensor([1.0, 2.0, 3.0]))
 
 

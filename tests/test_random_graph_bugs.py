@@ -240,3 +240,132 @@ def test_moving_average_baseline_after_a_chain_plate_left_by_reduce_plates(middl
         (grads,) = replicated_gradients([MA], R, model)
     assert c_method.baseline.averages["f"].dim() == 0
     assert_unbiased(grads, torch.autograd.functional.jacobian(exact_moving_average_chain, MA), label=middle)
+
+
+# ---------------------------------------------------------------- messages that name the actual clash
+def test_two_data_plates_of_one_name_and_different_sizes_name_that_clash():
+    a = storch.denote_independent(torch.zeros(5, 2), 0, "data")
+    b = storch.denote_independent(torch.zeros(4, 2), 0, "data")
+    with pytest.raises(storch.plate.PlateClashError) as info:
+        a + b
+    message = str(info.value)
+    assert message.startswith("Two independent plates are named 'data', of sizes 5 and 4")
+    assert "denote_independent(t, dim, 'data2')" in message
+    assert "stochastic node" not in message and "Method(" not in message
+
+
+def test_a_node_and_a_data_plate_of_one_name_name_that_clash():
+    x = storch.denote_independent(torch.zeros(5, 3), 0, "data")
+    d = ScoreFunction("data", n_samples=4)(Bernoulli(logits=torch.zeros(3)))
+    with pytest.raises(storch.plate.PlateClashError, match="A stochastic node and an independent plate are both "
+                                                           "named 'data'"):
+        x + d
+    storch.reset()
+
+
+@pytest.mark.parametrize("join", [torch.stack, torch.cat])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_joining_along_a_plate_says_joins_are_not_reductions(join, dim):
+    x = ScoreFunction("x", n_samples=2)(Bernoulli(logits=torch.zeros(3)))
+    y = ScoreFunction("y", n_samples=5)(Bernoulli(logits=torch.zeros(3)))
+    name = join.__name__
+    # dim 1 is plate 'x' of the inputs aligned to their plates ['y', 'x'] (it was joined silently)
+    with pytest.raises(ValueError) as info:
+        join([x, y], dim)
+    message = str(info.value)
+    assert message.startswith(f"{name} got dimension {dim}, which is plate {['y', 'x'][dim]!r}")
+    assert f"{name} joins the events of each sample, never plates" in message
+    assert f"{name}(tensors, dim=-1)" in message and "reduce_plates" not in message
+    joined = join([x, y], -1)
+    assert joined.plate_names == ["y", "x"] and joined.shape[-1] == (2 if name == "stack" else 6)
+    storch.reset()
+
+
+# ---------------------------------------------------------------- relaxed samples: z.log_prob() and the user's q.log_prob(z)
+PHI = torch.tensor([[0.3, -1.0, 2.0], [-0.4, 0.8, 0.0]])
+
+
+def _relaxing(name):
+    if name == "GumbelSoftmax":
+        return storch.method.GumbelSoftmax("z", n_samples=4)
+    if name == "REBAR":
+        return storch.method.REBAR("z")
+    return storch.method.RELAX("z", rebar=True)
+
+
+def _bernoulli_formula(z, phi):
+    p = torch.sigmoid(phi)
+    return z * p.log() + (1 - z) * (1 - p).log()
+
+
+@pytest.mark.parametrize("form", ["logits", "probs"])
+@pytest.mark.parametrize("method", ["GumbelSoftmax", "REBAR", "RELAX(rebar=True)"])
+def test_log_prob_of_relaxed_bernoulli_samples_is_the_continuous_extension(method, form):
+    phi = PHI.clone().requires_grad_()
+    data = storch.denote_independent(phi, 0, "data")
+    q = Bernoulli(logits=data) if form == "logits" else Bernoulli(probs=torch.sigmoid(data))
+    m = _relaxing(method)
+    assert m.relaxes_samples
+    z = m(q)
+    samples = z._tensor
+    assert ((samples > 0) & (samples < 1)).any()  # relaxed values between 0 and 1
+    own = z.log_prob()
+    assert own.plate_names == ["z", "data"] and own.shape == z.shape
+    expected = _bernoulli_formula(samples, phi)
+    assert torch.allclose(own._tensor, expected, atol=1e-6)
+    weights = torch.linspace(0.5, 1.5, samples.numel()).reshape(samples.shape)
+    got = torch.autograd.grad((own._tensor * weights).sum(), phi, retain_graph=True)[0]
+    want = torch.autograd.grad((expected * weights).sum(), phi, retain_graph=True)[0]
+    assert torch.allclose(got, want, atol=1e-5)  # pathwise through z and through the parameters
+    hard = (samples == 0) | (samples == 1)
+    if method != "GumbelSoftmax":  # REBAR's first point of each sample is the discrete sample b
+        assert hard[0].all()
+    with torch.no_grad():
+        exact = Bernoulli(logits=phi).log_prob(samples.round())
+    rounded = storch.distributions.relaxation.continuous_log_prob(Bernoulli(logits=phi), samples.round())
+    assert torch.allclose(rounded, exact) and torch.allclose(own._tensor[hard], exact[hard])
+    storch.reset()
+
+
+def test_log_prob_of_relaxed_one_hot_samples_is_the_continuous_extension():
+    logits = torch.tensor([[0.1, 0.5, -0.3], [1.0, -2.0, 0.0]], requires_grad=True)
+    q = OneHotCategorical(logits=logits)
+    z = storch.method.GumbelSoftmax("z", n_samples=3)(q)
+    own = z.log_prob()
+    expected = (z._tensor * torch.log_softmax(logits, -1)).sum(-1)
+    assert own.plate_names == ["z"] and torch.allclose(own._tensor, expected)
+    got = torch.autograd.grad(own._tensor.sum(), logits, retain_graph=True)[0]
+    assert torch.allclose(got, torch.autograd.grad(expected.sum(), logits)[0], atol=1e-6)
+    hard = torch.eye(3)[torch.tensor([2, 0])]
+    extension = storch.distributions.relaxation.continuous_log_prob(q, hard)
+    assert torch.allclose(extension, q.log_prob(hard))
+    storch.reset()
+
+
+@pytest.mark.parametrize("method", ["GumbelSoftmax", "REBAR", "RELAX(rebar=True)"])
+def test_the_users_log_prob_of_relaxed_samples_names_node_estimator_and_fix(method):
+    logits = PHI[0].clone().requires_grad_()
+    q = Bernoulli(logits=logits)
+    z = _relaxing(method)(q)
+    for d in (q, Bernoulli(logits=torch.zeros(3))):  # the encoder's q and a prior
+        with pytest.raises(storch.exceptions.RelaxedSampleError) as info:
+            d.log_prob(z)
+        message = str(info.value)
+        estimator = "GumbelSoftmax" if method == "GumbelSoftmax" else method.split("(")[0]
+        assert f"node 'z', whose estimator {estimator}('z') relaxes its samples" in message
+        assert "z.log_prob()" in message and "validate_args=False" in message
+        assert len(message) < 700 and "tensor(" not in message  # a few lines, no tensor dump
+    # the fixes the message names work
+    assert torch.allclose(Bernoulli(logits=logits, validate_args=False).log_prob(z)._tensor, z.log_prob()._tensor)
+    storch.reset()
+
+
+def test_a_relaxed_elbo_with_z_log_prob_trains():
+    """Switching a linear SBN's estimator to REBAR changes one line: z.log_prob() scores the relaxed points."""
+    enc = torch.nn.Linear(4, 3)
+    x = storch.denote_independent(torch.tensor([[1.0, 0.0, 1.0, 1.0], [0.0, 1.0, 0.0, 1.0]]), 0, "data")
+    z = storch.method.REBAR("z")(Bernoulli(logits=enc(x)))
+    cost = -(torch.nn.functional.logsigmoid(z.sum(-1)) - z.log_prob().sum(-1))
+    storch.add_cost(cost, "neg_elbo")
+    storch.backward()
+    assert enc.weight.grad is not None and torch.isfinite(enc.weight.grad).all()

@@ -37,10 +37,11 @@ from torch.distributions.transforms import SigmoidTransform
 
 from storch.distributions.one_hot import one_hot
 from storch.registries import RELAXATIONS, register_relaxation
-from storch.registry import TypeRegistry
+from storch.registry import TypeRegistry, independent_base
 
 __all__ = [
     "Relaxation", "GumbelCoupling", "register_relaxation", "relaxation_for", "conditional_gumbel_rsample",
+    "continuous_log_prob",
 ]
 
 
@@ -77,11 +78,15 @@ class Relaxation:
         hard: maps a relaxed sample to the discrete sample it rounds to (for straight-through).
         coupling: the noise model and its conditional samples, for REBAR and RELAX (``None``: the
             type has a relaxation but no coupling).
+        log_prob: ``(distribution, value) -> log p(value)`` extended to relaxed values (see
+            [`continuous_log_prob`][storch.distributions.relaxation.continuous_log_prob]; ``None``: the
+            type has none, and relaxed samples of it cannot be scored).
     """
 
     relaxed: Callable[[Distribution, torch.Tensor], Distribution]
     hard: Callable[[torch.Tensor], torch.Tensor]
     coupling: Optional[GumbelCoupling] = None
+    log_prob: Optional[Callable[[Distribution, torch.Tensor], torch.Tensor]] = None
 
 
 _RELAXATIONS: TypeRegistry[Relaxation] = RELAXATIONS  # made in storch.registries, filled here
@@ -166,11 +171,24 @@ def _relaxed_bernoulli(d: Distribution, tau: torch.Tensor) -> RelaxedBernoulli:
     return relaxed
 
 
+def _bernoulli_log_prob(d: Distribution, z: torch.Tensor) -> torch.Tensor:
+    """``z·log p + (1 − z)·log(1 − p) = z·φ − softplus(φ)`` with ``φ`` the logit (stable in ``φ``)."""
+    logits = d.logits
+    return z * logits - F.softplus(logits)
+
+
+def _one_hot_log_prob(d: Distribution, z: torch.Tensor) -> torch.Tensor:
+    """``Σ_k z_k log p_k``; a class of probability 0 (``log p_k = −∞``) adds 0 where ``z_k = 0``."""
+    log_p = d.logits  # normalised log-probabilities
+    return (z * log_p.masked_fill(z == 0, 0.0)).sum(-1)
+
+
 _RELAXATIONS.register_default(OneHotCategorical)(
     Relaxation(
         relaxed=lambda d, tau: RelaxedOneHotCategorical(tau, logits=d.logits, validate_args=False),
         hard=_one_hot_argmax,
         coupling=_CATEGORICAL_COUPLING,
+        log_prob=_one_hot_log_prob,
     )
 )
 _RELAXATIONS.register_default(Bernoulli)(
@@ -178,8 +196,45 @@ _RELAXATIONS.register_default(Bernoulli)(
         relaxed=_relaxed_bernoulli,
         hard=lambda x: (x > 0.5).to(x.dtype),
         coupling=_BERNOULLI_COUPLING,
+        log_prob=_bernoulli_log_prob,
     )
 )
+
+
+def continuous_log_prob(d: Distribution, value: torch.Tensor) -> torch.Tensor:
+    """``log p(value)`` of a discrete distribution, extended to the relaxed values between its support's.
+
+    The relaxations score a relaxed sample with the discrete log-probability's formula written as a
+    function that is linear in the sample (Maddison et al. 2017, "The Concrete Distribution"; Jang et
+    al. 2017, "Categorical Reparameterization with Gumbel-Softmax"; the cost ``f(σ_λ(z))`` of REBAR,
+    Tucker et al. 2017, and RELAX, Grathwohl et al. 2018, evaluates an ELBO's ``log q`` this way):
+
+        Bernoulli:          log p(z) = z·log p + (1 − z)·log(1 − p)
+        OneHotCategorical:  log p(z) = Σ_k z_k log p_k
+
+    At a discrete value it is ``d.log_prob(value)``; it is differentiable in the value and in the
+    parameters. An ``Independent`` sums its base's over the reinterpreted dimensions.
+
+    Raises:
+        TypeError: if no relaxation with a ``log_prob`` is registered for the distribution's type.
+
+    Examples:
+        >>> import torch
+        >>> from torch.distributions import Bernoulli
+        >>> q = Bernoulli(probs=torch.tensor([0.2, 0.6]))
+        >>> continuous_log_prob(q, torch.tensor([0.5, 1.0])).tolist() == [
+        ...     (0.5 * torch.tensor(0.2).log() + 0.5 * torch.tensor(0.8).log()).item(), torch.tensor(0.6).log().item()]
+        True
+    """
+    base, n = independent_base(d)
+    relaxation = _RELAXATIONS.lookup(base)
+    if relaxation is None or relaxation.log_prob is None:
+        raise TypeError(
+            f"{type(base).__name__} has no continuous extension of its log-probability registered "
+            "(storch.distributions.relaxation.register_relaxation(..., Relaxation(..., log_prob=...)))."
+        )
+    log_p = relaxation.log_prob(base, value)
+    return log_p.sum(tuple(range(-n, 0))) if n else log_p
 
 
 def conditional_gumbel_rsample(

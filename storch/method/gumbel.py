@@ -70,6 +70,11 @@ class GumbelSoftmax(AnnealedTemperature, Method):
         )
         self.straight_through = straight_through
 
+    @property
+    def relaxes_samples(self) -> bool:  # type: ignore[override]
+        """Relaxed samples, unless ``straight_through`` (then the forward value is the discrete sample)."""
+        return not self.straight_through
+
     def check_distribution(self, distr: Distribution) -> None:
         if relaxation_for(distr) is None:
             hint = " Use OneHotCategorical instead of Categorical." if type(distr).__name__ == "Categorical" else ""

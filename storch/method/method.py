@@ -308,6 +308,10 @@ class Method(nn.Module, DeclaresStepState):
     is_storch_method: bool = True
     #: whether the samples carry pathwise gradients (``rsample``)
     reparameterized: bool = False
+    #: whether some of the node's samples are relaxed, continuous values between those of a discrete
+    #: support (Gumbel-softmax, REBAR's relaxed points): ``z.log_prob()`` then gives the continuous
+    #: extension of ``log p`` ([`StochasticTensor.log_prob`][storch.tensor.StochasticTensor.log_prob])
+    relaxes_samples: bool = False
     #: whether [`update_parameters`][storch.method.method.Method.update_parameters] differentiates through the
     # surrogate again (e.g. to train
     #: a control variate on the gradient variance); ``storch.backward`` then retains the graph

@@ -299,6 +299,11 @@ class RELAX(LearnedControlVariate):
         return self.relaxed_cost is REBAR_TERM
 
     @property
+    def relaxes_samples(self) -> bool:  # type: ignore[override]
+        """With the REBAR term, two of each sample's three points are relaxed (``σ_λ(z)``, ``σ_λ(z̃)``)."""
+        return self.rebar
+
+    @property
     def temperature(self) -> torch.Tensor:
         """``λ = exp(log_temperature)``."""
         return self.log_temperature.exp()
