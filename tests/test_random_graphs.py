@@ -1,26 +1,12 @@
 """storch's random-graph tester (storch.testing.fuzz) on a fixed set of seeds, and the tester itself.
 
-The CI set: the graphs of seeds ``0 .. RANDOM_SEEDS - 1``, plus, for every catalog entry declared
+The CI set: the graphs of seeds ``0 .. RANDOM_SEEDS - 1`` and of ``SHAPES`` (graphs of the shapes on
+which random graphs first found storch wrong), plus, for every catalog entry declared
 unbiased (storch.method.catalog), ``PER_ESTIMATOR`` graphs in which one node uses it, so that an
 estimator is checked in random graphs the day it is registered. Each graph's gradient (and, for
 about a fifth, a Hessian-vector product) is compared with the exact value (enumeration and
 quadrature without storch) by a z-test per coordinate, ``|z| < 5.5``; a failing graph is checked
 again with four times the estimates before it counts. ``make fuzz`` runs thousands of graphs.
-
-Two options of the generator are off here:
-
-* ``cross_scores=False``: a term ``r.log_prob(z)`` has ``r`` built from constants or from a descendant
-  of ``z`` whose plates end with those of ``z``. A distribution built from an unrelated node, or
-  from a global node scoring a per-datum sample, fails torch's argument validation, which compares
-  raw shapes before storch can align plates: the reproducer is the hierarchical prior
-
-      g = ScoreFunction("g", n_samples=2)(Normal(mu, 1.0))
-      z = ScoreFunction("z", n_samples=4)(Bernoulli(logits=g + x))     # x: a data plate
-      Bernoulli(logits=2 * g).log_prob(z)   # ValueError: Value is not broadcastable ...
-
-  (``python -m storch.testing.fuzz --seeds 24,159 --out DIR`` writes the shrunk ones.)
-* ``relaxed_log_prob=False``: no ``z.log_prob()`` on the relaxed samples of REBAR / RELAX nodes
-  (``python -m storch.testing.fuzz --seeds 31 --out DIR``).
 """
 
 from __future__ import annotations
@@ -42,17 +28,48 @@ from storch.testing.graphs import Cost, Graph, Node, compile_model, model_source
 
 RANDOM_SEEDS = 200
 PER_ESTIMATOR = 3
-OPTIONS = {"relaxed_log_prob": False, "cross_scores": False}
 
 
 def _unbiased_labels() -> list[str]:
     return [e.label for e in catalog() if e.unbiased_orders > 0 and not e.requires]
 
 
+SINGLE_SAMPLE = {"ScoreFunction", "ScoreFunction + moving_average", "ScoreFunction + critic", "Reparameterization",
+                 "Infer", "LocalExpectation"}
+
+
+def _log_prob_then_score_with_probs_and_plate(g: Graph) -> bool:
+    return bool(g.plate) and any(n.probs and n.in_plate and any(n.name in c.log_prob and n.name in c.own_score
+                                                                for c in g.costs) for n in g.nodes)
+
+
+def _one_hot_local_expectation_below_another(g: Graph) -> bool:
+    return any(n.kind == "onehot" and n.estimator.startswith("LocalExpectation")
+               and any(g.node(q).estimator.startswith("LocalExpectation") for q in n.parents) for n in g.nodes)
+
+
+def _joined_sibling_with_own_cost_under_plate(g: Graph) -> bool:
+    return bool(g.plate) and any(n.joint_with and any(n.name in c.uses for c in g.costs) for n in g.nodes)
+
+
+def _moving_average_below_single_sample(g: Graph) -> bool:
+    return any(n.estimator == "ScoreFunction + moving_average" and any(g.node(q).estimator in SINGLE_SAMPLE
+                                                                       for q in n.parents) for n in g.nodes)
+
+
+#: seeds whose graphs have the shapes where random graphs first found storch wrong, with the shape
+SHAPES = {
+    218: _log_prob_then_score_with_probs_and_plate, 414: _log_prob_then_score_with_probs_and_plate,
+    531: _one_hot_local_expectation_below_another, 1089: _one_hot_local_expectation_below_another,
+    474: _joined_sibling_with_own_cost_under_plate, 2076: _joined_sibling_with_own_cost_under_plate,
+    323: _moving_average_below_single_sample, 427: _moving_average_below_single_sample,
+}
+
+
 def ci_graphs() -> list[Graph]:
-    graphs = [random_graph(seed, **OPTIONS) for seed in range(RANDOM_SEEDS)]
+    graphs = [random_graph(seed) for seed in list(range(RANDOM_SEEDS)) + list(SHAPES)]
     for k, label in enumerate(_unbiased_labels()):
-        graphs += [random_graph(10_000 + 100 * k + j, estimator=label, **OPTIONS) for j in range(PER_ESTIMATOR)]
+        graphs += [random_graph(10_000 + 100 * k + j, estimator=label) for j in range(PER_ESTIMATOR)]
     return graphs
 
 
@@ -80,11 +97,14 @@ def test_the_ci_graphs_cover_the_generator():
     assert any(entry(n.estimator).warmup for n in nodes)  # baselines and control variates that learn
     assert any(c.log_prob for c in costs) and any(c.own_score for c in costs)
     assert any(by for c in costs for _, by in c.scores) and any(not by for c in costs for _, by in c.scores)
+    assert any(entry(g.node(z).estimator).relaxes for g in CI for c in g.costs for z in c.log_prob)
+    assert any(by and by in g.descendants(z) for g in CI for c in g.costs for z, by in c.scores)  # decoders
+    assert any(by and by not in g.descendants(z) for g in CI for c in g.costs for z, by in c.scores)
     # a chain: a single-sample node drawn from another single-sample node
-    single = {"ScoreFunction", "ScoreFunction + moving_average", "ScoreFunction + critic", "Reparameterization",
-              "Infer", "LocalExpectation"}
-    assert any(n.estimator in single and any(g.node(q).estimator in single for q in n.parents)
+    assert any(n.estimator in SINGLE_SAMPLE and any(g.node(q).estimator in SINGLE_SAMPLE for q in n.parents)
                for g in CI for n in g.nodes)
+    for seed, shape in SHAPES.items():
+        assert shape(random_graph(seed)), (seed, shape.__name__)
 
 
 # ----------------------------------------------------------------------------------------- the catalog

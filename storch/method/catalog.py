@@ -24,7 +24,11 @@ An entry declares:
 * ``requires``: a condition on the model beyond the distribution type, in words (a multi-sample bound,
   a cost differentiable in the sample); an entry with one is not drawn for arbitrary graphs;
 * ``source``: optionally, the code that builds the method (``{name}`` and ``{shape}`` filled in), which
-  the tester prints in its reproducers.
+  the tester prints in its reproducers;
+* ``downstream_orders``: the derivative order for which the estimators of every node drawn, directly
+  or not, from this node's samples must be unbiased (``GSB`` differentiates their surrogate twice in
+  the sample: below a GSB Normal, an estimator unbiased for first derivatives only, such as ARSM, gives
+  its scale a zero gradient).
 
 Examples:
     >>> from torch.distributions import Bernoulli, Normal
@@ -98,6 +102,7 @@ class CatalogEntry:
     joinable: bool = False
     requires: str = ""
     source: str = ""
+    downstream_orders: int = 0
 
     def handles(self, distribution: type) -> bool:
         """Whether the entry declares ``distribution`` (a type) among those it handles."""
@@ -209,7 +214,7 @@ _E("UnorderedSetEstimator", "UnorderedSetEstimator({name}, k=2)", DISCRETE, EVER
 _E("RaoBlackwellSF", "RaoBlackwellSF({name}, k=2)", (Categorical, OneHotCategorical), EVERY_ORDER,
    requires="one categorical variable per plate element")
 _E("MAPO", "MAPO({name}, n_samples=2, buffer_size=2)", DISCRETE, EVERY_ORDER, warmup=3)
-_E("GSB", "GSB({name}, order=2)", (Normal,) + DISCRETE, 1)
+_E("GSB", "GSB({name}, order=2)", (Normal,) + DISCRETE, 1, downstream_orders=2)
 # biased by design: registered so that the catalog is complete, never drawn for an unbiasedness check
 _E("GumbelSoftmax", "GumbelSoftmax({name})", (Bernoulli, OneHotCategorical), 0, relaxes=True)
 _E("StraightThrough", "StraightThrough({name})", (Bernoulli, OneHotCategorical), 0)

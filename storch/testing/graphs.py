@@ -143,7 +143,11 @@ def random_graph(seed: int, *, order: Optional[int] = None, max_nodes: int = 4, 
         size = 1 if kind == "normal" else rng.choice((1, 2))
         categories = {"bernoulli": 2, "normal": 1}.get(kind) or rng.choice((2, 3))
         parents = tuple(n.name for n in nodes if rng.random() < 0.5)
-        labels = sorted(e.label for e in unbiased_estimators(DISTRIBUTIONS[kind], order))
+        needed = max([order] + [entry(a.estimator).downstream_orders for a in nodes
+                                if a.name in parents or a.name in _ancestors(nodes, *parents)])
+        if forced is not None and i == forced_at and forced.unbiased_orders < needed:
+            parents, needed = (), order  # the forced estimator cannot sit below this parent's
+        labels = sorted(e.label for e in unbiased_estimators(DISTRIBUTIONS[kind], needed))
         label = estimator if forced is not None and i == forced_at else rng.choice(labels)
         # a node joins the points of an earlier one whose chain began after all of its own parents
         joinable = [n.name for k, n in enumerate(nodes) if entry(n.estimator).joinable
@@ -168,11 +172,12 @@ def _plated(nodes: list[Node], name: str) -> bool:
     return node.in_plate or any(_plated(nodes, q) for q in node.parents)
 
 
-def _ancestors(nodes: list[Node], name: str) -> set[str]:
-    node = next(n for n in nodes if n.name == name)
-    found = set(node.parents)
-    for q in node.parents:
-        found |= _ancestors(nodes, q)
+def _ancestors(nodes: list[Node], *names: str) -> set[str]:
+    """The nodes that ``names`` are drawn from, directly or not."""
+    found: set[str] = set()
+    for name in names:
+        node = next(n for n in nodes if n.name == name)
+        found |= set(node.parents) | _ancestors(nodes, *node.parents)
     return found
 
 
