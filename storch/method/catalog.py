@@ -14,7 +14,7 @@ An entry declares:
 
 * ``distributions``: the distribution types it handles (a subclass counts; ``Distribution`` means any);
 * ``unbiased_orders``: ``0`` for a biased estimator (a relaxation, finite differences), ``1`` for
-  unbiased first derivatives only, ``2`` up to the second, [`EVERY_ORDER`][storch.method.catalog.EVERY_ORDER]
+  unbiased first derivatives only, ``2`` up to the second, ``EVERY_ORDER``
   for derivatives of every order;
 * ``warmup``: steps to run before an estimate is representative (a baseline or control variate that
   learns between steps); the claim holds at every step, the warm-up only exercises the learned state;
