@@ -218,3 +218,12 @@ def test_model_source_is_the_same_code_with_and_without_storch():
     plain, exact = model_source(graph), model_source(graph, exact=True)
     assert plain.count("\n") == exact.count("\n")
     assert ".log_prob()" not in exact
+
+
+@pytest.mark.parametrize("estimator", ["DisARM", "MVD"])
+def test_an_estimator_unbiased_at_first_order_only_fails_the_hessian_check(estimator):
+    """The catalog's orders are not generous: DisARM's second derivative is 0, MVD's is biased."""
+    graph = Graph(9, (Node("z0", "bernoulli", 2, 2, (), estimator),), (Cost("f0", ("z0",)),), order=2)
+    assert not entry(estimator).unbiased_for(Bernoulli, 2)
+    outcome = check_graph(graph, rng_offset=OFFSET)
+    assert outcome.kind == "biased" and outcome.detail.startswith("Hessian-vector product")
