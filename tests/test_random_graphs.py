@@ -23,7 +23,9 @@ from seeding import OFFSET
 from storch.method import Method
 from storch.method.catalog import CatalogEntry, catalog, entry, register_estimator, unbiased_estimators
 from storch.testing.exact import exact_objective
-from storch.testing.fuzz import check_graph, reproducer, same_failure, shrink
+from storch.testing.fuzz import check_graph, same_failure
+from storch.testing.reproducer import reproducer
+from storch.testing.shrink import shrink
 from storch.testing.graphs import Cost, Graph, Node, compile_model, model_source, random_graph, values
 
 RANDOM_SEEDS = 200
@@ -195,7 +197,7 @@ def test_an_error_shrinks_to_a_standalone_script(tmp_path):
     assert outcome.kind == "error" and "ARM" in outcome.detail
     small = shrink(graph, same_failure(outcome, 200), valid=lambda g: True)
     assert [n.name for n in small.nodes] == ["z1"] and small.plate == 0 and len(small.costs) == 1
-    script = reproducer(small, check_graph(small), estimates=200)
+    script = reproducer(small, check_graph(small).line(), estimates=200)
     assert "def model(draw, p, x, c):" in script and "ARM('z1').double()" in script
     path = tmp_path / "reproducer.py"
     path.write_text(script)

@@ -12,9 +12,9 @@ hundred coordinates with probability below 1e-5, so thousands of graphs raise no
 covers rounding of exact estimators and, where all estimates are equal, an unseen outcome of
 probability below ``20/N``). A graph fails when storch raises or a coordinate fails.
 
-[`shrink`][storch.testing.fuzz.shrink] reduces a failing graph while it still fails in the same way
+[`shrink`][storch.testing.shrink.shrink] reduces a failing graph while it still fails in the same way
 (drops costs, nodes, edges, log-probability terms and the plate, lowers the order, makes nodes
-smaller and estimators simpler), and [`reproducer`][storch.testing.fuzz.reproducer] prints it as a
+smaller and estimators simpler), and [`reproducer`][storch.testing.reproducer.reproducer] prints it as a
 standalone script. The command line runs many seeds::
 
     python -m storch.testing.fuzz --count 1000 --out fuzz-failures
@@ -28,19 +28,19 @@ import math
 import sys
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
 
 import storch
-from storch.method.catalog import entry, unbiased_estimators
+from storch.method.catalog import entry
 from storch.testing.exact import exact_derivatives
-from storch.testing.graphs import (
-    DISTRIBUTIONS, Cost, Graph, Node, compile_model, event_shape, model_source, random_graph, values,
-)
+from storch.testing.graphs import Graph, compile_model, event_shape, random_graph, values
+from storch.testing.reproducer import reproducer
+from storch.testing.shrink import shrink
 
-__all__ = ["Outcome", "check_graph", "storch_estimates", "shrink", "reproducer", "main"]
+__all__ = ["Outcome", "check_graph", "storch_estimates", "same_failure", "main"]
 
 #: the z-score beyond which a coordinate fails
 Z_LIMIT = 5.5
@@ -212,225 +212,13 @@ def _check_graph(graph: Graph, estimates: int, z_limit: float, confirm: bool, rn
     return outcome
 
 
-# ----------------------------------------------------------------------------------------- shrinking
-
-
-def _without_node(graph: Graph, name: str) -> Optional[Graph]:
-    nodes = tuple(
-        replace(n, parents=tuple(q for q in n.parents if q != name),
-                joint_with=None if n.joint_with == name else n.joint_with)
-        for n in graph.nodes if n.name != name
-    )
-    if not nodes:
-        return None
-    costs = []
-    for cost in graph.costs:
-        cost = Cost(cost.name, tuple(z for z in cost.uses if z != name), tuple(z for z in cost.log_prob if z != name),
-                    tuple(z for z in cost.own_score if z != name),
-                    tuple((z, "" if by == name else by) for z, by in cost.scores if z != name))
-        if cost.uses or cost.log_prob or cost.own_score or cost.scores:
-            costs.append(cost)
-    return replace(graph, nodes=nodes, costs=tuple(costs)) if costs else None
-
-
-def _terms(cost: Cost) -> int:
-    return len(cost.uses) + len(cost.log_prob) + len(cost.own_score) + len(cost.scores)
-
-
-def _smaller_costs(graph: Graph) -> Iterator[Graph]:
-    for i, cost in enumerate(graph.costs):
-        def with_cost(new: Cost) -> Graph:
-            return replace(graph, costs=graph.costs[:i] + (new,) + graph.costs[i + 1:])
-        if _terms(cost) > 1:
-            for field_name in ("uses", "log_prob", "own_score", "scores"):
-                items = getattr(cost, field_name)
-                for j in range(len(items)):
-                    yield with_cost(replace(cost, **{field_name: items[:j] + items[j + 1:]}))
-        for j, (z, by) in enumerate(cost.scores):
-            if by:
-                yield with_cost(replace(cost, scores=cost.scores[:j] + ((z, ""),) + cost.scores[j + 1:]))
-
-
-SIMPLER_ESTIMATORS = ("Expect", "Reparameterization", "ScoreFunction")
-
-
-def _smaller_nodes(graph: Graph) -> Iterator[Graph]:
-    for i, node in enumerate(graph.nodes):
-        def with_node(new: Node) -> Graph:
-            return replace(graph, nodes=graph.nodes[:i] + (new,) + graph.nodes[i + 1:])
-        for parent in node.parents:
-            yield with_node(replace(node, parents=tuple(q for q in node.parents if q != parent)))
-        if node.joint_with:
-            yield with_node(replace(node, joint_with=None))
-        if node.in_plate:
-            yield with_node(replace(node, in_plate=False))
-        if node.probs:
-            yield with_node(replace(node, probs=False))
-        if node.size > 1 and not any(node.name in n.parents for n in graph.nodes) and not _scored_by(graph, node.name):
-            yield with_node(replace(node, size=1))
-        allowed = {e.label for e in unbiased_estimators(DISTRIBUTIONS[node.kind], graph.order)}
-        if node.joint_with is None:
-            for label in SIMPLER_ESTIMATORS:
-                if label in allowed and label != node.estimator and node.estimator not in SIMPLER_ESTIMATORS[:1]:
-                    yield with_node(replace(node, estimator=label))
-
-
-def _scored_by(graph: Graph, name: str) -> bool:
-    return any(by == name for cost in graph.costs for _, by in cost.scores)
-
-
-def _candidates(graph: Graph) -> Iterator[Graph]:
-    if len(graph.costs) > 1:
-        for i in range(len(graph.costs)):
-            yield replace(graph, costs=graph.costs[:i] + graph.costs[i + 1:])
-    for node in reversed(graph.nodes):
-        smaller = _without_node(graph, node.name)
-        if smaller is not None:
-            yield smaller
-    if graph.plate:
-        yield replace(graph, plate=0, nodes=tuple(replace(n, in_plate=False) for n in graph.nodes))
-    if graph.order == 2:
-        yield replace(graph, order=1)
-    yield from _smaller_costs(graph)
-    yield from _smaller_nodes(graph)
-
-
-def _valid(graph: Graph) -> bool:
-    """Every node's estimator is still declared unbiased for it at the graph's order; joins are kept
-    between joinable single-sample nodes."""
-    for node in graph.nodes:
-        if not entry(node.estimator).unbiased_for(DISTRIBUTIONS[node.kind], graph.order):
-            return False
-        if node.joint_with and not entry(node.estimator).joinable:
-            return False
-    return True
-
-
-def shrink(
-    graph: Graph, fails: Callable[[Graph], bool], max_checks: int = 200, valid: Optional[Callable[[Graph], bool]] = None
-) -> Graph:
-    """A smaller graph on which ``fails`` still holds (greedy: the first smaller candidate that fails,
-    until none does or ``max_checks`` candidates were tried). Candidates must be ``valid`` (default:
-    every node's estimator declared unbiased for it at the graph's order, joins between joinable nodes)."""
-    valid = valid or _valid
-    checks = 0
-    progress = True
-    while progress and checks < max_checks:
-        progress = False
-        for candidate in _candidates(graph):
-            if not valid(candidate):
-                continue
-            checks += 1
-            if fails(candidate):
-                graph, progress = candidate, True
-                break
-            if checks >= max_checks:
-                break
-    return graph
-
-
 def same_failure(outcome: Outcome, estimates: int) -> Callable[[Graph], bool]:
-    """The predicate of [`shrink`][storch.testing.fuzz.shrink] for ``outcome``: the same error type, or
+    """The predicate of [`shrink`][storch.testing.shrink.shrink] for ``outcome``: the same error type, or
     a bias again."""
     if outcome.kind == "error":
         error_type = outcome.detail.split(":", 1)[0]
         return lambda g: (o := check_graph(g, estimates)).kind == "error" and o.detail.split(":", 1)[0] == error_type
     return lambda g: check_graph(g, estimates).kind == "biased"
-
-
-# ----------------------------------------------------------------------------------------- reproducers
-
-
-def _literal(t: torch.Tensor) -> str:
-    return f"torch.tensor({t.tolist()!r}, dtype=torch.float64)"
-
-
-def sources_text(sources: dict) -> str:
-    return " ".join(sources.values())
-
-
-def reproducer(graph: Graph, outcome: Optional[Outcome] = None, estimates: int = 2000) -> str:
-    """``graph`` as a standalone script: storch's estimates of the gradient (and ``H v``) against the
-    exact values, printed per coordinate."""
-    p, x, c = values(graph)
-    sources = {n.name: (entry(n.estimator).source or f"entry({n.estimator!r}).make({{name}}, {event_shape(n)})")
-               for n in graph.nodes}
-    classes = sorted({src.split("(", 1)[0] for src in sources.values()} - {"entry"})
-    imports = ["ImportanceSampling"] if any("ImportanceSampling" in s for s in sources.values()) else []
-    shape = {n.name: event_shape(n) for n in graph.nodes}
-    methods = ",\n".join(
-        f"        {name!r}: " + src.format(name=repr(name), shape=shape[name] if shape[name] else 1) + ".double()"
-        for name, src in sources.items()
-    )
-    what = f"\n{outcome.line()}\n" if outcome is not None else ""
-
-    def block(d: dict) -> str:
-        return "{\n" + "".join(f"    {k!r}: {_literal(t)},\n" for k, t in d.items()) + "}"
-
-    catalog_import = "from storch.method.catalog import entry\n" if "entry" in sources_text(sources) else ""
-    method_imports = f"from storch.method import {', '.join(classes)}\n" if classes else ""
-    sampling_imports = f"from storch.sampling import {', '.join(imports)}\n" if imports else ""
-    return f'''"""A random stochastic computation graph on which storch fails (storch.testing.fuzz, seed {graph.seed}).
-{what}
-storch's estimates (parameters copied R times along an independent plate) against the exact values
-(enumeration and quadrature with plain torch, storch.testing.exact).
-"""
-import math
-
-import torch
-from torch.distributions import Bernoulli, Categorical, Normal, OneHotCategorical
-
-import storch
-{method_imports}{sampling_imports}{catalog_import}from storch.testing.exact import exact_derivatives
-from storch.testing.graphs import Cost, Graph, Node
-
-graph = {graph!r}
-
-p = {block(p)}
-x = {block(x)}
-c = {block(c)}
-
-
-{model_source(graph)}
-
-{model_source(graph, exact=True, name="exact_model")}
-
-def methods():
-    return {{
-{methods},
-    }}
-
-
-def estimates(steps, replicates={min(1000, estimates)}, warmup={max(entry(n.estimator).warmup for n in graph.nodes)}, order={graph.order}):
-    m = methods()
-    xs = {{k: storch.denote_independent(t, 0, "data") for k, t in x.items()}}
-
-    def draw(name, q, joint_with=None):
-        return m[name](q) if joint_with is None else m[name](q, joint_with=joint_with)
-
-    out = []
-    for step in range(warmup + steps):
-        storch.reset()
-        leaves = {{k: t.unsqueeze(0).repeat((replicates,) + (1,) * t.dim()).requires_grad_() for k, t in p.items()}}
-        views = {{k: storch.denote_independent(t, 0, "replicate") for k, t in leaves.items()}}
-        for name, cost in model(draw, views, xs, c).items():
-            storch.add_cost(cost, name)
-        storch.backward(create_graph=order == 2)
-        if step >= warmup:
-            out.append({{k: (torch.zeros_like(t) if t.grad is None else t.grad * replicates).detach()
-                        for k, t in leaves.items()}})
-    return {{k: torch.cat([o[k] for o in out]) for k in p}}
-
-
-torch.manual_seed(0)
-exact, _ = exact_derivatives(exact_model, graph, p, x, c)
-got = estimates(steps={max(1, estimates // 1000)})
-for k in p:
-    n = got[k].shape[0]
-    mean, se = got[k].mean(0), got[k].std(0) / math.sqrt(n)
-    z = ((mean - exact[k]).abs() / se.clamp_min(1e-300)).reshape(-1)
-    print(k, "max |z|", round(float(z.max()), 2), "mean", mean.reshape(-1).tolist(), "exact", exact[k].reshape(-1).tolist())
-'''
 
 
 # ----------------------------------------------------------------------------------------- command line
@@ -499,7 +287,7 @@ def _write(outcome: Outcome, args: argparse.Namespace) -> None:
     folder = pathlib.Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"seed_{outcome.graph.seed}.py"
-    path.write_text(reproducer(graph, small, args.estimates))
+    path.write_text(reproducer(graph, small.line(), args.estimates))
     print(f"    reproducer: {path}", flush=True)
 
 
