@@ -14,7 +14,7 @@ SC_VENV := .venv-storchastic
 SC_PY := $(SC_VENV)/bin/python
 SC_STAMP := $(SC_VENV)/.installed
 
-.PHONY: venv docs docs-serve test test-seeds demo bench bench-quick bench-sbn bench-storchastic bench-gsb bench-gsb-extra bench-memory clean
+.PHONY: venv docs docs-serve test test-seeds fuzz demo bench bench-quick bench-sbn bench-storchastic bench-gsb bench-gsb-extra bench-memory clean
 
 venv: $(STAMP)
 
@@ -65,6 +65,15 @@ docs-serve: $(DOCS_STAMP)
 # statistical tests must pass from any seed. Not part of `make test`.
 test-seeds: $(STAMP)
 	$(VENV_PY) scripts/test_seeds.py
+
+# storch's random-graph tester (storch.testing.fuzz) on 1000 seeds (a few minutes): random
+# stochastic computation graphs, each node's estimator drawn from the catalog's unbiased entries,
+# gradients and Hessian-vector products against exact values. Failing graphs are shrunk and written
+# as runnable scripts to fuzz-failures/. More: FUZZ_ARGS="--start 1000 --count 5000".
+FUZZ_ARGS ?= --count 1000
+
+fuzz: $(STAMP)
+	$(VENV_PY) -m storch.testing.fuzz $(FUZZ_ARGS) --out fuzz-failures
 
 demo: $(STAMP)
 	$(VENV_PY) -m storch.demo

@@ -193,7 +193,8 @@ def restore_lazy_plates(d: Distribution) -> None:
                 layout = distribution_layout(dist)
             sizes = layout.sizes
             if sizes and tuple(value.shape[: len(sizes)]) == sizes:
-                dist.__dict__[name] = wrap(value, layout)
+                with torch.enable_grad():  # a view: under torch.no_grad it would drop the value's graph
+                    dist.__dict__[name] = wrap(value, layout)
 
 
 @contextlib.contextmanager
@@ -204,19 +205,29 @@ def lazy_plates_kept(d: Distribution) -> Iterator[None]:
     is cached as a plain tensor. On exit each such value gets its plates back (as
     `storch.util.restore_lazy_plates` does) or, where its shape does not
     start with the plates' sizes, is forgotten, to be computed again with dispatch on. So the user's
-    later ``q.logits`` or ``q.log_prob(z)`` sees the same plates whichever order they come in.
+    later ``q.logits`` or ``q.log_prob(z)`` sees the same plates whichever order they come in. A value
+    first computed while autograd is off (``torch.no_grad()``, as when a sampler scores its draws) is
+    always forgotten: cached, it would give every later ``q.log_prob(z)`` no gradient.
     """
     dists = with_nested(d)
     before = [set(dist.__dict__) for dist in dists]
+    tracked = torch.is_grad_enabled()
     try:
         yield
     finally:
+        if not tracked:  # computed without autograd (under torch.no_grad): cached, it would cut the gradient
+            _forget_new_lazies(dists, before, keep_plated=False)
         restore_lazy_plates(d)
-        for dist, names in zip(dists, before):
-            lazy = _lazy_property_names(type(dist))
-            for name in [n for n in dist.__dict__ if n not in names and n in lazy]:
-                if type(dist.__dict__[name]) is torch.Tensor:
-                    del dist.__dict__[name]
+        _forget_new_lazies(dists, before, keep_plated=True)
+
+
+def _forget_new_lazies(dists: list[Distribution], before: list[set], keep_plated: bool) -> None:
+    """Drop the lazy properties cached since ``before`` (only the plain ones when ``keep_plated``)."""
+    for dist, names in zip(dists, before):
+        lazy = _lazy_property_names(type(dist))
+        for name in [n for n in dist.__dict__ if n not in names and n in lazy]:
+            if not keep_plated or type(dist.__dict__[name]) is torch.Tensor:
+                del dist.__dict__[name]
 
 
 def without_plate(d: Distribution, plate: Plate) -> Distribution:

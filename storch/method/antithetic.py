@@ -14,7 +14,7 @@ import torch
 from torch.distributions import Bernoulli, Categorical, Distribution, OneHotCategorical
 from torch.distributions.utils import probs_to_logits
 
-from storch.extend import CostTensor, Plate, PlateLayout, align_to, layout_of, layout_of_plates, wrap
+from storch.extend import AncestralPlate, CostTensor, Plate, PlateLayout, align_to, layout_of, layout_of_plates, wrap
 from storch.sampling.method import check_count
 
 __all__ = [
@@ -91,9 +91,14 @@ def cost_target(first: Plate, plate: Plate, cost: CostTensor) -> PlateLayout:
 
 
 def check_logit_plates(owner: str, phi: torch.Tensor, cost: CostTensor, target: PlateLayout) -> PlateLayout:
-    """The layout of the logits ``phi``; an error naming the plates the cost lacks."""
+    """The layout of the logits ``phi``; an error naming the plates the cost lacks.
+
+    A plate the cost carries through a newer step of its single-sample chain (a later node drawn
+    from it) counts as carried: aligning re-indexes the older step to the newer one.
+    """
     phi_layout = layout_of(phi)
-    extra = [p.name for p in phi_layout.plates if p not in target.plates]
+    extra = [p.name for p in phi_layout.plates
+             if p not in target.plates and not any(isinstance(u, AncestralPlate) and u.descends_from(p) for u in target.plates)]
     if extra:
         raise ValueError(
             f"{owner}: the logits carry plates {extra} that the cost {cost.name!r} does not "

@@ -28,6 +28,10 @@ An entry declares:
 * ``make_counted``: optionally, ``make`` with the number of samples (its ``n_samples``, or ``k`` for
   sampling without replacement) given, for tools that build estimators at a budget
   (`storch.method.Auto`); ``None`` for an estimator whose cost has no count (enumeration).
+* ``downstream_orders``: the derivative order for which the estimators of every node drawn, directly
+  or not, from this node's samples must be unbiased (``GSB`` differentiates their surrogate twice in
+  the sample: below a GSB Normal, an estimator unbiased for first derivatives only, such as ARSM, gives
+  its scale a zero gradient).
 
 Examples:
     >>> from torch.distributions import Bernoulli, Normal
@@ -106,6 +110,7 @@ class CatalogEntry:
     requires: str = ""
     source: str = ""
     make_counted: Optional[MakeCounted] = None
+    downstream_orders: int = 0
 
     def handles(self, distribution: type) -> bool:
         """Whether the entry declares ``distribution`` (a type) among those it handles."""
@@ -239,7 +244,7 @@ _E("UnorderedSetEstimator", "UnorderedSetEstimator({name}, k=2)", DISCRETE, EVER
 _E("RaoBlackwellSF", "RaoBlackwellSF({name}, k=2)", (Categorical, OneHotCategorical), EVERY_ORDER,
    requires="one categorical variable per plate element")
 _E("MAPO", "MAPO({name}, n_samples=2, buffer_size=2)", DISCRETE, EVERY_ORDER, warmup=3)
-_E("GSB", "GSB({name}, order=2)", (Normal,) + DISCRETE, 1)
+_E("GSB", "GSB({name}, order=2)", (Normal,) + DISCRETE, 1, downstream_orders=2)
 # biased by design: registered so that the catalog is complete, never drawn for an unbiasedness check
 _E("GumbelSoftmax", "GumbelSoftmax({name})", (Bernoulli, OneHotCategorical), 0, relaxes=True)
 _E("StraightThrough", "StraightThrough({name})", (Bernoulli, OneHotCategorical), 0)

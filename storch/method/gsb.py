@@ -412,6 +412,10 @@ class GSB(Method):
         True
     """
 
+    #: a node's rule keeps its hidden leaf (or its evaluation points) for the samples it drew, which a
+    #: step of a single-sample chain would replace by a view without the step it extends
+    extends_chains = False
+
     def __init__(self, plate_name: str, n_samples: int = 1, order: int = 2, max_exact_batch: int = 256) -> None:
         if isinstance(order, bool) or not isinstance(order, int) or order < 1:
             raise ValueError(

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from storch.extend import (
+    AncestralPlate,
     Plate,
     StochasticTensor,
     Tensor,
@@ -149,7 +150,8 @@ def _carries_plates_of(cost: torch.Tensor, segment: Segment) -> bool:
     and scores are left out of its surrogate (they would be zero: the sibling is drawn once per group).
     """
     plates = layout_of(cost).plates
-    return all(p in plates for p in segment.parents)
+    return all(p in plates or any(isinstance(u, AncestralPlate) and u.descends_from(p) for u in plates)
+               for p in segment.parents)  # a plate carried through a newer step of its single-sample chain
 
 
 def _check_cost_plates(tensor: StochasticTensor, cost: torch.Tensor, newest: Segment) -> None:

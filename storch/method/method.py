@@ -322,8 +322,8 @@ class Method(nn.Module, DeclaresStepState):
     #: whether a node drawn with a single plain Monte Carlo sample may be a step of a single-sample
     #: chain (`storch.plate.ChainPlate`): it then extends the chain its
     #: distribution carries instead of adding a plate, so that rollouts of any length fit in torch's
-    #: 64 dimensions. Methods whose estimator needs the node's plate next to its parents' (none
-    #: in storch today) set it to ``False``.
+    #: 64 dimensions. Methods whose estimator needs the node's plate next to its parents' (`GSB`,
+    #: whose rules keep a record of the samples they drew) set it to ``False``.
     extends_chains: bool = True
     #: what the method keeps between steps apart from its parts (its ``sampling_method``; see
     #: `storch.state`): nothing. A subclass that overrides

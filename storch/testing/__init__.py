@@ -15,6 +15,11 @@ estimates::
     build_model(theta); storch.backward()
     estimates = leaf.grad * 2000
 
+The random-graph tester builds on it: `storch.testing.graphs` draws random
+stochastic computation graphs, `storch.testing.exact` computes their exact
+derivatives without storch, and `storch.testing.fuzz` compares the two, shrinks
+a failing graph and prints it as a script (``python -m storch.testing.fuzz``).
+
 Examples:
     >>> import torch
     >>> rng = torch.Generator().manual_seed(0)

@@ -5,7 +5,8 @@ OneHotCategorical or Normal variable each, with its parents, its estimator's cat
 it is built from ``probs=`` and whether its parameters carry a data plate, and optionally the node
 whose local-expectation points it joins), costs (a smooth function of some samples plus
 log-probability terms: ``z.log_prob()``, ``q.log_prob(z)`` with the node's own distribution, and
-``r.log_prob(z)`` with a distribution of the same type built from leaves and another node's sample),
+``r.log_prob(z)`` with a distribution of the same type built from leaves and another node's sample,
+or from constants),
 an optional data plate and the derivative order to check.
 
 `storch.testing.graphs.random_graph` draws one from a seed; the estimators are drawn
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import random
 import zlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -77,7 +78,14 @@ class Graph:
     costs: tuple[Cost, ...]
     plate: int = 0  # size of the data plate, 0 for none
     order: int = 1  # derivative order checked: 1 (gradients) or 2 (gradients and a Hessian-vector product)
-    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def descendants(self, name: str) -> set[str]:
+        """The nodes drawn, directly or not, from ``name``'s sample."""
+        found: set[str] = set()
+        for node in self.nodes:
+            if name in node.parents or found.intersection(node.parents):
+                found.add(node.name)
+        return found
 
     def node(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)
@@ -100,47 +108,98 @@ def _relaxes(node: Node) -> bool:
 # ----------------------------------------------------------------------------------------- drawing
 
 
-def random_graph(seed: int, *, order: Optional[int] = None, max_nodes: int = 4,
-                 relaxed_log_prob: bool = True) -> Graph:
+def random_graph(seed: int, *, order: Optional[int] = None, max_nodes: int = 4, estimator: Optional[str] = None,
+                 relaxed_log_prob: bool = True, cross_scores: bool = True) -> Graph:
     """A random graph from ``seed``: 1–``max_nodes`` nodes (at most one Normal), 1–3 costs.
 
     ``order`` fixes the derivative order (default: 2 for about a fifth of the seeds).
+    ``estimator``: a catalog label that one node (of a kind it handles) must use; the order is then
+    at most the one the entry declares.
     ``relaxed_log_prob``: ``z.log_prob()`` terms also on nodes whose estimator relaxes the sample.
+    ``cross_scores``: ``r.log_prob(z)`` terms with ``r`` built from any other node's sample;
+    ``False``: only from a descendant of ``z`` (a decoder ``p(z | h)`` with ``h`` drawn from ``z``)
+    whose plates end with those of ``z``, or from constants.
     """
     rng = random.Random(seed)
     order = order if order is not None else (2 if rng.random() < 0.2 else 1)
+    forced = entry(estimator) if estimator is not None else None
+    forced_kinds = [k for k, d in DISTRIBUTIONS.items() if forced is not None and forced.unbiased_for(d, 1)]
+    if forced is not None:
+        if not forced_kinds:
+            raise ValueError(f"random_graph: the catalog declares {estimator!r} unbiased for none of {list(DISTRIBUTIONS)}.")
+        order = min(order, max(1, forced.unbiased_orders))
     plate = rng.choice((2, 3)) if rng.random() < 0.4 else 0
+    count = rng.randint(1, max_nodes)
+    forced_at = rng.randrange(count)
     nodes: list[Node] = []
-    for i in range(rng.randint(1, max_nodes)):
+    for i in range(count):
+        normal_free = not any(n.kind == "normal" for n in nodes) and not (forced_kinds == ["normal"] and i < forced_at)
         kinds = ["bernoulli", "categorical", "onehot"]
-        if not any(n.kind == "normal" for n in nodes) and rng.random() < 0.25:
+        if normal_free and rng.random() < 0.25:
             kinds = ["normal"]
+        if forced is not None and i == forced_at:
+            kinds = [k for k in forced_kinds if k != "normal" or normal_free]
         kind = rng.choice(kinds)
         size = 1 if kind == "normal" else rng.choice((1, 2))
         categories = {"bernoulli": 2, "normal": 1}.get(kind) or rng.choice((2, 3))
         parents = tuple(n.name for n in nodes if rng.random() < 0.5)
-        labels = sorted(e.label for e in unbiased_estimators(DISTRIBUTIONS[kind], order))
-        estimator = rng.choice(labels)
-        joinable = [n.name for n in nodes if entry(n.estimator).joinable and n.name not in parents]
-        joint_with = rng.choice(joinable) if entry(estimator).joinable and joinable and rng.random() < 0.4 else None
+        needed = max([order] + [entry(a.estimator).downstream_orders for a in nodes
+                                if a.name in parents or a.name in _ancestors(nodes, *parents)])
+        if forced is not None and i == forced_at and forced.unbiased_orders < needed:
+            parents, needed = (), order  # the forced estimator cannot sit below this parent's
+        labels = sorted(e.label for e in unbiased_estimators(DISTRIBUTIONS[kind], needed))
+        label = estimator if forced is not None and i == forced_at else rng.choice(labels)
+        # a node joins the points of an earlier one whose chain began after all of its own parents
+        joinable = [n.name for k, n in enumerate(nodes) if entry(n.estimator).joinable
+                    and all(q.name not in parents for q in nodes[k:])]
+        joiners = [lb for lb in labels if entry(lb).joinable]
+        if joinable and joiners and not (forced is not None and i == forced_at) and rng.random() < 0.5:
+            label = rng.choice(joiners)  # a sibling that joins an earlier node's points (joint_with)
+        joint_with = rng.choice(joinable) if entry(label).joinable and joinable and rng.random() < 0.7 else None
         nodes.append(Node(
-            f"z{i}", kind, size, categories, parents, estimator,
+            f"z{i}", kind, size, categories, parents, label,
             probs=kind != "normal" and rng.random() < 0.3,
             in_plate=bool(plate) and rng.random() < 0.6,
             joint_with=joint_with,
         ))
-    costs = [_random_cost(rng, f"f{k}", nodes, relaxed_log_prob) for k in range(rng.randint(1, 3))]
+    costs = [_random_cost(rng, f"f{k}", nodes, relaxed_log_prob, cross_scores) for k in range(rng.randint(1, 3))]
     return Graph(seed, tuple(nodes), tuple(costs), plate, order)
 
 
-def _random_cost(rng: random.Random, name: str, nodes: list[Node], relaxed_log_prob: bool) -> Cost:
+def _plated(nodes: list[Node], name: str) -> bool:
+    """Whether the samples of ``name`` carry the data plate (its own parameters or a parent's do)."""
+    node = next(n for n in nodes if n.name == name)
+    return node.in_plate or any(_plated(nodes, q) for q in node.parents)
+
+
+def _ancestors(nodes: list[Node], *names: str) -> set[str]:
+    """The nodes that ``names`` are drawn from, directly or not."""
+    found: set[str] = set()
+    for name in names:
+        node = next(n for n in nodes if n.name == name)
+        found |= set(node.parents) | _ancestors(nodes, *node.parents)
+    return found
+
+
+def _decodes(nodes: list[Node], z: str, by: str) -> bool:
+    """Whether the plates of ``r(z | by)`` end with those of ``z`` (storch puts newer plates first):
+    ``by`` is drawn from ``z``, its other ancestors are drawn after ``z``, and it carries the data
+    plate only if ``z`` does."""
+    names = [n.name for n in nodes]
+    others = _ancestors(nodes, by) - _ancestors(nodes, z) - {z}
+    return (z in _ancestors(nodes, by) and all(names.index(a) > names.index(z) for a in others)
+            and (_plated(nodes, z) or not _plated(nodes, by)))
+
+
+def _random_cost(rng: random.Random, name: str, nodes: list[Node], relaxed_log_prob: bool, cross: bool) -> Cost:
     names = [n.name for n in nodes]
     uses = tuple(n for n in names if rng.random() < 0.6) or (rng.choice(names),)
     hard = [n.name for n in nodes if not _relaxes(n)]
     log_prob = tuple(n.name for n in nodes if (relaxed_log_prob or not _relaxes(n)) and rng.random() < 0.25)
     own_score = tuple(n for n in hard if rng.random() < 0.2)
     scores = tuple(
-        (z, rng.choice([""] + [n for n in names if n != z])) for z in hard if rng.random() < 0.25
+        (z, rng.choice([""] + [n for n in names if n != z and (cross or _decodes(nodes, z, n))]))
+        for z in hard if rng.random() < 0.25
     )
     return Cost(name, uses, log_prob, own_score, scores)
 
@@ -179,6 +238,9 @@ def values(graph: Graph) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tenso
         c[f"t_{cost.name}"] = _draw(s, f"t_{cost.name}", (), 1.0)
         for z, by in cost.scores:
             shape = _param_shape(graph.node(z))
+            if not by:  # a fixed prior
+                c.setdefault(f"rho_{z}", _draw(s, f"rho_{z}", shape, 0.6))
+                continue
             p.setdefault(f"rho_{z}_{by}", _draw(s, f"rho_{z}_{by}", shape, 0.6))
             if by:
                 v = f"v_{z}_{by}"
@@ -247,7 +309,7 @@ def model_source(graph: Graph, *, exact: bool = False, name: str = "model") -> s
             terms.append(f"0.5 * q_{z}.log_prob({z}).sum(-1)")
         for z, by in cost.scores:
             node = graph.node(z)
-            logits = f"p['rho_{z}_{by}']"
+            logits = f"p['rho_{z}_{by}']" if by else f"c['rho_{z}']"
             if by:
                 logits += " + " + _linear(f"v_{z}_{by}", node, graph.node(by))
             r = _distribution(replace(node, probs=False), logits).replace(f"p['scale_{z}'].exp()", "1.0")
