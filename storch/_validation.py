@@ -67,8 +67,10 @@ def size_to_validate(value: torch.Tensor, d: Any) -> torch.Size:
     if not isinstance(d, Distribution):
         return raw
     refuse_relaxed(value, d)
-    n_plates = len(distribution_plates(d).sizes)
     batch, event = tuple(d._batch_shape), tuple(d._event_shape)
+    if _per_sample_fits(tuple(raw), batch, event):
+        return raw  # torch's own check passes on the raw shape (the common case): nothing to align
+    n_plates = len(distribution_plates(d).sizes)
     one = tuple(raw[len(value._layout.sizes):])
     if len(batch) < n_plates or not _per_sample_fits(one, batch[n_plates:], event):
         return raw
