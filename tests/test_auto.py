@@ -174,6 +174,7 @@ def test_choice_table_and_record_are_visible():
     assert all(r["steps"] >= 2 and r["cost_per_step"] > 0 for r in record["candidates"])
     table = auto.table()
     assert "DisARM [n=2]" in table and "*" in table
+    assert f"settled on {record['settled']}" in table.splitlines()[0]  # the header names the settled one
 
 
 def test_candidates_keep_their_state_between_steps():

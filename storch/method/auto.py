@@ -580,7 +580,9 @@ class Auto(Method):
         """The per-candidate table of the latest round: second moment and score relative to the best."""
         rec = self.record()
         unit = "s/step" if self.cost == "time" else "evals"
-        lines = [f"Auto({self.plate_name!r}) after {self.step} steps, choice {self.choice}",
+        settled = "none yet" if self._chosen is None else self.stats[self._chosen].label
+        measuring = f" (a round of measurements: next step {self.choice})" if self._queue else ""
+        lines = [f"Auto({self.plate_name!r}) after {self.step} steps, settled on {settled}{measuring}",
                  f"{'candidate':<36} {'evals':>5} {'steps':>6} {unit:>9} {'E|g|^2 rel':>10} {'score rel':>9}"]
         for r in rec["candidates"]:
             cost = "-" if r["cost_per_step"] is None else format(r["cost_per_step"], ".3g")
