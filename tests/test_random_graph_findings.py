@@ -79,3 +79,27 @@ def test_gsb_drawn_from_a_single_sample_node():
     graph = Graph(12801, (Node("z0", "categorical", 1, 2, (), "ScoreFunction"),
                           Node("z1", "normal", 1, 1, ("z0",), "GSB")), (Cost("f0", ("z1",)),))
     assert check_graph(graph, rng_offset=OFFSET).kind == "pass"
+
+
+def test_a_first_order_estimator_below_a_gsb_normal_is_refused_by_name():
+    """Below a GSB Normal, an estimator unbiased for first derivatives only gave the Normal's scale a
+    zero gradient, silently (found by the random-graph tester); it is refused where it is drawn, and
+    an estimator unbiased at every order, or a discrete GSB node above, is drawn as before."""
+    from torch.distributions import Bernoulli, Categorical, Normal
+
+    mu = torch.tensor([0.2], requires_grad=True)
+    sigma = torch.tensor([0.7], requires_grad=True)
+    theta = torch.zeros(3)
+    w = torch.tensor([0.5, -0.3, 0.1])
+    z0 = storch.method.GSB("z0")(Normal(mu, sigma))
+    with pytest.raises(ValueError, match=r"ARSM\('z3'\) is drawn from the samples of GSB\('z0'\).*order 2"):
+        storch.method.ARSM("z3")(Categorical(logits=theta + w * z0))
+    storch.reset()
+    z0 = storch.method.GSB("z0")(Normal(mu, sigma))
+    z3 = storch.method.ScoreFunction("z3", n_samples=2)(Categorical(logits=theta + w * z0))
+    storch.add_cost(z3.float() * 1.0, "f")
+    storch.backward()
+    assert sigma.grad is not None and bool(torch.isfinite(sigma.grad).all())
+    storch.reset()
+    b = storch.method.GSB("b")(Bernoulli(logits=torch.zeros(1, requires_grad=True)))
+    storch.method.ARSM("c")(Categorical(logits=theta + w * b))  # the discrete rule takes no derivatives

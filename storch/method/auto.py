@@ -407,6 +407,9 @@ class Auto(Method):
         finally:
             self._listening = True
 
+    def order_needed_below(self, node) -> int:
+        return self._owners.get(id(node), self._owner or self.candidate).order_needed_below(node)
+
     def on_joint_bound(self, cost_name, plate, log_w, later=()) -> None:
         owner = self._owners.get(id(plate.node), self._owner)
         if owner is not None:

@@ -30,8 +30,8 @@ An entry declares:
   (`storch.method.Auto`); ``None`` for an estimator whose cost has no count (enumeration).
 * ``downstream_orders``: the derivative order for which the estimators of every node drawn, directly
   or not, from this node's samples must be unbiased (``GSB`` differentiates their surrogate twice in
-  the sample: below a GSB Normal, an estimator unbiased for first derivatives only, such as ARSM, gives
-  its scale a zero gradient).
+  the sample: below a GSB Normal, an estimator unbiased for first derivatives only, such as ARSM, would
+  give its scale a wrong gradient; storch refuses to draw one there, with the orders declared here).
 
 Examples:
     >>> from torch.distributions import Bernoulli, Normal
@@ -80,7 +80,10 @@ from storch.method.unordered_set import UnorderedSetEstimator, UnorderedSetGumbe
 from storch.method.vimco import VIMCO
 from storch.sampling.importance import ImportanceSampling
 
-__all__ = ["CatalogEntry", "EVERY_ORDER", "register_estimator", "entry", "catalog", "unbiased_estimators"]
+__all__ = [
+    "CatalogEntry", "EVERY_ORDER", "register_estimator", "entry", "catalog", "highest_unbiased_order",
+    "unbiased_estimators",
+]
 
 #: ``unbiased_orders`` of an estimator whose derivatives of every order are unbiased
 EVERY_ORDER = 1_000_000
@@ -149,6 +152,20 @@ def entry(label: str) -> CatalogEntry:
 def catalog() -> tuple[CatalogEntry, ...]:
     """Every registered entry, in the order of registration."""
     return tuple(_CATALOG.values())
+
+
+def highest_unbiased_order(estimator: type) -> int | None:
+    """The highest derivative order that some entry of the class ``estimator`` is declared unbiased
+    for (`EVERY_ORDER` for every order); ``None`` for a class the catalog does not list (a user's
+    estimator, about which it claims nothing).
+
+    Example:
+        >>> from storch.method import ARSM, ScoreFunction
+        >>> highest_unbiased_order(ARSM), highest_unbiased_order(ScoreFunction) == EVERY_ORDER
+        (1, True)
+    """
+    orders = [e.unbiased_orders for e in _CATALOG.values() if e.estimator is estimator]
+    return max(orders) if orders else None
 
 
 def unbiased_estimators(distribution: type, order: int = 1, *, plain_models: bool = True) -> list[CatalogEntry]:

@@ -63,7 +63,8 @@ depends on ``z``, ``S`` holds ``y``'s surrogate, and ``∂ⁿS/∂z_jⁿ`` is th
 estimate of ``E_y f`` with respect to ``z``: it is unbiased for every ``n`` when ``y``'s method gives
 unbiased derivatives of all orders (Reparameterization, ScoreFunction, Expect; up to ``n = 2`` for
 LocalExpectation), but only for ``n = 1`` when ``y`` is itself a GSB or another first-order method
-(MVD, ARM). The GSB of ``z`` is then unbiased at order 1 (plus the truncation of ``y``'s series).
+(MVD, ARM). Such a ``y`` below a continuous GSB node of order ≥ 2 is therefore refused where it is
+drawn (`storch.method.method.Method.order_needed_below`, with the orders the catalog declares).
 
 Plates. Costs of different samples of the node, and of different elements of its parents' plates, must
 not depend on each other's samples (true for costs built from storch operations). A cost plate the node
@@ -107,6 +108,7 @@ from storch.extend import (
     CostTensor,
     Plate,
     PlateLayout,
+    StochasticNode,
     StochasticTensor,
     Tensor,
     TypeRegistry,
@@ -203,6 +205,11 @@ class GSBRule(ABC):
     def term(self, method: "GSB", tensor: StochasticTensor, cost: CostTensor) -> Optional[torch.Tensor]:
         """The control-variate term (forward value 0) whose gradient is the estimate."""
 
+    def derivatives(self, method: "GSB") -> int:
+        """How many derivatives in the sample the term takes of the downstream estimate ``S`` (the
+        estimators of the nodes drawn from these samples must be unbiased to that order); ``0``."""
+        return 0
+
 
 _RULES: TypeRegistry[GSBRule] = GSB_RULES  # made in storch.registries, filled here
 
@@ -220,6 +227,9 @@ class _CumulantRule(GSBRule):
 
     def __init__(self) -> None:
         self.leaves = GroupRecords("GSB", "differentiable leaf (GSB's continuous rule)")
+
+    def derivatives(self, method: "GSB") -> int:
+        return method.order  # the pure derivatives of S up to the truncation order
 
     def sample(self, method: "GSB", distr: Distribution, plates: Sequence[Plate], n: int) -> torch.Tensor:
         rep = representation_for(distr)
@@ -431,6 +441,11 @@ class GSB(Method):
 
     def check_distribution(self, distr: Distribution) -> None:
         gsb_rule_for(distr, f"GSB({self.plate_name!r})")
+
+    def order_needed_below(self, node: StochasticNode) -> int:
+        """The continuous rules differentiate the downstream estimate up to ``order`` times in the
+        sample; the discrete and Poisson rules evaluate it at other points only."""
+        return gsb_rule_for(node.distribution).derivatives(self)
 
     def _sample(self, distr: Distribution, plates: Sequence[Plate], n: int) -> torch.Tensor:
         return gsb_rule_for(distr).sample(self, distr, plates, n)

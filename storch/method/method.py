@@ -60,6 +60,7 @@ from storch.extend import (
     Plate,
     PlateLayout,
     StepState,
+    StochasticNode,
     TooManyPlatesError,
     StochasticTensor,
     Tensor,
@@ -378,6 +379,7 @@ class Method(nn.Module, DeclaresStepState):
         check_floating_parameters(distr, type(self).__name__, self.plate_name)
         self.check_distribution(distr)
         parents = distribution_layout(distr)
+        self._check_orders_needed_above(parents)
         tip = self._chain_tip(parents)
         if self.plate_name in parents.names and not (tip is not None and tip.name == self.plate_name):
             raise ValueError(
@@ -401,6 +403,35 @@ class Method(nn.Module, DeclaresStepState):
         if not self.reparameterized and torch.is_grad_enabled() and get_distr_parameters(distr):
             note_sampled(plate)  # its gradient needs a cost that carries its plate (see storch.backward)
         return tensor
+
+    def order_needed_below(self, node: StochasticNode) -> int:
+        """The derivative order to which the estimators of the nodes drawn from ``node``'s samples (this
+        method's node) must be unbiased for this method's own estimate to be: ``0``, no requirement.
+        `storch.method.gsb.GSB`'s continuous rules differentiate the downstream estimate in the sample."""
+        return 0
+
+    def _check_orders_needed_above(self, parents: PlateLayout) -> None:
+        """Refuse to draw below a node whose estimator needs derivatives of this node's estimate that
+        this estimator is not declared unbiased for (`storch.method.catalog`): the upper node's
+        gradient would be silently wrong (GSB's Normal scale got a zero gradient below ARSM)."""
+        for plate in parents.plates:
+            node = plate.node
+            needed = 0 if node is None else node.method.order_needed_below(node)
+            if needed <= 1:
+                continue
+            from storch.method.catalog import highest_unbiased_order  # it lists every estimator class
+
+            have = highest_unbiased_order(type(self))
+            if have is not None and have < needed:
+                above = f"{type(node.method).__name__}({node.name!r})"
+                raise ValueError(
+                    f"{type(self).__name__}({self.plate_name!r}) is drawn from the samples of {above}, "
+                    f"which differentiates the estimate of every node below it {needed} times in its "
+                    f"sample; {type(self).__name__}'s estimate is unbiased for derivatives up to order "
+                    f"{have} only, so {node.name!r}'s gradient would be wrong. Use an estimator unbiased "
+                    f"at order {needed} for {self.plate_name!r} (ScoreFunction, Expect, LocalExpectation, "
+                    f"Reparameterization), or Reparameterization for {node.name!r}."
+                )
 
     def _draw(self, distr: Distribution, parents: PlateLayout) -> tuple[torch.Tensor, Plate, Sequence[Plate]]:
         """The proposal's samples on a new plate over all the distribution's plates; a single sample
