@@ -24,31 +24,16 @@ from typing import Any
 import torch
 from torch.distributions import Distribution
 
-from storch._dispatch import no_dispatch, union_of_layouts
+from storch._dispatch import no_dispatch
 from storch.exceptions import RelaxedSampleError
-from storch.plate import EMPTY_LAYOUT, PlateLayout
+from storch.util import distribution_layout
 
-__all__ = ["size_to_validate", "distribution_plates"]
+__all__ = ["size_to_validate"]
 
 _T = torch.Tensor
 _call_plain = torch._C._disabled_torch_function_impl
 #: the code object of torch's check of a value, which ``Tensor.size`` recognises as its caller
 VALIDATE_SAMPLE = Distribution._validate_sample.__code__
-
-
-def distribution_plates(d: Distribution) -> PlateLayout:
-    """The union of the plates of the storch tensors in ``d`` and in the distributions nested in it."""
-    layouts = []
-    stack = [d]
-    while stack:
-        dist = stack.pop()
-        for value in dist.__dict__.values():
-            layout = getattr(value, "_layout", None)
-            if isinstance(value, torch.Tensor) and layout is not None and layout.plates:
-                layouts.append(layout)
-            elif isinstance(value, Distribution):
-                stack.append(value)
-    return union_of_layouts(layouts) if layouts else EMPTY_LAYOUT
 
 
 def _per_sample_fits(value: tuple[int, ...], batch: tuple[int, ...], event: tuple[int, ...]) -> bool:
@@ -70,7 +55,7 @@ def size_to_validate(value: torch.Tensor, d: Any) -> torch.Size:
     batch, event = tuple(d._batch_shape), tuple(d._event_shape)
     if _per_sample_fits(tuple(raw), batch, event):
         return raw  # torch's own check passes on the raw shape (the common case): nothing to align
-    n_plates = len(distribution_plates(d).sizes)
+    n_plates = len(distribution_layout(d).sizes)
     one = tuple(raw[len(value._layout.sizes):])
     if len(batch) < n_plates or not _per_sample_fits(one, batch[n_plates:], event):
         return raw
