@@ -312,3 +312,16 @@ def test_the_measured_second_moment_is_the_steps_gradient(label):
         measured = seen[stats.label][stats.warmup:]
         assert len(measured) == 3
         assert stats.second_moment == pytest.approx(sum(measured) / 3, rel=1e-5)
+
+
+def test_samples_drawn_without_autograd_leave_no_record():
+    """Evaluation under torch.no_grad() runs no backward, which is where Auto forgets a step's
+    nodes: it keeps none of them, however many steps are drawn."""
+    from torch.distributions import Bernoulli
+
+    auto = Auto("z", budget=2)
+    logits = torch.zeros(3, requires_grad=True)
+    with torch.no_grad():
+        for _ in range(50):
+            z = auto(Bernoulli(logits=logits))
+    assert z.method is auto and auto._owners == {}

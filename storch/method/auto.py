@@ -336,8 +336,10 @@ class Auto(Method):
             self._listening = True
         node = node_of(tensor)
         # the surrogate asks Auto, which hands over to the method that drew the node (the candidate, or
-        # the method it delegated to, as Infer does)
-        self._owners[id(node)] = node.method
+        # the method it delegated to, as Infer does); without autograd no surrogate asks, and nothing
+        # would clear the record (update_parameters runs after a backward)
+        if torch.is_grad_enabled():
+            self._owners[id(node)] = node.method
         self.__dict__["_owner"] = node.method  # a reference, not a submodule (its state is the candidate's)
         node.method = self
         return tensor
