@@ -143,7 +143,8 @@ class MovingAverageBaseline(Baseline):
             self.register_buffer(f"average_{index}", like.new_zeros(()), persistent=False)
             self.register_buffer(f"updated_{index}", torch.zeros((), dtype=torch.bool, device=like.device),
                                  persistent=False)
-        return getattr(self, f"average_{index}"), getattr(self, f"updated_{index}")
+        buffers = self._buffers  # read directly: nn.Module.__getattr__ costs a µs per decision of a rollout
+        return buffers[f"average_{index}"], buffers[f"updated_{index}"]
 
     @property
     def averages(self) -> dict[str, torch.Tensor]:
