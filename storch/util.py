@@ -193,6 +193,9 @@ def restore_lazy_plates(d: Distribution) -> None:
                 layout = distribution_layout(dist)
             sizes = layout.sizes
             if sizes and tuple(value.shape[: len(sizes)]) == sizes:
+                if torch.is_grad_enabled():  # (the context manager costs more than the view, per decision)
+                    dist.__dict__[name] = wrap(value, layout)
+                    continue
                 with torch.enable_grad():  # a view: under torch.no_grad it would drop the value's graph
                     dist.__dict__[name] = wrap(value, layout)
 

@@ -440,7 +440,7 @@ class Method(nn.Module, DeclaresStepState):
         self._check_samples(distr, samples, parents.sizes)
         if samples.shape[0] != 1 or not self._draws_chain_steps():
             return samples, Plate(self.plate_name, samples.shape[0], parents=parents.plates), parents.plates
-        tip = self._chain_tip(parents)
+        tip = _newest_tip(parents)
         if tip is None:
             return samples, ChainPlate(self.plate_name, parents=parents.plates), parents.plates
         others = tuple(p for p in parents.plates if p is not tip)
@@ -452,23 +452,19 @@ class Method(nn.Module, DeclaresStepState):
         drawn and weighted as `Method` does (a method that overrides `proposal_dist` or
         `weighting_function` lays out its own evaluation points on its plate)."""
         cls = type(self)
-        return (
+        if not (
             self.extends_chains
-            and type(self.sampling_method) is MonteCarlo
-            and self.sampling_method.n_samples == 1
             and cls.proposal_dist is Method.proposal_dist
             and cls.weighting_function is Method.weighting_function
-        )
+        ):
+            return False
+        # the submodule read from _modules, not through nn.Module.__getattr__ (twice per decision of a rollout)
+        sampling = self._modules.get("sampling_method")
+        return type(sampling) is MonteCarlo and sampling.n_samples == 1
 
     def _chain_tip(self, parents: PlateLayout) -> Optional[ChainPlate]:
         """The newest chain step among ``parents`` that a node of this method extends, if any."""
-        if not self._draws_chain_steps():
-            return None
-        tip = None
-        for p in parents.plates:
-            if isinstance(p, ChainPlate) and p.is_tip and (tip is None or p.order > tip.order):
-                tip = p
-        return tip
+        return _newest_tip(parents) if self._draws_chain_steps() else None
 
     def sample(self, distr: Distribution) -> StochasticTensor:
         """Sample ``distr`` with this method: the same as calling it, ``method(distr)``.
@@ -593,6 +589,15 @@ class Method(nn.Module, DeclaresStepState):
 
     def extra_repr(self) -> str:
         return f"plate_name={self.plate_name!r}, n_samples={self.n_samples}"
+
+
+def _newest_tip(parents: PlateLayout) -> Optional[ChainPlate]:
+    """The newest step among ``parents`` that is the tip of its single-sample chain, if any."""
+    tip = None
+    for p in parents.plates:
+        if isinstance(p, ChainPlate) and p.is_tip and (tip is None or p.order > tip.order):
+            tip = p
+    return tip
 
 
 class JointBoundRecords(DeclaresStepState):
