@@ -541,12 +541,15 @@ def _retain_param_grads(record: _Record) -> list[Any]:
             grads = tensor.param_grads
             grads.clear()
             distribution, previous_step = tensor._node.drawn_distribution()
+            seen = None  # the parameters of a distribution mostly share one layout: worked out once
             for name, param in get_distr_parameters(distribution).items():
                 layout = layout_of(param)
-                # a chain step drawn from parameters that carry the previous step: its gradient without it
-                carried = previous_step is not None and any(p is previous_step for p in layout.plates)
-                at = layout.position(previous_step) if carried else None
-                kept_layout = layout if at is None else layout.without_position(at)
+                if layout is not seen:
+                    seen = layout
+                    # a chain step drawn from parameters that carry the previous step: its gradient without it
+                    carried = previous_step is not None and any(p is previous_step for p in layout.plates)
+                    at = layout.position(previous_step) if carried else None
+                    kept_layout = layout if at is None else layout.without_position(at)
                 handles.append(param.register_hook(functools.partial(_keep_grad, grads, name, kept_layout, at)))
     return handles
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import sys
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -172,6 +173,11 @@ def _lazy_property_names(cls: type) -> tuple[str, ...]:
     return tuple(name for name in dir(cls) if isinstance(getattr(cls, name, None), lazy_property))
 
 
+#: ``sys.getrefcount`` of a cached value held by the distribution's ``__dict__`` alone (the cache, the
+#: loop's variable, the argument of ``getrefcount``)
+_HELD_BY_THE_CACHE_ONLY = 3
+
+
 def restore_lazy_plates(d: Distribution) -> None:
     """Give the plates back to parameters that ``d`` computed lazily while dispatch was off.
 
@@ -180,7 +186,8 @@ def restore_lazy_plates(d: Distribution) -> None:
     matrices). storch samples and scores with its dispatch disabled, so a parameter first computed
     there would be cached as a plain tensor whose plate dimensions later broadcast as event
     dimensions (``q.probs * logits`` a data × data grid). Each such cached value gets the plates of
-    its own distribution's parameters back (a view; nothing is recomputed).
+    its own distribution's parameters back (nothing is recomputed): the cached object itself where
+    nothing else holds it, else a view.
     """
     for dist in with_nested(d):
         layout = None
@@ -193,6 +200,9 @@ def restore_lazy_plates(d: Distribution) -> None:
                 layout = distribution_layout(dist)
             sizes = layout.sizes
             if sizes and tuple(value.shape[: len(sizes)]) == sizes:
+                if sys.getrefcount(value) <= _HELD_BY_THE_CACHE_ONLY:
+                    wrap_new(value, layout)  # nobody else holds the object: retyped, no view (one per draw)
+                    continue
                 if torch.is_grad_enabled():  # (the context manager costs more than the view, per decision)
                     dist.__dict__[name] = wrap(value, layout)
                     continue

@@ -465,3 +465,40 @@ def test_elementwise_equals_the_dispatched_operation(case):
             expected, got = op(a, b), elementwise(op, a, b)
             assert got.plate_names == expected.plate_names
             assert torch.equal(got._tensor, expected._tensor)
+
+
+def test_lazy_parameter_computed_while_sampling_gets_its_plates_without_a_view():
+    """A parameter that sampling computed lazily (``Categorical(logits=...).probs``) and nobody else holds
+    is given its plates in place: the cached object itself, no view of it."""
+    from torch.distributions import Categorical
+
+    logits = storch.denote_independent(torch.randn(4, 3, requires_grad=True), 0, "data") * 1.0
+    q = Categorical(logits=logits)
+    ScoreFunction("z")(q)
+    probs = q.__dict__["probs"]
+    assert type(probs) is storch.Tensor and probs.plate_names == ["data"]
+    assert probs._base is None and type(probs.grad_fn).__name__ == "SoftmaxBackward0"
+    torch.testing.assert_close(probs.plain(), torch.softmax(logits.plain(), -1))
+    storch.reset()
+
+
+def test_lazy_parameter_held_by_the_users_code_is_not_retyped():
+    """The same parameter, kept by a user's sampling function while it was a plain tensor: the user's
+    object stays plain, and the distribution caches a storch view of it."""
+    from torch.distributions import Categorical
+
+    kept = []
+
+    def sample(distr, plates, n):
+        kept.append(distr.probs)
+        return distr.sample((n,))
+
+    method = ScoreFunction("z")
+    method.sampling_method.set_mc_sample(sample)
+    logits = storch.denote_independent(torch.randn(4, 3, requires_grad=True), 0, "data") * 1.0
+    q = Categorical(logits=logits)
+    method(q)
+    assert type(kept[0]) is torch.Tensor
+    probs = q.__dict__["probs"]
+    assert type(probs) is storch.Tensor and probs.plate_names == ["data"] and probs._base is kept[0]
+    storch.reset()
