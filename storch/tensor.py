@@ -19,6 +19,7 @@ Examples:
 
 from __future__ import annotations
 
+import operator
 import sys
 import warnings
 import weakref
@@ -311,7 +312,11 @@ class StochasticNode:
         self.distribution = distribution
         self.samples = samples
         self.param_grads: dict[str, torch.Tensor] = {}
-        self.parents: tuple[Plate, ...] = tuple(layout.plates[1:])  # other nodes' plates: no cycle
+        parents = layout.plates[1:]  # other nodes' plates: no cycle
+        same = plate.parents  # the plate's own tuple where it holds these plates: one object fewer per node
+        if len(same) == len(parents) and all(map(operator.is_, same, parents)):
+            parents = same
+        self.parents: tuple[Plate, ...] = parents
         #: ``(distribution.log_prob(samples), its version)`` (plain), once `StochasticTensor.log_prob`
         #: computed it with gradients enabled; see `shared_log_prob`
         self.own_log_prob: tuple[torch.Tensor, int] | None = None
