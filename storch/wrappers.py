@@ -375,10 +375,20 @@ def _plated_tensors_only(args: tuple) -> bool:
 def _call_flattened_tensors(fn: Callable, args: tuple) -> Any:
     """`_call_flattened` for tensor arguments only, without its walk through nested arguments (called
     once per decision by a policy's cell: the walk was a third of the wrapper's cost)."""
-    union = union_of_layouts([a._layout for a in args if _is_plated(a)])
-    out = _invoke(fn, tuple(_flatten_plates(a, union) for a in args), {})
-    if _IGNORE_WRAPPING.get():
-        return out  # ignore_wrapping(): the function's own outputs, still flattened
+    plated = [_is_plated(a) for a in args]
+    union = union_of_layouts([a._layout for a, p in zip(args, plated) if p])
+    sizes = union.sizes
+    n, lead = len(sizes), math.prod(sizes)
+    with no_dispatch():  # `_flatten_plates` of each argument and `_invoke`, in one block
+        flat = []
+        for a, p in zip(args, plated):
+            t = align_tensor(a, union, expand=True) if p else expand_plain(a, union)
+            flat.append(t.reshape((lead,) + t.shape[n:]))
+        out = fn(*flat)
+        if _IGNORE_WRAPPING.get():
+            return out  # ignore_wrapping(): the function's own outputs, still flattened
+        if type(out) is torch.Tensor and out.dim() > 0 and out.shape[0] == lead:  # `_unflatten`, `_restore_plates`
+            return wrap_new(out.reshape(sizes + out.shape[1:]), union)
     if type(out) is torch.Tensor:
         return _restore_plates(_unflatten(out, fn, union, ()), fn, union)
     out = _map(functools.partial(_unflatten, fn=fn, union=union, batch=()), out)
