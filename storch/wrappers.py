@@ -262,12 +262,40 @@ def _call_aligned(
         expand: expand the storch arguments to the full size of every plate.
         unwrap: pass plain tensors instead of storch tensors.
     """
+    if not kwargs and keywords.dim is None and keywords.dims is None and _tensors_only(args):
+        return _call_aligned_tensors(fn, args, keywords.removed, expand, unwrap)
     union = _collect_layouts(args, kwargs)
     args, kwargs = _map(functools.partial(_align, union=union, expand=expand, unwrap=unwrap), (args, kwargs))
     out = _invoke(fn, args, _with_plate_keywords(kwargs, union, keywords))
     if _IGNORE_WRAPPING.get():
         return out  # ignore_wrapping(): the function's own outputs, plates not given back
     return _map(functools.partial(_restore_plates, fn=fn, layout=_output_layout(union, keywords.removed)), out)
+
+
+def _tensors_only(args: tuple) -> bool:
+    """Whether every argument is a tensor (an environment's step on an action, a model on a sample)."""
+    for a in args:
+        if not isinstance(a, torch.Tensor):
+            return False
+    return True
+
+
+def _call_aligned_tensors(
+    fn: Callable, args: tuple, removed: Sequence[str], expand: bool, unwrap: bool
+) -> Any:
+    """`_call_aligned` for tensor arguments without keywords, without its walks through nested arguments
+    (called at every step of a rollout whose environment is wrapped in `storch.wrappers.deterministic`)."""
+    layouts = [a._layout for a in args if _is_plated(a)]
+    union = union_of_layouts(layouts) if layouts else EMPTY_LAYOUT
+    out = _invoke(fn, tuple(_align(a, union, expand, unwrap) for a in args), {})
+    if _IGNORE_WRAPPING.get():
+        return out  # ignore_wrapping(): the function's own outputs, plates not given back
+    layout = _output_layout(union, removed)
+    if type(out) is torch.Tensor:
+        return _restore_plates(out, fn, layout)
+    if type(out) is tuple and all(type(o) is torch.Tensor for o in out):  # e.g. (observation, reward)
+        return tuple(_restore_plates(o, fn, layout) for o in out)
+    return _map(functools.partial(_restore_plates, fn=fn, layout=layout), out)
 
 
 def _call_flattened(fn: Callable, args: tuple, kwargs: dict, keywords: _PlateKeywords, batch_dims: int) -> Any:

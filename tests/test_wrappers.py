@@ -313,3 +313,23 @@ def test_ignore_wrapping_returns_flattened_outputs():
         out = storch.make_left_broadcastable(lambda a: 2 * a, batch_dims=1)(z)
     assert type(out) is torch.Tensor and out.shape == (6, 4)
     torch.testing.assert_close(out, 2 * z._tensor.reshape(6, 4))
+
+
+def test_deterministic_on_tensor_arguments_gives_every_output_the_plates():
+    """The path for tensor arguments without keywords (an environment's step on an action): a tuple of
+    outputs each get the plates, a named tuple is returned as it is, and under ignore_wrapping the
+    function's own outputs come back."""
+    import collections
+
+    x = _data(5, (2,))
+    z = _z(3, (2,))  # the newer plate: first
+    obs, reward = storch.deterministic(lambda a, b: (a * b, (a + b).sum(-1)))(z, x)
+    assert obs.plate_names == ["z", "data"] and obs.shape == (3, 5, 2)
+    assert reward.plate_names == ["z", "data"] and reward.shape == (3, 5)
+    torch.testing.assert_close(reward.plain(), (z.plain()[:, None] + x.plain()[None]).sum(-1))
+    Pair = collections.namedtuple("Pair", "first second")
+    pair = storch.deterministic(lambda a: Pair(a, a * 2))(z)
+    assert type(pair) is Pair and type(pair.second) is torch.Tensor
+    with storch.wrappers.ignore_wrapping():
+        out = storch.deterministic(lambda a: a * 2)(z)
+    assert type(out) is torch.Tensor
