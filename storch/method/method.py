@@ -492,6 +492,14 @@ class Method(nn.Module, DeclaresStepState):
             )
 
     def _plate_weight(self, tensor: StochasticTensor, plate: Plate) -> torch.Tensor:
+        sampling = self._modules.get("sampling_method")
+        if (  # the proposal's weights are this method's, and it keeps Method's (none): no call per draw
+            type(sampling).weighting_function is SamplingMethod.weighting_function
+            and sampling.mc_weighting_function is None
+            and sampling.delegate is self
+            and type(self).weighting_function is Method.weighting_function
+        ):
+            return plate.weight  # the uniform 1/n the plate was created with
         weight = self.sampling_method.weighting_function(tensor, plate)
         if weight is None:
             return plate.weight  # the uniform 1/n the plate was created with
