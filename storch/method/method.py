@@ -259,6 +259,8 @@ _MAX_DEVICE_COPIES = 256
 def _on_device(weight: Any, device: torch.device) -> torch.Tensor:
     """``weight`` as a tensor on ``device``; a small CPU tensor is copied to an accelerator only once
     (the copy is shared: callers must not write into it)."""
+    if isinstance(weight, torch.Tensor) and weight.device == device:
+        return weight
     if device.type in ("cpu", "meta") or not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" \
             or weight.numel() > 1024 or is_tracing():  # the cache key reads the values on the host
         return torch.as_tensor(weight, device=device)
