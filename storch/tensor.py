@@ -514,7 +514,9 @@ class StochasticTensor(Tensor):
         model whose cost contains the samples' own log-probability (the ``log q(z|x)`` of a negative
         ELBO), ``z.log_prob()`` is the cheaper way to write ``q.log_prob(z)``: the same values and
         gradients, one log-probability per step instead of two. (Computed with gradients disabled,
-        it is not kept, so that the surrogate loss still gets its gradient.)
+        it is not kept, so that the surrogate loss still gets its gradient.) The samples were drawn
+        from the distribution, so torch's check that they lie in its support (a pass over the values,
+        as long as the log-probability of a Bernoulli) is skipped for them.
 
         Relaxed samples (`GumbelSoftmax` and its sparse variants without ``straight_through``,
         `REBAR` and ``RELAX(rebar=True)`` at their relaxed points: estimators whose
@@ -542,10 +544,8 @@ class StochasticTensor(Tensor):
             return _continuous_log_prob(node)
         log_p = node.shared_log_prob()
         if log_p is None:
-            from storch.util import lazy_plates_kept  # util builds on this module
-
-            with no_dispatch(), lazy_plates_kept(node.distribution):
-                log_p = node.distribution.log_prob(node.samples)
+            with no_dispatch():  # the node's own samples: in the support, so torch's check of them is skipped
+                log_p = node.own_samples_log_prob()
             if torch.is_grad_enabled():
                 node.own_log_prob = (log_p, log_p._version)
                 log_p = alias(log_p)  # the user's own object: the node's copy is never retyped
