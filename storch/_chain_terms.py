@@ -183,10 +183,10 @@ def unrolled_surrogate(costs: torch.Tensor, l: torch.Tensor, a: torch.Tensor | N
         >>> s.item(), torch.autograd.grad(s, l)[0].tolist()   # R − a = [3 − 0.5, 2 − 0.5]
         (3.0, [2.5, 1.5])
     """
-    if l.shape[0] == 1:  # one step: □(l) (L = l, and □(L_{−1}) = 1)
+    if l.shape[0] == 1:  # one step: □(l) (L = l, and □(L_{−1}) = 1), and no sum over it
         box = magic_box(l)
-        total = (costs * box).sum(0)
-        return total if a is None else total + ((1 - box) * a).sum(0)
+        total = costs * box
+        return (total if a is None else total + (1 - box) * a).squeeze(0)
     boxes = magic_box(l.cumsum(0))  # □(L_t)
     total = (costs * boxes).sum(0)
     if a is None:

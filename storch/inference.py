@@ -286,16 +286,20 @@ class _Partial:
         self.S, self.name, self.fresh, self.index, self.plate = S, name, fresh, index, plate
 
 
-def _cost_surrogate(S: torch.Tensor, name: str, record: _Record) -> "torch.Tensor | _Stopped":
+def _cost_surrogate(S: torch.Tensor, name: str, record: _Record, alone: bool = False) -> "torch.Tensor | _Stopped":
     """Run the recursion on ``S`` (a registered cost, or a partial surrogate) until no plate is left,
     and return the plain result; or stop at a step of a single-sample chain (``S``'s chain steps are
-    processed together with the other costs that reach them, see `_chain_steps`)."""
+    processed together with the other costs that reach them, see `_chain_steps`).
+
+    ``alone``: ``S`` is the only registered cost. The first step of a chain is then reached by it
+    alone (a tensor carries one step of a chain, the newest it depends on), and its node term is
+    the one the chain's recursion forms for a single step: made here, as any node's."""
     cost = S
     while isinstance(S, Tensor) and S._layout.plates:
         plate = _next_plate(S._layout.plates)
         if plate.node is None:
             S = reduce_plate(S, plate, detach_weights=False)
-        elif isinstance(plate, ChainPlate):
+        elif isinstance(plate, ChainPlate) and not (alone and plate.ancestor is None):
             return _Stopped(S, plate)
         else:
             S = _node_step(S, plate, name, record)  # type: ignore[arg-type]
@@ -447,8 +451,9 @@ def _surrogate(costs: tuple[CostTensor, ...], record: _Record) -> torch.Tensor:
     _check_one_step(costs)
     total = None
     partials: list[_Partial] = []
+    alone = len(costs) == 1
     for index, cost in enumerate(costs):
-        s = _cost_surrogate(cost, cost.name, record)
+        s = _cost_surrogate(cost, cost.name, record, alone)
         if isinstance(s, _Stopped):  # at a chain step: with the other costs that reach it
             partials.append(_Partial(s.S, cost.name, s.S is cost, index, s.plate))
         else:

@@ -388,15 +388,19 @@ class StochasticNode:
         """The plates of the node's distribution: its samples' plates without its own."""
         return layout_of_plates(self.parents)
 
-    def shared_log_prob(self) -> torch.Tensor | None:
+    def shared_log_prob(self, view: bool = True) -> torch.Tensor | None:
         """A new plain view of ``distribution.log_prob(samples)`` as
         `storch.tensor.StochasticTensor.log_prob` computed it, for the
         surrogate loss to reuse; ``None`` if it was not computed with gradients enabled, or was
-        written in place since (a user's ``lp.mul_(2)`` would change the gradient)."""
+        written in place since (a user's ``lp.mul_(2)`` would change the gradient). ``view=False``: the
+        node's own tensor itself, for a caller that only computes new tensors from it (no view in
+        the graph); it must not be retyped or written."""
         if self.own_log_prob is None:
             return None
         log_p, version = self.own_log_prob
-        return alias(log_p) if log_p._version == version else None
+        if log_p._version != version:
+            return None
+        return alias(log_p) if view else log_p
 
     def stochastic_tensor(self) -> "StochasticTensor":
         """A `storch.tensor.StochasticTensor` view of the samples (shares the node's

@@ -54,6 +54,7 @@ from torch.distributions import Distribution
 
 from storch.extend import (
     MAX_PLATES,
+    alias,
     ChainPlate,
     CostTensor,
     DeclaresStepState,
@@ -240,12 +241,17 @@ def log_prob(tensor: StochasticTensor) -> Tensor:
     node = node_of(tensor)
     layout = node.layout
     with no_dispatch():
-        lp = node.shared_log_prob()
+        lp = node.shared_log_prob(view=False)  # the node's own tensor: summed into a new one, else viewed
         if lp is None:
             lp = node.own_samples_log_prob()
+            shared = False
+        else:
+            shared = True
         extra = tuple(range(len(layout.sizes), lp.dim()))
         if extra:
             lp = lp.sum(extra)
+        elif shared:
+            lp = alias(lp)
     return wrap_new(lp, layout)
 
 
