@@ -49,8 +49,8 @@ from storch.exceptions import NonFiniteCostError, StaleCostError, UnusedNodeWarn
 from storch.plate import MAX_PLATES, ChainPlate, Plate, PlateClashError, layout_of_plates, merge_layouts  # noqa: F401 (MAX_PLATES)
 from storch.reductions import reduce_plate
 from storch.state import check_replayable
-from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, alias, layout_of, plain, wrap_new
-from storch.util import elementwise, get_distr_parameters, magic_box, restore_lazy_plates
+from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout_of, plain, wrap_new
+from storch.util import _named_parameters, elementwise, magic_box, restore_lazy_plates
 
 if TYPE_CHECKING:  # pragma: no cover  (methods import this module: add_cost, backward)
     from storch.method.method import Method
@@ -133,16 +133,12 @@ def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
     layout = layout_of(cost)
     # storch's own object for the cost: a view while gradients flow through it; else a detached tensor on the
     # same values, which does not keep the user's tensor object alive (a view holds its base)
-    registered = CostTensor._retype_as(alias(cost) if cost.requires_grad else _detached(cost), layout, name)
+    with _Disable():  # plain reads and views: no trip through storch's dispatch
+        own = cost.view_as(cost) if cost.requires_grad else cost.detach()
+    registered = CostTensor._retype_as(own, layout, name)
     _COSTS.set(costs + (registered,))  # type: ignore[operator]
     _COST_NAMES.set(_COST_NAMES.get().adding(name))
     _CONSUMED.set(False)
-
-
-def _detached(t: torch.Tensor) -> torch.Tensor:
-    """A new plain tensor object on the values of ``t`` (no view: ``t``'s own object can be freed)."""
-    with _Disable():
-        return t.detach()
 
 
 def _next_name(name: str) -> str:
@@ -543,10 +539,13 @@ def _retain_param_grads(record: _Record) -> list[Any]:
     handles = []
     with _Disable():  # plain Tensor.register_hook: no trip through storch's __torch_function__
         for tensor in record.nodes.values():
-            grads = tensor.param_grads
+            node = tensor._node
+            grads = node.param_grads
             grads.clear()
-            distribution, previous_step = tensor._node.drawn_distribution()
-            for name, param in get_distr_parameters(distribution).items():
+            distribution, previous_step = node.drawn_distribution()
+            for name, param in dict(_named_parameters(distribution)).items():  # get_distr_parameters, inline
+                if not param.requires_grad:
+                    continue
                 layout = layout_of(param)
                 # a chain step drawn from parameters that carry the previous step: its gradient without it
                 carried = previous_step is not None and any(p is previous_step for p in layout.plates)

@@ -44,14 +44,15 @@ def magic_box(l: torch.Tensor) -> torch.Tensor:  # noqa: E741
         1.0
     """
     if isinstance(l, Tensor):  # plates kept as they are: computed on the plain values
-        kept = l.__dict__.get("_magic_box")
-        grad = torch.is_grad_enabled()
-        if kept is not None and kept[0] == (l._version, grad) and kept[1]._version == kept[2]:
-            return kept[1]  # an estimator's (1 − □(l))·a and the surrogate's □(l)·S share one box
-        with _Disable():
+        key = (l.__dict__.get("_magic_box"), torch.is_grad_enabled())
+        with _Disable():  # version reads and the box's arithmetic: no trip through storch's dispatch
+            kept, key = key[0], (l._version, key[1])
+            if kept is not None and kept[0] == key and kept[1]._version == kept[2]:
+                return kept[1]  # an estimator's (1 − □(l))·a and the surrogate's □(l)·S share one box
             box = torch.exp(l - l.detach())
+            version = box._version
         box = wrap_new(box, l._layout)
-        l._magic_box = ((l._version, grad), box, box._version)
+        l._magic_box = (key, box, version)
         return box
     return torch.exp(l - l.detach())
 
