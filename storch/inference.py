@@ -46,7 +46,8 @@ from storch import _tracing
 from storch._chain_terms import chain_term
 from storch._step import forget_sampled, sampled_plates
 from storch.exceptions import NonFiniteCostError, StaleCostError, UnusedNodeWarning
-from storch.plate import MAX_PLATES, ChainPlate, Plate, PlateClashError, layout_of_plates, merge_layouts  # noqa: F401 (MAX_PLATES)
+from storch.plate import MAX_PLATES  # noqa: F401 (re-exported)
+from storch.plate import ChainPlate, Plate, PlateClashError, layout_of_plates, merge_layouts, uniform_weight
 from storch.reductions import reduce_plate
 from storch.state import check_replayable
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout_of, plain, wrap_new
@@ -244,7 +245,13 @@ def _sum_extra_dims(t: torch.Tensor) -> torch.Tensor:
 
 def _node_step(S: Tensor, plate: Plate, cost_name: str, record: _Record) -> torch.Tensor:
     """One step of the surrogate recursion for the stochastic node that owns ``plate``."""
-    return reduce_plate(_node_term(S, plate, cost_name, record), plate, detach_weights=False)  # type: ignore[arg-type]
+    term = _node_term(S, plate, cost_name, record)
+    if plate.size == 1 and plate.weight is uniform_weight(1):  # one sample of weight 1: its term, unreduced
+        layout = term._layout  # type: ignore[attr-defined]
+        i = layout.position(plate)
+        with _Disable():
+            return wrap_new(term.squeeze(i), layout.without_position(i))
+    return reduce_plate(term, plate, detach_weights=False)  # type: ignore[arg-type]
 
 
 def _node_term(S: Tensor, plate: Plate, cost_name: str, record: _Record) -> torch.Tensor:

@@ -65,7 +65,10 @@ def denote_independent(tensor: torch.Tensor, dim: int, plate_name: str) -> Indep
     plate = Plate(plate_name, tensor.shape[dim])
     with _Disable():
         moved = torch.movedim(tensor, dim, 0)
-    return wrap(moved, layout_of_plates((plate,) + layout.plates), IndependentTensor)  # type: ignore[return-value]
+    layout = layout_of_plates((plate,) + layout.plates)
+    if moved is tensor:  # (torch makes a new view even for dim 0; the caller's object is never retyped)
+        return wrap(moved, layout, IndependentTensor)  # type: ignore[return-value]
+    return wrap_new(moved, layout, IndependentTensor)  # type: ignore[return-value]
 
 
 def gather_samples(
