@@ -46,6 +46,9 @@ _SHAPE, _NDIM, _DTYPE, _DEVICE = (getattr(_T, name).__get__ for name in ("shape"
 # torch's check of a value before ``log_prob``, which `Tensor.size` answers with the aligned shape
 _VALIDATE_SAMPLE = Distribution._validate_sample.__code__
 _GRAD, _SET_GRAD = _T.grad.__get__, _T.grad.__set__
+# storch._validation.size_to_validate, once imported (it builds on this module): `Tensor.size` calls it
+# three times per log_prob, and an import statement costs more than the call
+_SIZE_TO_VALIDATE: list = []
 
 
 def _read_by_torch(frame: Any) -> bool:
@@ -157,9 +160,11 @@ class Tensor(torch.Tensor):
         if not args and self._layout.sizes:
             caller = sys._getframe(1)
             if caller.f_code is _VALIDATE_SAMPLE:
-                from storch._validation import size_to_validate  # it builds on this module
+                if not _SIZE_TO_VALIDATE:
+                    from storch._validation import size_to_validate  # it builds on this module
 
-                return size_to_validate(self, caller.f_locals.get("self"))
+                    _SIZE_TO_VALIDATE.append(size_to_validate)
+                return _SIZE_TO_VALIDATE[0](self, caller.f_locals.get("self"))
         return _call_plain(_T.size, (), (self, *args))
 
     @property
