@@ -558,7 +558,12 @@ def _retain_param_grads(record: _Record) -> list[Any]:
                 carried = previous_step is not None and any(p is previous_step for p in layout.plates)
                 at = layout.position(previous_step) if carried else None
                 kept_layout = layout if at is None else layout.without_position(at)
-                handles.append(param.register_hook(functools.partial(_keep_grad, grads, name, kept_layout, at)))
+                grad_fn = param.grad_fn
+                if grad_fn is None:  # a leaf: a hook on the tensor (run by its gradient accumulator)
+                    handles.append(param.register_hook(functools.partial(_keep_grad, grads, name, kept_layout, at)))
+                else:  # a pre-hook of the node that computed it (registered in C++, after the tensor's own hooks)
+                    keep = functools.partial(_keep_output_grad, grads, name, kept_layout, at, param.output_nr)
+                    handles.append(grad_fn.register_prehook(keep))
     return handles
 
 
@@ -567,6 +572,16 @@ def _keep_grad(grads: dict, name: str, layout: Any, drop: int | None, grad: torc
     with _Disable():
         value = (grad if drop is None else grad.select(drop, 0)).detach().clone()  # autograd may reuse ``grad``
     grads[name] = wrap_new(value, layout) if layout.plates else value
+
+
+def _keep_output_grad(
+    grads: dict, name: str, layout: Any, drop: int | None, index: int, grad_outputs: tuple[torch.Tensor | None, ...]
+) -> None:
+    """`_keep_grad` of output ``index`` of an autograd node, from the gradients of its outputs (a
+    pre-hook of the node: none when no gradient reached the parameter)."""
+    grad = grad_outputs[index]
+    if grad is not None:
+        _keep_grad(grads, name, layout, drop, grad)
 
 
 def _named_costs(costs: tuple[CostTensor, ...]) -> list[tuple[str, torch.Tensor, list[str]]]:
