@@ -135,8 +135,11 @@ def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
     # storch's own object for the cost: a view while gradients flow through it; else a detached tensor on the
     # same values, which does not keep the user's tensor object alive (a view holds its base)
     with _Disable():  # plain reads and views: no trip through storch's dispatch
-        own = cost.view_as(cost) if cost.requires_grad else cost.detach()
+        flows = cost.requires_grad
+        own = cost.view_as(cost) if flows else cost.detach()
     registered = CostTensor._retype_as(own, layout, name)
+    if flows and isinstance(cost, Tensor):  # the surrogate multiplies the user's tensor itself: no view in its graph
+        registered._source = cost
     _COSTS.set(costs + (registered,))  # type: ignore[operator]
     _COST_NAMES.set(_COST_NAMES.get().adding(name))
     _CONSUMED.set(False)
@@ -265,6 +268,8 @@ def _node_term(S: Tensor, plate: Plate, cost_name: str, record: _Record) -> torc
         downstream = CostTensor._retype_as(S, S._layout, cost_name)
     l, cv = node.method.estimator(tensor, downstream)  # type: ignore[union-attr]  # noqa: E741
     term: torch.Tensor = S
+    if l is not None or cv is not None:  # a new tensor is made from S: from the user's cost itself, if S is it
+        term = S.__dict__.get("_source", S) if type(S) is CostTensor else S
     if l is not None:
         term = elementwise(operator.mul, magic_box(_sum_extra_dims(l)), term)
     if cv is not None:
