@@ -46,7 +46,8 @@ class ChainCosts(NamedTuple):
     Attributes:
         steps: the chain's steps ``0 … T−1`` (``T − 1`` the newest step any cost reaches).
         plates: the costs' other plates (the same at every step, all older than the chain).
-        costs: the summed costs of each step, plain, ``(T, *plate sizes)`` (zero where none).
+        costs: the summed costs of each step, ``(T, *plate sizes)`` (zero where none); plain, or, for a
+            single step, storch's own tensor of them: read it with torch functions off.
         names: per step, the cost name its node's control variate is computed for (the recursion's
             rule: the first cost registered at the step, else the name carried from the step after).
         index: the place among the registered costs that the chain's result keeps.
@@ -130,6 +131,8 @@ def _gather(partials: Sequence["_Partial"], steps: list[ChainPlate], plates: Pla
         carried = (name, index)
     costs.reverse()
     names.reverse()
+    if len(costs) == 1:  # one step: its summed costs as they are (storch's own tensor, read with torch functions off)
+        return ChainCosts(steps, plates, costs[0], names, carried[1])  # type: ignore[index]
     with no_dispatch():
         stacked = torch.cat(costs, 0)
     return ChainCosts(steps, plates, stacked, names, carried[1])  # type: ignore[index]
@@ -150,6 +153,8 @@ def _gradient_functions(method: Any, chain: ChainCosts, record: "_Record") -> to
             if layout.plates[1:] != chain.plates.plates:
                 l = align_tensor(l, layout_of_plates((step,) + chain.plates.plates)).expand(shape)  # noqa: E741
             parts.append(l)  # (torch functions are off: cat takes a storch tensor as a plain one)
+    if len(parts) == 1:
+        return parts[0]
     with no_dispatch():
         return torch.cat(parts, 0)
 
@@ -164,6 +169,8 @@ def _step_first(S: Tensor, step: ChainPlate) -> torch.Tensor:
 def reward_to_go(costs: torch.Tensor) -> torch.Tensor:
     """``R_s = Σ_{t≥s} c_t`` along the first dimension, of the costs' values (detached)."""
     values = costs.detach()
+    if values.shape[0] == 1:  # one step: its own costs
+        return values
     return values.flip(0).cumsum(0).flip(0)
 
 
@@ -176,6 +183,10 @@ def unrolled_surrogate(costs: torch.Tensor, l: torch.Tensor, a: torch.Tensor | N
         >>> s.item(), torch.autograd.grad(s, l)[0].tolist()   # R − a = [3 − 0.5, 2 − 0.5]
         (3.0, [2.5, 1.5])
     """
+    if l.shape[0] == 1:  # one step: □(l) (L = l, and □(L_{−1}) = 1), and no sum over it
+        box = magic_box(l)
+        total = costs * box
+        return (total if a is None else total + (1 - box) * a).squeeze(0)
     boxes = magic_box(l.cumsum(0))  # □(L_t)
     total = (costs * boxes).sum(0)
     if a is None:
@@ -198,7 +209,9 @@ def chain_term(partials: Sequence["_Partial"], newest_other: int, record: "_Reco
     if method is None:
         return None
     chain = _gather(partials, steps, plates)  # type: ignore[arg-type]
-    a = method.chain_control_variates(chain.names, reward_to_go(chain.costs), chain.plates)
+    with no_dispatch():
+        to_go = reward_to_go(chain.costs)
+    a = method.chain_control_variates(chain.names, to_go, chain.plates)
     l = _gradient_functions(method, chain, record)  # noqa: E741
     with no_dispatch():
         S = unrolled_surrogate(chain.costs, l, a)

@@ -41,7 +41,10 @@ def _per_sample_fits(value: tuple[int, ...], batch: tuple[int, ...], event: tupl
     broadcasts with the batch."""
     if event and value[len(value) - len(event):] != event:
         return False
-    return all(i == 1 or j == 1 or i == j for i, j in zip(reversed(value), reversed(batch + event)))
+    for i, j in zip(reversed(value), reversed(batch + event)):
+        if i != j and i != 1 and j != 1:
+            return False
+    return True
 
 
 def size_to_validate(value: torch.Tensor, d: Any) -> torch.Size:
@@ -53,7 +56,7 @@ def size_to_validate(value: torch.Tensor, d: Any) -> torch.Size:
         return raw
     refuse_relaxed(value, d)
     batch, event = tuple(d._batch_shape), tuple(d._event_shape)
-    if _per_sample_fits(tuple(raw), batch, event):
+    if _per_sample_fits(raw, batch, event):
         return raw  # torch's own check passes on the raw shape (the common case): nothing to align
     n_plates = len(distribution_layout(d).sizes)
     one = tuple(raw[len(value._layout.sizes):])
@@ -70,9 +73,12 @@ def _relaxing_nodes(value: torch.Tensor) -> list[Any]:
 def refuse_relaxed(value: torch.Tensor, d: Distribution) -> None:
     """Raise `storch.exceptions.RelaxedSampleError` if ``value`` is on the plate
     of a node whose estimator relaxes its samples and lies outside ``d``'s discrete support."""
-    nodes = _relaxing_nodes(value)
-    if not nodes:
+    for p in value._layout.plates:  # the common case, no node that relaxes: no list made
+        if p.node is not None and getattr(p.node.method, "relaxes_samples", False):
+            break
+    else:
         return
+    nodes = _relaxing_nodes(value)
     try:
         support = d.support
     except NotImplementedError:

@@ -46,11 +46,12 @@ from storch import _tracing
 from storch._chain_terms import chain_term
 from storch._step import forget_sampled, sampled_plates
 from storch.exceptions import NonFiniteCostError, StaleCostError, UnusedNodeWarning
-from storch.plate import MAX_PLATES, ChainPlate, Plate, PlateClashError, layout_of_plates, merge_layouts  # noqa: F401 (MAX_PLATES)
+from storch.plate import MAX_PLATES  # noqa: F401 (re-exported)
+from storch.plate import ChainPlate, Plate, PlateClashError, layout_of_plates, merge_layouts, uniform_weight
 from storch.reductions import reduce_plate
 from storch.state import check_replayable
-from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, alias, layout_of, plain, wrap_new
-from storch.util import elementwise, get_distr_parameters, magic_box, restore_lazy_plates
+from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout_of, plain, wrap_new
+from storch.util import _named_parameters, elementwise, magic_box, restore_lazy_plates
 
 if TYPE_CHECKING:  # pragma: no cover  (methods import this module: add_cost, backward)
     from storch.method.method import Method
@@ -133,16 +134,15 @@ def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
     layout = layout_of(cost)
     # storch's own object for the cost: a view while gradients flow through it; else a detached tensor on the
     # same values, which does not keep the user's tensor object alive (a view holds its base)
-    registered = CostTensor._retype_as(alias(cost) if cost.requires_grad else _detached(cost), layout, name)
+    with _Disable():  # plain reads and views: no trip through storch's dispatch
+        flows = cost.requires_grad
+        own = cost.view_as(cost) if flows else cost.detach()
+    registered = CostTensor._retype_as(own, layout, name)
+    if flows and isinstance(cost, Tensor):  # the surrogate multiplies the user's tensor itself: no view in its graph
+        registered._source = cost
     _COSTS.set(costs + (registered,))  # type: ignore[operator]
     _COST_NAMES.set(_COST_NAMES.get().adding(name))
     _CONSUMED.set(False)
-
-
-def _detached(t: torch.Tensor) -> torch.Tensor:
-    """A new plain tensor object on the values of ``t`` (no view: ``t``'s own object can be freed)."""
-    with _Disable():
-        return t.detach()
 
 
 def _next_name(name: str) -> str:
@@ -248,7 +248,13 @@ def _sum_extra_dims(t: torch.Tensor) -> torch.Tensor:
 
 def _node_step(S: Tensor, plate: Plate, cost_name: str, record: _Record) -> torch.Tensor:
     """One step of the surrogate recursion for the stochastic node that owns ``plate``."""
-    return reduce_plate(_node_term(S, plate, cost_name, record), plate, detach_weights=False)  # type: ignore[arg-type]
+    term = _node_term(S, plate, cost_name, record)
+    if plate.size == 1 and plate.weight is uniform_weight(1):  # one sample of weight 1: its term, unreduced
+        layout = term._layout  # type: ignore[attr-defined]
+        i = layout.position(plate)
+        with _Disable():
+            return wrap_new(term.squeeze(i), layout.without_position(i))
+    return reduce_plate(term, plate, detach_weights=False)  # type: ignore[arg-type]
 
 
 def _node_term(S: Tensor, plate: Plate, cost_name: str, record: _Record) -> torch.Tensor:
@@ -262,6 +268,8 @@ def _node_term(S: Tensor, plate: Plate, cost_name: str, record: _Record) -> torc
         downstream = CostTensor._retype_as(S, S._layout, cost_name)
     l, cv = node.method.estimator(tensor, downstream)  # type: ignore[union-attr]  # noqa: E741
     term: torch.Tensor = S
+    if l is not None or cv is not None:  # a new tensor is made from S: from the user's cost itself, if S is it
+        term = S.__dict__.get("_source", S) if type(S) is CostTensor else S
     if l is not None:
         term = elementwise(operator.mul, magic_box(_sum_extra_dims(l)), term)
     if cv is not None:
@@ -286,16 +294,20 @@ class _Partial:
         self.S, self.name, self.fresh, self.index, self.plate = S, name, fresh, index, plate
 
 
-def _cost_surrogate(S: torch.Tensor, name: str, record: _Record) -> "torch.Tensor | _Stopped":
+def _cost_surrogate(S: torch.Tensor, name: str, record: _Record, alone: bool = False) -> "torch.Tensor | _Stopped":
     """Run the recursion on ``S`` (a registered cost, or a partial surrogate) until no plate is left,
     and return the plain result; or stop at a step of a single-sample chain (``S``'s chain steps are
-    processed together with the other costs that reach them, see `_chain_steps`)."""
+    processed together with the other costs that reach them, see `_chain_steps`).
+
+    ``alone``: ``S`` is the only registered cost. The first step of a chain is then reached by it
+    alone (a tensor carries one step of a chain, the newest it depends on), and its node term is
+    the one the chain's recursion forms for a single step: made here, as any node's."""
     cost = S
     while isinstance(S, Tensor) and S._layout.plates:
         plate = _next_plate(S._layout.plates)
         if plate.node is None:
             S = reduce_plate(S, plate, detach_weights=False)
-        elif isinstance(plate, ChainPlate):
+        elif isinstance(plate, ChainPlate) and not (alone and plate.ancestor is None):
             return _Stopped(S, plate)
         else:
             S = _node_step(S, plate, name, record)  # type: ignore[arg-type]
@@ -447,8 +459,9 @@ def _surrogate(costs: tuple[CostTensor, ...], record: _Record) -> torch.Tensor:
     _check_one_step(costs)
     total = None
     partials: list[_Partial] = []
+    alone = len(costs) == 1
     for index, cost in enumerate(costs):
-        s = _cost_surrogate(cost, cost.name, record)
+        s = _cost_surrogate(cost, cost.name, record, alone)
         if isinstance(s, _Stopped):  # at a chain step: with the other costs that reach it
             partials.append(_Partial(s.S, cost.name, s.S is cost, index, s.plate))
         else:
@@ -538,11 +551,14 @@ def _retain_param_grads(record: _Record) -> list[Any]:
     handles = []
     with _Disable():  # plain Tensor.register_hook: no trip through storch's __torch_function__
         for tensor in record.nodes.values():
-            grads = tensor.param_grads
+            node = tensor._node
+            grads = node.param_grads
             grads.clear()
-            distribution, previous_step = tensor._node.drawn_distribution()
+            distribution, previous_step = node.drawn_distribution()
             seen = None  # the parameters of a distribution mostly share one layout: worked out once
-            for name, param in get_distr_parameters(distribution).items():
+            for name, param in dict(_named_parameters(distribution)).items():  # get_distr_parameters, inline
+                if not param.requires_grad:
+                    continue
                 layout = layout_of(param)
                 if layout is not seen:
                     seen = layout
@@ -550,7 +566,12 @@ def _retain_param_grads(record: _Record) -> list[Any]:
                     carried = previous_step is not None and any(p is previous_step for p in layout.plates)
                     at = layout.position(previous_step) if carried else None
                     kept_layout = layout if at is None else layout.without_position(at)
-                handles.append(param.register_hook(functools.partial(_keep_grad, grads, name, kept_layout, at)))
+                grad_fn = param.grad_fn
+                if grad_fn is None:  # a leaf: a hook on the tensor (run by its gradient accumulator)
+                    handles.append(param.register_hook(functools.partial(_keep_grad, grads, name, kept_layout, at)))
+                else:  # a pre-hook of the node that computed it (registered in C++, after the tensor's own hooks)
+                    keep = functools.partial(_keep_output_grad, grads, name, kept_layout, at, param.output_nr)
+                    handles.append(grad_fn.register_prehook(keep))
     return handles
 
 
@@ -559,6 +580,16 @@ def _keep_grad(grads: dict, name: str, layout: Any, drop: int | None, grad: torc
     with _Disable():
         value = (grad if drop is None else grad.select(drop, 0)).detach().clone()  # autograd may reuse ``grad``
     grads[name] = wrap_new(value, layout) if layout.plates else value
+
+
+def _keep_output_grad(
+    grads: dict, name: str, layout: Any, drop: int | None, index: int, grad_outputs: tuple[torch.Tensor | None, ...]
+) -> None:
+    """`_keep_grad` of output ``index`` of an autograd node, from the gradients of its outputs (a
+    pre-hook of the node: none when no gradient reached the parameter)."""
+    grad = grad_outputs[index]
+    if grad is not None:
+        _keep_grad(grads, name, layout, drop, grad)
 
 
 def _named_costs(costs: tuple[CostTensor, ...]) -> list[tuple[str, torch.Tensor, list[str]]]:

@@ -65,7 +65,10 @@ def denote_independent(tensor: torch.Tensor, dim: int, plate_name: str) -> Indep
     plate = Plate(plate_name, tensor.shape[dim])
     with _Disable():
         moved = torch.movedim(tensor, dim, 0)
-    return wrap(moved, layout_of_plates((plate,) + layout.plates), IndependentTensor)  # type: ignore[return-value]
+    layout = layout_of_plates((plate,) + layout.plates)
+    if moved is tensor:  # (torch makes a new view even for dim 0; the caller's object is never retyped)
+        return wrap(moved, layout, IndependentTensor)  # type: ignore[return-value]
+    return wrap_new(moved, layout, IndependentTensor)  # type: ignore[return-value]
 
 
 def gather_samples(
@@ -227,13 +230,21 @@ def _reduce_by_vector(tensor: Tensor, plate: Plate, w: torch.Tensor) -> Tensor:
     with _Disable():
         w = w.reshape((plate.size,) + (1,) * (tensor.dim() - i - 1))
         # read on the host (no device sync); a traced step (storch.compile_step) must not branch on it
-        if w.is_cpu and not _tracing.active() and bool(w.all()):
+        if w.is_cpu and not _tracing.active() and _no_zero(w):
             weighted = tensor * w  # no weight of zero, so nothing to leave out
         else:
             ignored = (w == 0) & ~torch.isfinite(tensor)
             weighted = torch.where(ignored, torch.zeros((), dtype=tensor.dtype, device=tensor.device), tensor) * w
         out = weighted.sum(i)
     return wrap_new(out, layout.without_position(i))
+
+
+def _no_zero(w: torch.Tensor) -> bool:
+    """Whether the CPU vector ``w`` holds no zero (``bool(w.all())``; a short one is read as a list,
+    a tenth of the cost of a reduction)."""
+    if w.numel() <= 64:
+        return 0.0 not in w.tolist()
+    return bool(w.all())
 
 
 def _reduce_one(tensor: Tensor, plate: Plate, op) -> Tensor:

@@ -47,6 +47,9 @@ _SHAPE, _NDIM, _DTYPE, _DEVICE = (getattr(_T, name).__get__ for name in ("shape"
 # torch's check of a value before ``log_prob``, which `Tensor.size` answers with the aligned shape
 _VALIDATE_SAMPLE = Distribution._validate_sample.__code__
 _GRAD, _SET_GRAD = _T.grad.__get__, _T.grad.__set__
+# storch._validation.size_to_validate, once imported (it builds on this module): `Tensor.size` calls it
+# three times per log_prob, and an import statement costs more than the call
+_SIZE_TO_VALIDATE: list = []
 
 
 def _read_by_torch(frame: Any) -> bool:
@@ -158,9 +161,11 @@ class Tensor(torch.Tensor):
         if not args and self._layout.sizes:
             caller = sys._getframe(1)
             if caller.f_code is _VALIDATE_SAMPLE:
-                from storch._validation import size_to_validate  # it builds on this module
+                if not _SIZE_TO_VALIDATE:
+                    from storch._validation import size_to_validate  # it builds on this module
 
-                return size_to_validate(self, caller.f_locals.get("self"))
+                    _SIZE_TO_VALIDATE.append(size_to_validate)
+                return _SIZE_TO_VALIDATE[0](self, caller.f_locals.get("self"))
         return _call_plain(_T.size, (), (self, *args))
 
     @property
@@ -393,15 +398,19 @@ class StochasticNode:
         """The plates of the node's distribution: its samples' plates without its own."""
         return layout_of_plates(self.parents)
 
-    def shared_log_prob(self) -> torch.Tensor | None:
+    def shared_log_prob(self, view: bool = True) -> torch.Tensor | None:
         """A new plain view of ``distribution.log_prob(samples)`` as
         `storch.tensor.StochasticTensor.log_prob` computed it, for the
         surrogate loss to reuse; ``None`` if it was not computed with gradients enabled, or was
-        written in place since (a user's ``lp.mul_(2)`` would change the gradient)."""
+        written in place since (a user's ``lp.mul_(2)`` would change the gradient). ``view=False``: the
+        node's own tensor itself, for a caller that only computes new tensors from it (no view in
+        the graph); it must not be retyped or written."""
         if self.own_log_prob is None:
             return None
         log_p, version = self.own_log_prob
-        return alias(log_p) if log_p._version == version else None
+        if log_p._version != version:
+            return None
+        return alias(log_p) if view else log_p
 
     def stochastic_tensor(self) -> "StochasticTensor":
         """A `storch.tensor.StochasticTensor` view of the samples (shares the node's
@@ -519,7 +528,9 @@ class StochasticTensor(Tensor):
         model whose cost contains the samples' own log-probability (the ``log q(z|x)`` of a negative
         ELBO), ``z.log_prob()`` is the cheaper way to write ``q.log_prob(z)``: the same values and
         gradients, one log-probability per step instead of two. (Computed with gradients disabled,
-        it is not kept, so that the surrogate loss still gets its gradient.)
+        it is not kept, so that the surrogate loss still gets its gradient.) The samples were drawn
+        from the distribution, so torch's check that they lie in its support (a pass over the values,
+        as long as the log-probability of a Bernoulli) is skipped for them.
 
         Relaxed samples (`GumbelSoftmax` and its sparse variants without ``straight_through``,
         `REBAR` and ``RELAX(rebar=True)`` at their relaxed points: estimators whose
@@ -547,10 +558,8 @@ class StochasticTensor(Tensor):
             return _continuous_log_prob(node)
         log_p = node.shared_log_prob()
         if log_p is None:
-            from storch.util import lazy_plates_kept  # util builds on this module
-
-            with no_dispatch(), lazy_plates_kept(node.distribution):
-                log_p = node.distribution.log_prob(node.samples)
+            with no_dispatch():  # the node's own samples: in the support, so torch's check of them is skipped
+                log_p = node.own_samples_log_prob()
             if torch.is_grad_enabled():
                 node.own_log_prob = (log_p, log_p._version)
                 log_p = alias(log_p)  # the user's own object: the node's copy is never retyped

@@ -32,6 +32,10 @@ def magic_box(l: torch.Tensor) -> torch.Tensor:  # noqa: E741
     Foerster et al. 2018, "DiCE: The Infinitely Differentiable Monte-Carlo Estimator". Derivatives of
     any order of ``□(l) · f`` are score-function estimates of the derivatives of ``E[f]``.
 
+    For a storch tensor ``l`` the box is kept on it: asked again for the same, unchanged ``l`` (an
+    estimator's control-variate term ``(1 − □(l))·a``, then the surrogate's ``□(l)·S``) it is the
+    same tensor, one node of the autograd graph instead of two with the same values.
+
     Examples:
         >>> import torch
         >>> l = torch.tensor(0.3, requires_grad=True)
@@ -41,9 +45,16 @@ def magic_box(l: torch.Tensor) -> torch.Tensor:  # noqa: E741
         1.0
     """
     if isinstance(l, Tensor):  # plates kept as they are: computed on the plain values
-        with _Disable():
+        key = (l.__dict__.get("_magic_box"), torch.is_grad_enabled())
+        with _Disable():  # version reads and the box's arithmetic: no trip through storch's dispatch
+            kept, key = key[0], (l._version, key[1])
+            if kept is not None and kept[0] == key and kept[1]._version == kept[2]:
+                return kept[1]  # an estimator's (1 − □(l))·a and the surrogate's □(l)·S share one box
             box = torch.exp(l - l.detach())
-        return wrap_new(box, l._layout)
+            version = box._version
+        box = wrap_new(box, l._layout)
+        l._magic_box = (key, box, version)
+        return box
     return torch.exp(l - l.detach())
 
 

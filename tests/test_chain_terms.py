@@ -214,3 +214,38 @@ def test_a_baseline_subclass_with_its_own_computation_is_asked_step_by_step(node
     rollout(W, 5, [policy] * 5)
     storch.backward()
     assert len(node_terms) == 5 and sorted(seen) == [f"r{t}" for t in range(5)]
+
+
+@pytest.mark.parametrize("baseline", [None, "moving_average"])
+def test_a_one_step_chain_with_one_cost_is_the_chains_one_step_term(baseline, node_terms):
+    """A single-sample node with one cost (REINFORCE on a minibatch) gets its node term as any node
+    does; it is the term the chain's recursion forms when another cost reaches the step too (here a
+    zero one): the same values, gradients, Hessians and baseline averages, over two steps."""
+
+    def run(extra_cost: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+        W = W0.clone().double().requires_grad_()
+        method = storch.method.ScoreFunction("a", baseline_factory=baseline)
+        results = []
+        for seed in (1, 2):
+            manual_seed(seed)
+            tok = storch.denote_independent(torch.tensor([0, 1, 1, 0]), 0, "episodes")
+            a = method(Categorical(logits=W[tok]))
+            reward = W[a, a] ** 2 - 0.3 * (a == 1).double()
+            storch.add_cost(reward, "r")
+            if extra_cost:
+                storch.add_cost(0.0 * reward.detach(), "zero")
+            value = storch.surrogate_loss()
+            gradient = torch.autograd.grad(value, W, create_graph=True)[0]
+            hessian = torch.autograd.grad(gradient.sum(), W, retain_graph=True)[0]
+            storch.backward(retain_graph=True)  # updates the baseline
+            results = [value.detach(), gradient.detach(), hessian]
+        averages = {} if method.baseline is None else {k: v.item() for k, v in method.baseline.averages.items()}
+        return (*results, averages)
+
+    alone = run(extra_cost=False)
+    assert len(node_terms) == 4  # the node term of each step, for surrogate_loss and for backward
+    together = run(extra_cost=True)
+    for a, b in zip(alone[:3], together[:3]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert alone[1].abs().sum() > 0 and alone[2].abs().sum() > 0
+    assert alone[3] == pytest.approx(together[3]) and len(alone[3]) == (1 if baseline else 0)

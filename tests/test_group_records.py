@@ -32,3 +32,25 @@ def test_a_record_is_not_given_to_other_samples():
     with pytest.raises(RuntimeError, match="no uniforms recorded"):
         records.of(y)
     storch.reset()
+
+
+def test_group_weights_are_made_once_and_usable_after_inference_mode():
+    """The weight vector of a group layout is shared between steps (no tensor made per step); one
+    first asked for under ``torch.inference_mode`` (an evaluation pass) still enters a later backward."""
+    from torch.distributions import Bernoulli
+
+    from storch.method.groups import _GROUP_WEIGHTS, group_weights
+
+    _GROUP_WEIGHTS.clear()
+    with torch.inference_mode():
+        first = group_weights(3, [0.25, 0.75])
+    assert group_weights(3, [0.25, 0.75]) is first and not first.is_inference()
+    assert torch.equal(first, (torch.tensor([0.25, 0.75]) / 3).repeat(3))
+    logits = torch.tensor([0.3, -0.2], requires_grad=True)
+    with torch.inference_mode():
+        storch.method.ARM("b", n_samples=2)(Bernoulli(logits=logits.detach()))
+    storch.reset()
+    b = storch.method.ARM("b", n_samples=2)(Bernoulli(logits=logits))
+    storch.add_cost(b.sum(-1), "f")
+    storch.backward()
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()

@@ -361,3 +361,20 @@ def test_own_log_prob_hands_out_new_objects():
     storch.add_cost(first, "c")
     storch.backward()
     assert isinstance(first, storch.Tensor) and first.plate_names == ["z"]
+
+
+def test_own_log_prob_skips_the_support_check_of_the_nodes_own_samples(monkeypatch):
+    """``z.log_prob()`` scores samples drawn from the distribution: torch's support check of them is
+    skipped (it costs as much as the log-probability), the values are ``q.log_prob(z)``'s, and a
+    value from elsewhere is still checked."""
+    checks = []
+    original = Bernoulli._validate_sample
+    monkeypatch.setattr(Bernoulli, "_validate_sample", lambda self, value: (checks.append(1), original(self, value))[1])
+    q = Bernoulli(logits=torch.tensor([0.3, -1.2], requires_grad=True))
+    z = ScoreFunction("z", n_samples=3)(q)
+    own = z.log_prob()
+    assert checks == []
+    assert torch.equal(own._tensor, q.log_prob(z)._tensor) and checks == [1]
+    with pytest.raises(ValueError, match="support"):
+        q.log_prob(torch.full((2,), 0.5))
+    storch.reset()

@@ -502,3 +502,25 @@ def test_lazy_parameter_held_by_the_users_code_is_not_retyped():
     probs = q.__dict__["probs"]
     assert type(probs) is storch.Tensor and probs.plate_names == ["data"] and probs._base is kept[0]
     storch.reset()
+
+
+def test_magic_box_of_a_storch_tensor_is_made_once_while_it_is_unchanged():
+    """An estimator's ``(1 − □(l))·a`` and the surrogate's ``□(l)·S`` share one box (one autograd
+    node); a box is made again when ``l`` or the box was written in place, or the grad mode changed."""
+    from storch.util import magic_box
+
+    l = storch.denote_independent(torch.tensor([0.3, -0.2], requires_grad=True) * 1.0, 0, "data")  # noqa: E741
+    box = magic_box(l)
+    assert magic_box(l) is box and box.plate_names == ["data"]
+    with torch.no_grad():
+        unboxed = magic_box(l)
+    assert unboxed is not box and not unboxed.requires_grad
+    assert magic_box(l) is not unboxed and magic_box(l).requires_grad
+    again = magic_box(l)
+    with torch.no_grad():
+        again.mul_(1.0)
+    assert magic_box(l) is not again
+    with torch.no_grad():
+        l.mul_(2.0)
+    fresh = magic_box(l)
+    assert fresh is not again and torch.equal(fresh.plain().detach(), torch.ones(2))

@@ -23,6 +23,7 @@ from storch.reductions import reduce_plates
 from storch.reductions import sum as plate_sum
 from storch.extend import (
     CostTensor, DeclaresStepState, PlateLayout, StepState, StochasticTensor, layout_of, no_dispatch, plain,
+    wrap_new,
 )
 
 __all__ = [
@@ -306,8 +307,15 @@ class BatchAverageBaseline(Baseline):
     def compute_baseline(self, tensor: StochasticTensor, cost_node: CostTensor) -> torch.Tensor:
         n = tensor.n
         self.check_samples(n, tensor.name)
-        costs = cost_node.detach()
-        return (plate_sum(costs, tensor.plate) - costs) / (n - 1)
+        plate, layout = tensor.plate, layout_of(cost_node)
+        if not any(p is plate for p in layout.plates):
+            costs = cost_node.detach()
+            return (plate_sum(costs, plate) - costs) / (n - 1)
+        i = layout.position(plate)
+        with no_dispatch():  # the same arithmetic on the plain values (the sum keeps the plate's dimension)
+            costs = cost_node.detach()
+            loo = (costs.sum(i, keepdim=True) - costs) / (n - 1)
+        return wrap_new(loo, layout)
 
 
 class UpdatesItsBaseline(DeclaresStepState):

@@ -44,6 +44,7 @@ from storch.extend import (
     StochasticTensor,
     Tensor,
     align_to,
+    is_tracing,
     layout_of,
     layout_of_plates,
     merge_layouts,
@@ -59,6 +60,9 @@ __all__ = ["group_weights", "flatten_groups", "split_groups", "spread_groups", "
 def group_weights(n_groups: int, point_weights: torch.Tensor | list[float]) -> torch.Tensor:
     """Plate weights for ``n_groups`` groups whose points weigh ``point_weights`` (summing to 1).
 
+    The vector is made once per ``(n_groups, point weights, default dtype)`` and shared by every
+    later call (a method asks for the same weights at every step): callers must not write into it.
+
     Examples:
         >>> group_weights(2, [1.0, 0.0, 0.0]).tolist()
         [0.5, 0.0, 0.0, 0.5, 0.0, 0.0]
@@ -67,8 +71,23 @@ def group_weights(n_groups: int, point_weights: torch.Tensor | list[float]) -> t
     # checked on the Python numbers: no host read of a tensor (a traced step, storch.compile_step)
     if not all(isinstance(v, (int, float)) for v in values) or abs(sum(values) - 1.0) > 1e-6:
         raise ValueError(f"group_weights: point weights must be a vector summing to 1, got {values}.")
-    w = torch.tensor(values, dtype=torch.get_default_dtype())
-    return (w / n_groups).repeat(n_groups)
+    dtype = torch.get_default_dtype()
+    if is_tracing():  # storch.compile_step's trace records the vector it makes as a constant of its own
+        return (torch.tensor(values, dtype=dtype) / n_groups).repeat(n_groups)
+    key = (n_groups, tuple(values), dtype)
+    w = _GROUP_WEIGHTS.get(key)
+    if w is None:
+        with torch.inference_mode(False):  # made in inference mode it could not be saved for a backward later
+            w = (torch.tensor(values, dtype=dtype) / n_groups).repeat(n_groups)
+        if len(_GROUP_WEIGHTS) >= _MAX_GROUP_WEIGHTS:
+            _GROUP_WEIGHTS.clear()
+        _GROUP_WEIGHTS[key] = w
+    return w
+
+
+# the weight vectors group_weights made, by (n_groups, point weights, dtype): small, bounded
+_GROUP_WEIGHTS: dict[tuple, torch.Tensor] = {}
+_MAX_GROUP_WEIGHTS = 256
 
 
 def flatten_groups(points: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,7 @@ from torch.distributions import Distribution
 
 from storch.extend import (
     MAX_PLATES,
+    alias,
     ChainPlate,
     CostTensor,
     DeclaresStepState,
@@ -240,12 +241,17 @@ def log_prob(tensor: StochasticTensor) -> Tensor:
     node = node_of(tensor)
     layout = node.layout
     with no_dispatch():
-        lp = node.shared_log_prob()
+        lp = node.shared_log_prob(view=False)  # the node's own tensor: summed into a new one, else viewed
         if lp is None:
             lp = node.own_samples_log_prob()
+            shared = False
+        else:
+            shared = True
         extra = tuple(range(len(layout.sizes), lp.dim()))
         if extra:
             lp = lp.sum(extra)
+        elif shared:
+            lp = alias(lp)
     return wrap_new(lp, layout)
 
 
@@ -259,6 +265,8 @@ _MAX_DEVICE_COPIES = 256
 def _on_device(weight: Any, device: torch.device) -> torch.Tensor:
     """``weight`` as a tensor on ``device``; a small CPU tensor is copied to an accelerator only once
     (the copy is shared: callers must not write into it)."""
+    if isinstance(weight, torch.Tensor) and weight.device == device:
+        return weight
     if device.type in ("cpu", "meta") or not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" \
             or weight.numel() > 1024 or is_tracing():  # the cache key reads the values on the host
         return torch.as_tensor(weight, device=device)

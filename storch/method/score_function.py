@@ -9,6 +9,7 @@ baseline (`storch.method.baseline`).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -84,9 +85,7 @@ class ScoreFunction(UpdatesItsBaseline, Method):
         """A chain of this method's nodes is formed at once (`storch._chain_terms`) unless a subclass
         changes the estimator or reads the triples, or the baseline cannot give every step's baseline
         at once (a critic, a baseline with a correction)."""
-        cls = type(self)
-        plain = all(getattr(cls, name) is getattr(ScoreFunction, name) for name in _ESTIMATOR_PARTS)
-        return plain and (self.baseline is None or self.baseline.vectorises_chain(plates))
+        return _keeps_estimator(type(self)) and (self.baseline is None or self.baseline.vectorises_chain(plates))
 
     def chain_control_variates(
         self, names: Sequence[str], to_go: torch.Tensor, plates: PlateLayout
@@ -97,3 +96,9 @@ class ScoreFunction(UpdatesItsBaseline, Method):
 
 #: what `ScoreFunction.vectorises_chain` requires a subclass to leave as it is
 _ESTIMATOR_PARTS = ("gradient_function", "control_variate", "estimator", "update_parameters")
+
+
+@functools.lru_cache(maxsize=64)
+def _keeps_estimator(cls: type) -> bool:
+    """Whether ``cls`` leaves `_ESTIMATOR_PARTS` as `ScoreFunction` has them (looked up once per class)."""
+    return all(getattr(cls, name) is getattr(ScoreFunction, name) for name in _ESTIMATOR_PARTS)
