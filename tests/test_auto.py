@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.distributions import Bernoulli
+from torch.distributions import Bernoulli, Normal
 
 import storch
 from storch.exceptions import CompileStepError, UnusedNodeWarning
@@ -148,6 +148,19 @@ def test_candidates_follow_the_catalog_declarations():
         _run(wider, 1)
     assert {"Expect", "DoubleControlVariate [n=8]", "REBAR [n=2]"} <= set(wider.labels)
     assert all(s.unbiased for s in wider.stats)
+
+
+@pytest.mark.parametrize("distribution, twin", [
+    (Bernoulli(logits=torch.zeros(3)), "ScoreFunction + batch_average [n=4]"),
+    (Normal(torch.zeros(3), torch.ones(3)), "Reparameterization [n=4]"),
+])
+def test_an_entry_that_builds_the_same_estimator_is_one_candidate(distribution, twin):
+    # Infer delegates to the score function with the batch-average baseline on a discrete node and to
+    # reparameterization on a Normal: at the same count, the same estimator as those entries
+    auto = Auto("x", budget=4).build(distribution)
+    assert twin in auto.labels and "Infer [n=4]" not in auto.labels
+    assert dict(auto.excluded)["Infer [n=4]"].startswith(f"the same estimator as {twin}")
+    assert len({(type(m), repr(m)) for m in auto.methods}) == len(auto.methods)
 
 
 def test_lower_second_moment_wins_at_equal_cost():

@@ -49,7 +49,7 @@ def jobs(seeds, only) -> list[tuple[str, str, int]]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path)
-    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--part", default="0/1", help="I/N: every N-th run, from the I-th")
     p.add_argument("--only", nargs="+", default=None, help="these estimators only")

@@ -267,6 +267,11 @@ class Auto(Method):
                 continue
             if any(s.label == label for s in self.stats):
                 continue  # the same estimator at the same count as an earlier entry
+            twin = next((s.label for s, m in zip(self.stats, self.methods)
+                         if _fingerprint(m, distr) == _fingerprint(method, distr)), None)
+            if twin is not None:  # e.g. Infer, which delegates to the score function with batch_average
+                self.excluded.append((label, f"the same estimator as {twin} on {kind.__name__} (built alike)"))
+                continue
             self.methods.append(method)
             self.stats.append(CandidateStats(label, evals, entry.unbiased_for(kind, self.order), entry.warmup,
                                              entry=entry.label, count=count))
@@ -609,6 +614,16 @@ def _event_shape(distr: Distribution) -> tuple[int, ...]:
     """The sample's shape beyond the distribution's plates (the catalog's ``event_shape``)."""
     full = tuple(distr.batch_shape) + tuple(distr.event_shape)
     return full[len(distribution_layout(distr).sizes):]
+
+
+def _fingerprint(method: Method, distr: Distribution) -> tuple[type, str]:
+    """What ``method`` is for nodes of ``distr``: the class and the construction (its ``repr``: options,
+    sampling method, baseline) of the method that draws them, following a method that delegates (as
+    `storch.method.Infer` does), so that two catalog entries that build the same estimator are one
+    candidate."""
+    delegate = getattr(method, "delegate_for", None)
+    drawn = delegate(distr) if delegate is not None else method
+    return type(drawn), repr(drawn)
 
 
 def _evaluations(method: Method, distr: Distribution) -> int:
