@@ -307,6 +307,30 @@ def test_one_slow_step_drops_no_candidate_but_two_do(monkeypatch):
         assert auto.stats[1].uses == (2 if dropped else 3)
 
 
+def test_cpu_cost_reads_the_process_clock(monkeypatch):
+    # cost="cpu": a step's cost is the process's CPU time (time.process_time), not the wall clock; a
+    # candidate whose steps take 10 CPU seconds loses to one that takes 1 at the same second moment order
+    import storch.method.auto as auto_module
+
+    clock, wall = [0.0], [0.0]
+    monkeypatch.setattr(auto_module.time, "process_time", lambda: clock[0])
+    monkeypatch.setattr(auto_module.time, "perf_counter", lambda: wall[0])
+    auto = Auto("x", budget=2, candidates=["ScoreFunction + batch_average", "DisARM"], visits=2, cost="cpu")
+    logits = torch.zeros(3, requires_grad=True)
+    for _ in range(4):
+        z = auto(Bernoulli(logits=logits))
+        clock[0] += 10.0 if auto.choice.startswith("ScoreFunction") else 1.0
+        wall[0] += 1000.0 if auto.choice.startswith("DisARM") else 1.0  # the wall clock is not read
+        storch.add_cost(((z - torch.tensor([0.1, 0.5, 0.9])) ** 2).sum(-1), "f")
+        storch.backward()
+    record = auto.record()
+    assert [r["cost_per_step"] for r in record["candidates"]] == [10.0, 1.0]
+    assert {r["cost_unit"] for r in record["candidates"]} == {"CPU seconds"}
+    assert "CPU seconds per step" in record["switches"][-1]["reason"]
+    with pytest.raises(ValueError, match="cost must be one of"):
+        Auto("x", cost="wall")
+
+
 @pytest.mark.parametrize("label", ["DoubleControlVariate", "REBAR", "ScoreFunction + batch_average"])
 def test_the_measured_second_moment_is_the_steps_gradient(label):
     # the hooks count the backward pass of the surrogate only: not double control variates' own gradients

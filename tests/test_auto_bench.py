@@ -35,6 +35,12 @@ def test_auto_writes_its_record_into_the_run_folder(tmp_path, digits, cfg):
         assert record["switches"][0]["to"] == "(measuring)"
         assert all(r["unbiased"] for r in record["candidates"])
         assert all(r["evaluations"] <= record["budget"] for r in record["candidates"])
+        assert all(r["cost_unit"] == "CPU seconds" for r in record["candidates"])  # on the CPU: CPU time
+        spans = train.auto_timeline(record, QUICK["steps"])  # what plots.png draws of its choices
+        assert spans[0][0] == 0 and spans[-1][1] == QUICK["steps"]
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        assert {what for *_, what in spans} <= {"(measuring)"} | {r["candidate"] for r in record["candidates"]}
+    assert (tmp_path / "run" / "plots.png").is_file()
 
 
 def test_an_auto_run_resumes_from_its_checkpoint(tmp_path, digits):

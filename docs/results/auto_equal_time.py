@@ -28,9 +28,9 @@ from storch.bench.estimators import ESTIMATORS
 MODELS = ("sbn-linear", "sbn-two-layer", "sbn-categorical", "bernoulli-vae", "categorical-vae")
 BUDGET = 4
 #: every run: the digits, batch 50, Adam 1e-3, one thread, ten evaluations (each tenth of the seconds) on
-#: the whole test and validation sets (250 digits each) and 1000 training digits; -log p(x) with 200 samples
+#: the whole test and validation sets (250 digits each) and 250 training digits; -log p(x) with 200 samples
 COMMON = ["--data", "digits", "--budget", str(BUDGET), "--batch-size", "50", "--lr", "1e-3", "--threads", "1",
-          "--eval-size", "1000", "--eval-k", "200", "--no-var", "--no-progress", "--overwrite"]
+          "--eval-size", "250", "--eval-k", "200", "--no-var", "--no-progress", "--overwrite"]
 
 
 def run_dir(out: Path, model: str, estimator: str, seed: int) -> Path:
@@ -49,7 +49,7 @@ def jobs(seeds, only) -> list[tuple[str, str, int]]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path)
-    p.add_argument("--seconds", type=float, default=8.0)
+    p.add_argument("--seconds", type=float, default=6.0)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--part", default="0/1", help="I/N: every N-th run, from the I-th")
     p.add_argument("--only", nargs="+", default=None, help="these estimators only")

@@ -634,6 +634,30 @@ def resume(run_dir, steps: int | None = None, progress: bool = True, log=print, 
     return r.train()
 
 
+def auto_timeline(record: dict[str, Any], last_step: int) -> list[tuple[int, int, str]]:
+    """``(first step, end step, candidate or "(measuring)")`` spans of an `storch.method.Auto` record's
+    switches: the rounds of measurements and the candidate chosen after each, up to ``last_step``."""
+    events = [(s["step"], s["to"]) for s in record["switches"]]
+    return [(t, events[i + 1][0] if i + 1 < len(events) else last_step, what)
+            for i, (t, what) in enumerate(events)]
+
+
+def plot_auto_choices(ax, record: dict[str, Any], last_step: int) -> None:
+    """Auto's choices over the steps into ``ax``: a bar per span on the row of the candidate chosen, the
+    rounds of measurements shaded, the switches marked."""
+    names = [c["candidate"] for c in record["candidates"]]
+    for start, end, what in auto_timeline(record, last_step):
+        if what == "(measuring)":
+            ax.axvspan(start, max(end, start + 1), color="0.85", lw=0)
+        elif what in names:
+            ax.plot([start, end], [names.index(what)] * 2, lw=4, color="tab:red")
+            ax.axvline(start, color="tab:red", lw=0.5, ls=":")
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    ax.set_ylim(-0.5, len(names) - 0.5)
+    ax.set(xlabel="step", title=f"Auto({record['node']!r}): {record['settled'] or record['choice']} "
+                                f"(grey: rounds of measurements)")
+
+
 def plot_run(run_dir: Path, rows: list[dict[str, Any]], label: str, log=print) -> bool:
     try:
         import matplotlib
@@ -645,7 +669,9 @@ def plot_run(run_dir: Path, rows: list[dict[str, Any]], label: str, log=print) -
         return False
     steps = [r["step"] for r in rows]
     secs = [r["seconds"] for r in rows]
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    auto = run_dir / "auto.json"
+    records = json.loads(auto.read_text()) if auto.is_file() else {}
+    fig, ax = plt.subplots(1, 3 + len(records), figsize=(15 + 6 * len(records), 4))
     for split in ("train", "valid", "test"):
         ys = [r[f"{split}_nelbo"] for r in rows]
         ax[0].plot(steps, ys, label=split)
@@ -663,6 +689,8 @@ def plot_run(run_dir: Path, rows: list[dict[str, Any]], label: str, log=print) -
     if var:
         ax[2].plot(*zip(*var), marker="o")
     ax[2].set(xlabel="step", ylabel="log total variance of encoder W grad")
+    for panel, record in zip(ax[3:], records.values()):
+        plot_auto_choices(panel, record, steps[-1] if steps else record["step"])
     fig.tight_layout()
     fig.savefig(run_dir / "plots.png", dpi=80)
     plt.close(fig)

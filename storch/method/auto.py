@@ -10,7 +10,10 @@ best one is used for a while, longer after each round, until the next round re-c
 the parameters the node's distribution was built with (a hook on each, whatever path the candidate's
 surrogate takes to it: the estimate ``ĝ`` for those parameters, as in ``z.param_grads``) and the step's
 wall time (from the node's sampling to the end of `storch.backward`, the candidate's own updates
-included) or its cost evaluations (the size of the node's plate). A candidate's score is its mean
+included), its CPU time over the same span (``cost="cpu"``: on a machine shared with other programs,
+wall time measures them too; on storch-bench's linear SBN on a loaded two-core machine, candidates of
+the same cost showed medians up to 9 times apart in wall time), or its cost evaluations (the size of
+the node's plate). A candidate's score is its mean
 second moment ``E‖ĝ‖²`` in the round times its median seconds (or evaluations) per step; the lowest
 score wins. The second moment is ``‖∇‖² + Var ĝ``: all candidates estimate the same ``∇``, so ranking by
 it ranks by variance, and it is what sets the progress of stochastic gradient descent per step at its
@@ -91,7 +94,7 @@ from storch.method.method import Method, check_floating_parameters
 
 __all__ = ["Auto", "CandidateStats", "COLD_START"]
 
-COSTS = ("time", "evaluations")
+COSTS = ("time", "cpu", "evaluations")
 
 #: catalog entries left out by default: their first steps run without an effective baseline (none, or
 #: one that starts untrained), so their gradients there are hundreds of times noisier than the best
@@ -161,7 +164,10 @@ class Auto(Method):
         candidates: catalog labels to choose among (default: every entry that applies).
         exclude: catalog labels to leave out; by default `COLD_START`, the entries whose first steps run
             without an effective baseline.
-        cost: ``"time"`` (seconds per step) or ``"evaluations"`` (the node's plate size).
+        cost: ``"time"`` (wall-clock seconds per step), ``"cpu"`` (this process's CPU seconds per step,
+            `time.process_time`: what the step computed on the host, not the time other programs on a
+            busy machine took from it; not for a GPU, whose work the host waits for) or
+            ``"evaluations"`` (the node's plate size).
         visits: measured steps of each candidate per round.
         explore_every: steps on the chosen candidate before the first re-check.
         growth: factor by which the steps between re-checks grow after each round.
@@ -331,7 +337,7 @@ class Auto(Method):
             self._build(distr)
         if torch.is_grad_enabled():
             if self._t0 is None:
-                self._t0 = time.perf_counter()
+                self._t0 = self._clock()
             if self._queue:  # a step of a round: its gradient is measured (the chosen one's are not)
                 self._hook_parameters(distr)
         self._listening = False  # a candidate's own autograd calls while it samples are not the step's gradient
@@ -348,6 +354,10 @@ class Auto(Method):
         self.__dict__["_owner"] = node.method  # a reference, not a submodule (its state is the candidate's)
         node.method = self
         return tensor
+
+    def _clock(self) -> float:
+        """The clock of ``cost``: wall-clock seconds, or this process's CPU seconds for ``"cpu"``."""
+        return time.process_time() if self.cost == "cpu" else time.perf_counter()
 
     def _hook_parameters(self, distr: Distribution) -> None:
         """Sum the squares of the step's gradient with respect to the parameters ``distr`` was built with
@@ -444,13 +454,13 @@ class Auto(Method):
         self._owners.clear()
         if self._t0 is None:
             return
-        seconds = time.perf_counter() - self._t0
+        seconds = self._clock() - self._t0
         self._t0 = None
         stats = self.stats[self._current]
         stats.uses += 1
         self.step += 1
         if self._queue:
-            cost = seconds if self.cost == "time" else float(_evaluations_of(result_triples))
+            cost = float(_evaluations_of(result_triples)) if self.cost == "evaluations" else seconds
             if stats.uses > (stats.warmup if self._round == 1 else 0):
                 stats.round_moments.append(moment)
                 stats.round_seconds.append(cost)
@@ -520,7 +530,8 @@ class Auto(Method):
         runner = next((c for c in ranked if c != best), None)
         versus = "" if runner is None else f", next {self.stats[runner].label} at {_ratio(scores[runner], scores[best])}"
         bias = "" if self.stats[best].unbiased else " (a biased candidate: allow_bias=True)"
-        what = "second moment × seconds per step" if self.cost == "time" else "second moment × evaluations"
+        what = {"time": "second moment × seconds per step", "cpu": "second moment × CPU seconds per step",
+                "evaluations": "second moment × evaluations"}[self.cost]
         self.switches.append((self.step, "(measuring)", self.stats[best].label,
                               f"lowest {what} in round {self._round}{versus}{bias}"))
         self._chosen = self._current = best
@@ -572,7 +583,7 @@ class Auto(Method):
         for c, s in enumerate(self.stats):
             rows.append({
                 "candidate": s.label, "unbiased": s.unbiased, "evaluations": s.evaluations, "steps": s.uses,
-                "cost_per_step": s.seconds, "cost_unit": "seconds" if self.cost == "time" else "evaluations",
+                "cost_per_step": s.seconds, "cost_unit": {"time": "seconds", "cpu": "CPU seconds"}.get(self.cost, "evaluations"),
                 "second_moment": s.second_moment,
                 "relative_second_moment": _relative(s.second_moment, low_m),
                 "relative_score": _relative(scores.get(c), low_s),
@@ -589,7 +600,7 @@ class Auto(Method):
     def table(self) -> str:
         """The per-candidate table of the latest round: second moment and score relative to the best."""
         rec = self.record()
-        unit = "s/step" if self.cost == "time" else "evals"
+        unit = {"time": "s/step", "cpu": "cpu s/step"}.get(self.cost, "evals")
         settled = "none yet" if self._chosen is None else self.stats[self._chosen].label
         measuring = f" (a round of measurements: next step {self.choice})" if self._queue else ""
         lines = [f"Auto({self.plate_name!r}) after {self.step} steps, settled on {settled}{measuring}",
