@@ -307,6 +307,19 @@ def test_one_slow_step_drops_no_candidate_but_two_do(monkeypatch):
         assert auto.stats[1].uses == (2 if dropped else 3)
 
 
+def test_a_one_hot_node_counts_the_points_of_its_wrapped_parameters():
+    # OneHotCategorical keeps its logits in a Categorical: the probe that counts a candidate's evaluation
+    # points makes those require grad too, so measure-valued derivatives count 1 + D(K-1) points per sample
+    # (181 for 20 variables of 10 categories) and stay out of a budget of 4, not in it at n=4
+    from torch.distributions import OneHotCategorical
+
+    auto = Auto("z", budget=4).build(OneHotCategorical(logits=torch.zeros(20, 10)))
+    assert not any(label.startswith("MVD") for label in auto.labels)
+    assert dict(auto.excluded)["MVD"] == "needs 181 cost evaluations per step, over the budget of 4"
+    small = Auto("z", budget=8).build(OneHotCategorical(logits=torch.zeros(2, 3)))
+    assert "MVD [n=1]" in small.labels and small.stats[small.labels.index("MVD [n=1]")].evaluations == 5
+
+
 def test_cpu_cost_reads_the_process_clock(monkeypatch):
     # cost="cpu": a step's cost is the process's CPU time (time.process_time), not the wall clock; a
     # candidate whose steps take 10 CPU seconds loses to one that takes 1 at the same second moment order

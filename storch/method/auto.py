@@ -645,13 +645,21 @@ def _evaluations(method: Method, distr: Distribution) -> int:
     nothing reaches the user's graph or is cached on ``distr``; drawn without gradients, so that
     the probe is no node of the step.
     """
+    with torch.no_grad():  # and not noted as a node of the step
+        tensor = method(_probe(distr))
+        return tensor.plate.size
+
+
+def _probe(distr: Distribution) -> Distribution:
+    """A copy of ``distr`` whose floating parameters are detached leaves that require grad, also those of
+    the distributions it wraps (`OneHotCategorical` keeps its parameters in a `Categorical`)."""
     probe = copy.copy(distr)
     for name, value in list(vars(probe).items()):
-        if name in distr.arg_constraints and isinstance(value, torch.Tensor) and value.is_floating_point():
+        if isinstance(value, Distribution):
+            probe.__dict__[name] = _probe(value)
+        elif name in distr.arg_constraints and isinstance(value, torch.Tensor) and value.is_floating_point():
             probe.__dict__[name] = value.detach().requires_grad_()
-    with torch.no_grad():  # and not noted as a node of the step
-        tensor = method(probe)
-        return tensor.plate.size
+    return probe
 
 
 def _evaluations_of(triples: Sequence[tuple]) -> int:
