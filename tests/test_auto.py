@@ -307,6 +307,16 @@ def test_one_slow_step_drops_no_candidate_but_two_do(monkeypatch):
         assert auto.stats[1].uses == (2 if dropped else 3)
 
 
+def test_an_entry_that_builds_an_excluded_estimator_is_left_out_too():
+    # Infer at n=1 is the score function with a moving-average baseline, a COLD_START entry: left out with it
+    auto = Auto("x", budget=1).build(Bernoulli(logits=torch.zeros(3)))
+    assert not any(label.startswith(("Infer", "ScoreFunction")) for label in auto.labels)
+    assert dict(auto.excluded)["Infer [n=1]"] == ("the same estimator as ScoreFunction + moving_average [n=1] on "
+                                                  "Bernoulli, which exclude= leaves out")
+    everything = Auto("x", budget=1, exclude=()).build(Bernoulli(logits=torch.zeros(3)))
+    assert "ScoreFunction + moving_average [n=1]" in everything.labels and "Infer [n=1]" not in everything.labels
+
+
 def test_a_one_hot_node_counts_the_points_of_its_wrapped_parameters():
     # OneHotCategorical keeps its logits in a Categorical: the probe that counts a candidate's evaluation
     # points makes those require grad too, so measure-valued derivatives count 1 + D(K-1) points per sample

@@ -30,6 +30,8 @@ def test_auto_writes_its_record_into_the_run_folder(tmp_path, digits, cfg):
     records = json.loads((tmp_path / "run" / "auto.json").read_text())
     model_latents = {"sbn-two-layer": ["z1", "z2"]}.get(cfg.get("model"), None)
     assert list(records) == (model_latents or list(records)) and records
+    if model_latents:  # the lower layer's Auto gets 2 evaluations per upper sample, the top the rest
+        assert (records["z1"]["budget"], records["z2"]["budget"]) == (1, 2)
     for record in records.values():
         assert record["step"] == QUICK["steps"] and record["choice"] in [r["candidate"] for r in record["candidates"]]
         assert record["switches"][0]["to"] == "(measuring)"

@@ -58,6 +58,8 @@ TWO = [Latent("z1", "bernoulli", 200, 2), Latent("z2", "bernoulli", 200, 2)]
     ("rloo", TWO, 8, 4, 8),                      # the lower layer takes 2 samples per upper sample
     ("expect", [Latent("z", "bernoulli", 6, 2)], 64, 1, 64),
     ("vimco", BERN, 5, 5, 5),
+    ("auto", BERN, 4, 4, 4),
+    ("auto", TWO, 4, 2, 4),                      # Auto's lower layer: 2 evaluations per upper sample, as RLOO's
 ])
 def test_budget_arithmetic(est, latents, budget, n, evals):
     assert samples_for_budget(ESTIMATORS[est], latents, budget) == (n, evals)

@@ -257,6 +257,7 @@ class Auto(Method):
         """Build the candidates for ``distr``'s type and event shape, at the budget."""
         kind = type(distr)
         shape = self._shape = _event_shape(distr)
+        left_out = self._left_out_by_exclude(distr, shape)
         for entry in catalog():
             reason = self._why_not(entry, kind)
             if reason:
@@ -278,6 +279,10 @@ class Auto(Method):
             if twin is not None:  # e.g. Infer, which delegates to the score function with batch_average
                 self.excluded.append((label, f"the same estimator as {twin} on {kind.__name__} (built alike)"))
                 continue
+            if _fingerprint(method, distr) in left_out:  # Infer at n=1: the score function with a moving average
+                self.excluded.append((label, f"the same estimator as {left_out[_fingerprint(method, distr)]} on "
+                                             f"{kind.__name__}, which exclude= leaves out"))
+                continue
             self.methods.append(method)
             self.stats.append(CandidateStats(label, evals, entry.unbiased_for(kind, self.order), entry.warmup,
                                              entry=entry.label, count=count))
@@ -289,6 +294,21 @@ class Auto(Method):
                 + ". Raise the budget, or name entries the model allows in include=."
             )
         self._start_round()
+
+    def _left_out_by_exclude(self, distr: Distribution, shape: tuple[int, ...]) -> dict[tuple[type, str], str]:
+        """The estimators that ``exclude`` leaves out, built at the budget as candidates would be, by
+        `_fingerprint`: another entry that builds one of them is left out too."""
+        out: dict[tuple[type, str], str] = {}
+        for entry in catalog():
+            if entry.label not in self.exclude or not entry.handles(type(distr)) or entry.label in (self.only or ()):
+                continue
+            try:
+                label, method, _, _ = self._sized(entry, distr, shape)
+            except Exception:  # noqa: BLE001  (an entry that cannot sample this node builds nothing to match)
+                continue
+            if method is not None:
+                out.setdefault(_fingerprint(method, distr), label)
+        return out
 
     def _why_not(self, entry: CatalogEntry, kind: type) -> str:
         """Why ``entry`` is not a candidate for ``kind`` (``""``: it is)."""
