@@ -297,10 +297,13 @@ class Auto(Method):
 
     def _left_out_by_exclude(self, distr: Distribution, shape: tuple[int, ...]) -> dict[tuple[type, str], str]:
         """The estimators that ``exclude`` leaves out, built at the budget as candidates would be, by
-        `_fingerprint`: another entry that builds one of them is left out too."""
+        `_fingerprint`: another entry that builds one of them is left out too (unless named in
+        ``candidates``)."""
         out: dict[tuple[type, str], str] = {}
+        if self.only is not None:  # the candidates are named: none is left out as another's twin
+            return out
         for entry in catalog():
-            if entry.label not in self.exclude or not entry.handles(type(distr)) or entry.label in (self.only or ()):
+            if entry.label not in self.exclude or not entry.handles(type(distr)):
                 continue
             try:
                 label, method, _, _ = self._sized(entry, distr, shape)
