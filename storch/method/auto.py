@@ -78,16 +78,23 @@ from __future__ import annotations
 
 import copy
 import math
-import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.distributions import Distribution
 
-from storch.extend import StepState, StochasticTensor, distribution_layout, get_distr_parameters, no_dispatch, node_of
+from storch.extend import (
+    StepState,
+    StochasticTensor,
+    distribution_layout,
+    get_distr_parameters,
+    no_dispatch,
+    node_of,
+)
+from storch.method import auto_report
+from storch.method.auto_schedule import CandidateStats, RoundSchedule
 from storch.method.catalog import CatalogEntry, catalog
 from storch.method.catalog import entry as catalog_entry
 from storch.method.method import Method, check_floating_parameters
@@ -109,44 +116,7 @@ COLD_START = (
 )
 
 
-@dataclass
-class CandidateStats:
-    """What `Auto` measured of one candidate: its uses, and the latest round's measurements."""
-
-    label: str
-    evaluations: int
-    unbiased: bool
-    warmup: int
-    uses: int = 0
-    round_moments: list[float] = field(default_factory=list)
-    round_seconds: list[float] = field(default_factory=list)
-    warm_moments: list[float] = field(default_factory=list)
-    warm_seconds: list[float] = field(default_factory=list)
-    second_moment: Optional[float] = None
-    seconds: Optional[float] = None
-    dropped: str = ""
-    entry: str = ""  # the catalog entry it was built from, and its count (None: the entry's own)
-    count: Optional[int] = None
-
-    def running(self) -> tuple[Optional[float], Optional[float], bool]:
-        """The round's second moment and score so far, and whether they are from measured steps (else
-        from warm-up steps); ``None`` before any step of the round."""
-        for moments, seconds, measured in ((self.round_moments, self.round_seconds, True),
-                                           (self.warm_moments, self.warm_seconds, False)):
-            if moments:
-                moment = sum(moments) / len(moments)
-                return moment, moment * statistics.median(seconds), measured
-        return None, None, False
-
-    def close_round(self) -> None:
-        """Summarise the round's measurements (mean second moment, median seconds) and clear them."""
-        if self.round_moments:
-            self.second_moment = sum(self.round_moments) / len(self.round_moments)
-            self.seconds = statistics.median(self.round_seconds)
-        self.round_moments, self.round_seconds, self.warm_moments, self.warm_seconds = [], [], [], []
-
-
-class Auto(Method):
+class Auto(RoundSchedule, Method):
     """A node's estimator chosen among the catalog's by measured efficiency (module docstring).
 
     Args:
@@ -493,81 +463,6 @@ class Auto(Method):
             self._prune()
         self._advance()
 
-    def _prune(self) -> None:
-        """Drop, from this round and the later ones, the candidates whose running score exceeds ``prune``
-        times the best measured one (``prune²`` times while they warm up)."""
-        if self.prune is None:
-            return
-        running = {c: s.running() for c, s in enumerate(self.stats) if not s.dropped}
-        measured = {c: r for c, r in running.items() if r[2]}
-        if not measured:
-            return
-        leader = min(measured, key=lambda c: measured[c][1])
-        best, low = measured[leader][1], min(r[0] for r in measured.values())
-        if best <= 0 or low <= 0:  # an exactly zero estimate so far (an antithetic pair that agreed): no ratio
-            return
-        for c, (moment, score, full) in running.items():
-            limit = self.prune if full else self.prune**2
-            steps = len(self.stats[c].round_moments if full else self.stats[c].warm_moments)
-            if score is not None and score > limit * best and (moment > limit * low or steps >= 2):
-                phase = "" if full else " while warming up"
-                self.stats[c].dropped = (f"round {self._round}, step {self.step}: score {_ratio(score, best)} that of "
-                                         f"{self.stats[leader].label}{phase}")
-                self._queue[1:] = [q for q in self._queue[1:] if q != c]
-
-    def _start_round(self) -> None:
-        """Queue a round of measurements: each candidate ``visits`` times (plus its warm-up in the first
-        round), interleaved."""
-        self._round += 1
-        needs = [0 if s.dropped else self.visits + (s.warmup if self._round == 1 else 0) for s in self.stats]
-        self._queue = [c for i in range(max(needs)) for c in range(len(self.stats)) if i < needs[c]]
-        if len(needs) - needs.count(0) == 1:
-            self._queue = self._queue[:1]
-        previous = "" if self._chosen is None else self.stats[self._chosen].label
-        self._current = self._queue[0]
-        self.switches.append((self.step, previous, "(measuring)",
-                              f"round {self._round}: {len(needs) - needs.count(0)} candidates, {self.visits} measured steps each"))
-
-    def _advance(self) -> None:
-        """Pick the candidate of the next step (from the history only)."""
-        if self._queue:
-            self._queue.pop(0)
-            if self._queue:
-                self._current = self._queue[0]
-                return
-            self._settle()
-            return
-        self._exploit_left -= 1
-        if self._exploit_left <= 0:
-            self._start_round()
-
-    def _settle(self) -> None:
-        """End a round: score the candidates, choose the best, schedule the next round."""
-        for s in self.stats:
-            s.close_round()
-        scores = {c: v for c, v in self.scores().items() if not self.stats[c].dropped}
-        if not scores:  # nothing measured in the round (every candidate dropped while warming up)
-            scores = {self._current: 0.0}
-        best = min(scores, key=lambda c: (scores[c], self.stats[c].seconds or 0.0))
-        ranked = sorted(scores, key=scores.get)
-        runner = next((c for c in ranked if c != best), None)
-        versus = "" if runner is None else f", next {self.stats[runner].label} at {_ratio(scores[runner], scores[best])}"
-        bias = "" if self.stats[best].unbiased else " (a biased candidate: allow_bias=True)"
-        what = {"time": "second moment × seconds per step", "cpu": "second moment × CPU seconds per step",
-                "evaluations": "second moment × evaluations"}[self.cost]
-        self.switches.append((self.step, "(measuring)", self.stats[best].label,
-                              f"lowest {what} in round {self._round}{versus}{bias}"))
-        self._chosen = self._current = best
-        self._queue = []
-        self._exploit_left = int(round(self.explore_every * self.growth ** (self._round - 1)))
-
-    def scores(self) -> dict[int, float]:
-        """Each measured candidate's score (second moment × cost) from its latest round, by index."""
-        return {
-            c: s.second_moment * s.seconds for c, s in enumerate(self.stats)
-            if s.second_moment is not None and s.seconds is not None
-        }
-
     # ------------------------------------------------------------ checkpoints
     _SCHEDULE = ("excluded", "switches", "step", "_current", "_chosen", "_round", "_queue", "_exploit_left", "_shape")
 
@@ -599,42 +494,11 @@ class Auto(Method):
     # ------------------------------------------------------------ reporting
     def record(self) -> dict[str, Any]:
         """The choice, the per-candidate table and the switches, as plain data (JSON)."""
-        scores = self.scores()
-        low_m = min((s.second_moment for s in self.stats if s.second_moment), default=None)
-        low_s = min(scores.values(), default=None)
-        rows = []
-        for c, s in enumerate(self.stats):
-            rows.append({
-                "candidate": s.label, "unbiased": s.unbiased, "evaluations": s.evaluations, "steps": s.uses,
-                "cost_per_step": s.seconds, "cost_unit": {"time": "seconds", "cpu": "CPU seconds"}.get(self.cost, "evaluations"),
-                "second_moment": s.second_moment,
-                "relative_second_moment": _relative(s.second_moment, low_m),
-                "relative_score": _relative(scores.get(c), low_s),
-                "chosen": c == self._chosen, "dropped": s.dropped,
-            })
-        return {
-            "node": self.plate_name, "budget": self.budget, "order": self.order, "allow_bias": self.allow_bias,
-            "choice": self.choice, "settled": None if self._chosen is None else self.stats[self._chosen].label,
-            "step": self.step, "round": self._round, "candidates": rows,
-            "excluded": [{"entry": label, "reason": why} for label, why in self.excluded],
-            "switches": [{"step": t, "from": a, "to": b, "reason": r} for t, a, b, r in self.switches],
-        }
+        return auto_report.record(self)
 
     def table(self) -> str:
         """The per-candidate table of the latest round: second moment and score relative to the best."""
-        rec = self.record()
-        unit = {"time": "s/step", "cpu": "cpu s/step"}.get(self.cost, "evals")
-        settled = "none yet" if self._chosen is None else self.stats[self._chosen].label
-        measuring = f" (a round of measurements: next step {self.choice})" if self._queue else ""
-        lines = [f"Auto({self.plate_name!r}) after {self.step} steps, settled on {settled}{measuring}",
-                 f"{'candidate':<36} {'evals':>5} {'steps':>6} {unit:>9} {'E|g|^2 rel':>10} {'score rel':>9}"]
-        for r in rec["candidates"]:
-            cost = "-" if r["cost_per_step"] is None else format(r["cost_per_step"], ".3g")
-            mark = " *" if r["chosen"] else ("  (biased)" if not r["unbiased"] else "")
-            mark += "  (dropped)" if r["dropped"] else ""
-            lines.append(f"{r['candidate']:<36} {r['evaluations']:>5} {r['steps']:>6} {cost:>9} "
-                         f"{_fmt(r['relative_second_moment']):>10} {_fmt(r['relative_score']):>9}{mark}")
-        return "\n".join(lines)
+        return auto_report.table(self)
 
     def reset(self) -> None:
         for method in self.methods:
@@ -689,17 +553,3 @@ def _evaluations_of(triples: Sequence[tuple]) -> int:
     """The plate sizes of the step's nodes, summed: the points the cost was evaluated at."""
     sizes = {id(node_of(tensor)): tensor.plate.size for tensor, *_ in triples}
     return sum(sizes.values())
-
-
-def _relative(value: Optional[float], low: Optional[float]) -> Optional[float]:
-    if value is None or low is None:
-        return None
-    return value / low if low > 0 else (1.0 if value == 0 else math.inf)
-
-
-def _ratio(a: float, b: float) -> str:
-    return "the same score" if a == b else (f"{a / b:.3g}×" if b > 0 else "a higher score")
-
-
-def _fmt(value: Optional[float]) -> str:
-    return "-" if value is None else format(value, ".3g")
