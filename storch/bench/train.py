@@ -654,8 +654,8 @@ def plot_auto_choices(ax, record: dict[str, Any], last_step: int) -> None:
             ax.axvline(start, color="tab:red", lw=0.5, ls=":")
     ax.set_yticks(range(len(names)), names, fontsize=7)
     ax.set_ylim(-0.5, len(names) - 0.5)
-    ax.set(xlabel="step", title=f"Auto({record['node']!r}): {record['settled'] or record['choice']} "
-                                f"(grey: rounds of measurements)")
+    ax.set(xlabel="step (grey: rounds of measurements)",
+           title=f"Auto({record['node']!r}): {record['settled'] or record['choice']}")
 
 
 def plot_run(run_dir: Path, rows: list[dict[str, Any]], label: str, log=print) -> bool:
