@@ -25,11 +25,13 @@ from pathlib import Path
 
 #: the row of Auto's runs before the fixes (``--before``): shown, not counted among the fixed estimators
 BEFORE = "auto, first version"
+#: the row of another batch of Auto's runs (``--earlier``): shown, not counted among the fixed estimators
+EARLIER = "auto, earlier batch"
 MODELS = ("sbn-linear", "sbn-two-layer", "sbn-categorical", "bernoulli-vae", "categorical-vae")
 
 
 def biased(estimator: str) -> bool:
-    if estimator == BEFORE:
+    if estimator in (BEFORE, EARLIER):
         return False
     from storch.bench.estimators import ESTIMATORS
 
@@ -140,12 +142,14 @@ def compact(fixed_runs, auto_runs) -> str:
     return "\n".join(lines)
 
 
-def tables(fixed_runs, auto_runs, before_runs=None) -> str:
+def tables(fixed_runs, auto_runs, before_runs=None, earlier_runs=None) -> str:
     lines = []
     for model in MODELS:
         runs = {**fixed_runs.get(model, {}), **({"auto": auto_runs[model]["auto"]} if "auto" in auto_runs.get(model, {}) else {})}
         if before_runs and "auto" in before_runs.get(model, {}):
             runs[BEFORE] = before_runs[model]["auto"]
+        if earlier_runs and "auto" in earlier_runs.get(model, {}):
+            runs[EARLIER] = earlier_runs[model]["auto"]
         if not runs:
             continue
         lines += [f"### {model}", "",
@@ -154,7 +158,7 @@ def tables(fixed_runs, auto_runs, before_runs=None) -> str:
         order = sorted(runs, key=lambda e: statistics.fmean(s["test_nelbo"] for s in runs[e]))
         for e in order:
             ss = runs[e]
-            name = ("**auto**" if e == "auto" else BEFORE if e == BEFORE
+            name = ("**auto**" if e == "auto" else e if e in (BEFORE, EARLIER)
                     else ss[0]["label"] + (" (biased)" if biased(e) else ""))
             steps = statistics.fmean(s["steps"] for s in ss)
             cpu = statistics.fmean(s["train_cpu_seconds"] for s in ss)
@@ -163,10 +167,12 @@ def tables(fixed_runs, auto_runs, before_runs=None) -> str:
         lines.append("")
         if "auto" in runs:
             lines += [f"Auto's candidate at the end, per seed: {auto_choice(runs['auto'])}.", ""]
+        if EARLIER in runs:
+            lines += [f"Earlier batch: {auto_choice(runs[EARLIER])}.", ""]
         if "auto" in runs and len(runs) > 1:
             for metric, title in (("test_nelbo", "test −ELBO"), ("test_nll", "test −log p(x)")):
                 auto = [s[metric] for s in runs["auto"]]
-                every = {e: [s[metric] for s in ss] for e, ss in runs.items() if e not in ("auto", BEFORE)}
+                every = {e: [s[metric] for s in ss] for e, ss in runs.items() if e not in ("auto", BEFORE, EARLIER)}
                 unbiased = {e: v for e, v in every.items() if not biased(e)}
                 if not every:
                     continue
@@ -242,11 +248,11 @@ def curves_panel(ax, fixed_runs, auto_runs) -> None:
     fixed = fixed_runs[model]
     order = sorted(fixed, key=lambda e: statistics.fmean(s["test_nelbo"] for s in fixed[e]))
     shown = [("auto", auto_runs[model]["auto"], "tab:red"), (f"{order[0]} (best fixed)", fixed[order[0]], "tab:blue"),
-             (f"{order[len(order) // 2]} (median fixed)", fixed[order[len(order) // 2]], "tab:gray")]
+             (f"{order[len(order) // 2]} (median rank)", fixed[order[len(order) // 2]], "tab:gray")]
     for name, runs, color in shown:
         xs, ys = mean_curve(runs)
         ax.plot(xs[1:], ys[1:], marker=".", color=color, label=name)
-    ax.set(title=f"{model}: test −ELBO over training (mean of 3 seeds)", xlabel="CPU seconds of training",
+    ax.set(title=f"{model}: over training (mean of the seeds)", xlabel="CPU seconds of training",
            ylabel="test −ELBO (nats)")
     ax.legend(fontsize=8)
 
@@ -256,6 +262,8 @@ def main() -> None:
     p.add_argument("root", type=Path)
     p.add_argument("figure", type=Path, nargs="?")
     p.add_argument("--auto", type=Path, default=None, help="Auto's runs from this folder instead")
+    p.add_argument("--earlier", type=Path, default=None,
+                   help=f"another batch of Auto's runs, as the row '{EARLIER}'")
     p.add_argument("--before", action="store_true",
                    help=f"with --auto: also RUN_ROOT's own Auto runs, as the row '{BEFORE}'")
     args = p.parse_args()
@@ -266,7 +274,8 @@ def main() -> None:
     print()
     print(summary(fixed_runs, auto_runs))
     print()
-    print(tables(fixed_runs, auto_runs, before))
+    earlier = load(args.earlier, lambda e: e == "auto") if args.earlier else None
+    print(tables(fixed_runs, auto_runs, before, earlier))
     skipped = Path(args.root) / "skipped.txt"
     if skipped.is_file():
         reasons = {}
