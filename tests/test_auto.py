@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.distributions import Bernoulli
+from torch.distributions import Bernoulli, Normal
 
 import storch
 from storch.exceptions import CompileStepError, UnusedNodeWarning
@@ -148,6 +148,19 @@ def test_candidates_follow_the_catalog_declarations():
         _run(wider, 1)
     assert {"Expect", "DoubleControlVariate [n=8]", "REBAR [n=2]"} <= set(wider.labels)
     assert all(s.unbiased for s in wider.stats)
+
+
+@pytest.mark.parametrize("distribution, twin", [
+    (Bernoulli(logits=torch.zeros(3)), "ScoreFunction + batch_average [n=4]"),
+    (Normal(torch.zeros(3), torch.ones(3)), "Reparameterization [n=4]"),
+])
+def test_an_entry_that_builds_the_same_estimator_is_one_candidate(distribution, twin):
+    # Infer delegates to the score function with the batch-average baseline on a discrete node and to
+    # reparameterization on a Normal: at the same count, the same estimator as those entries
+    auto = Auto("x", budget=4).build(distribution)
+    assert twin in auto.labels and "Infer [n=4]" not in auto.labels
+    assert dict(auto.excluded)["Infer [n=4]"].startswith(f"the same estimator as {twin}")
+    assert len({(type(m), repr(m)) for m in auto.methods}) == len(auto.methods)
 
 
 def test_lower_second_moment_wins_at_equal_cost():
@@ -292,6 +305,53 @@ def test_one_slow_step_drops_no_candidate_but_two_do(monkeypatch):
             storch.backward()
         assert bool(auto.stats[1].dropped) == dropped
         assert auto.stats[1].uses == (2 if dropped else 3)
+
+
+def test_an_entry_that_builds_an_excluded_estimator_is_left_out_too():
+    # Infer at n=1 is the score function with a moving-average baseline, a COLD_START entry: left out with it
+    auto = Auto("x", budget=1).build(Bernoulli(logits=torch.zeros(3)))
+    assert not any(label.startswith(("Infer", "ScoreFunction")) for label in auto.labels)
+    assert dict(auto.excluded)["Infer [n=1]"] == ("the same estimator as ScoreFunction + moving_average [n=1] on "
+                                                  "Bernoulli, which exclude= leaves out")
+    everything = Auto("x", budget=1, exclude=()).build(Bernoulli(logits=torch.zeros(3)))
+    assert "ScoreFunction + moving_average [n=1]" in everything.labels and "Infer [n=1]" not in everything.labels
+
+
+def test_a_one_hot_node_counts_the_points_of_its_wrapped_parameters():
+    # OneHotCategorical keeps its logits in a Categorical: the probe that counts a candidate's evaluation
+    # points makes those require grad too, so measure-valued derivatives count 1 + D(K-1) points per sample
+    # (181 for 20 variables of 10 categories) and stay out of a budget of 4, not in it at n=4
+    from torch.distributions import OneHotCategorical
+
+    auto = Auto("z", budget=4).build(OneHotCategorical(logits=torch.zeros(20, 10)))
+    assert not any(label.startswith("MVD") for label in auto.labels)
+    assert dict(auto.excluded)["MVD"] == "needs 181 cost evaluations per step, over the budget of 4"
+    small = Auto("z", budget=8).build(OneHotCategorical(logits=torch.zeros(2, 3)))
+    assert "MVD [n=1]" in small.labels and small.stats[small.labels.index("MVD [n=1]")].evaluations == 5
+
+
+def test_cpu_cost_reads_the_process_clock(monkeypatch):
+    # cost="cpu": a step's cost is the process's CPU time (time.process_time), not the wall clock; a
+    # candidate whose steps take 10 CPU seconds loses to one that takes 1 at the same second moment order
+    import storch.method.auto as auto_module
+
+    clock, wall = [0.0], [0.0]
+    monkeypatch.setattr(auto_module.time, "process_time", lambda: clock[0])
+    monkeypatch.setattr(auto_module.time, "perf_counter", lambda: wall[0])
+    auto = Auto("x", budget=2, candidates=["ScoreFunction + batch_average", "DisARM"], visits=2, cost="cpu")
+    logits = torch.zeros(3, requires_grad=True)
+    for _ in range(4):
+        z = auto(Bernoulli(logits=logits))
+        clock[0] += 10.0 if auto.choice.startswith("ScoreFunction") else 1.0
+        wall[0] += 1000.0 if auto.choice.startswith("DisARM") else 1.0  # the wall clock is not read
+        storch.add_cost(((z - torch.tensor([0.1, 0.5, 0.9])) ** 2).sum(-1), "f")
+        storch.backward()
+    record = auto.record()
+    assert [r["cost_per_step"] for r in record["candidates"]] == [10.0, 1.0]
+    assert {r["cost_unit"] for r in record["candidates"]} == {"CPU seconds"}
+    assert "CPU seconds per step" in record["switches"][-1]["reason"]
+    with pytest.raises(ValueError, match="cost must be one of"):
+        Auto("x", cost="wall")
 
 
 @pytest.mark.parametrize("label", ["DoubleControlVariate", "REBAR", "ScoreFunction + batch_average"])

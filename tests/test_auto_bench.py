@@ -30,11 +30,19 @@ def test_auto_writes_its_record_into_the_run_folder(tmp_path, digits, cfg):
     records = json.loads((tmp_path / "run" / "auto.json").read_text())
     model_latents = {"sbn-two-layer": ["z1", "z2"]}.get(cfg.get("model"), None)
     assert list(records) == (model_latents or list(records)) and records
+    if model_latents:  # the lower layer's Auto gets 2 evaluations per upper sample, the top the rest
+        assert (records["z1"]["budget"], records["z2"]["budget"]) == (1, 2)
     for record in records.values():
         assert record["step"] == QUICK["steps"] and record["choice"] in [r["candidate"] for r in record["candidates"]]
         assert record["switches"][0]["to"] == "(measuring)"
         assert all(r["unbiased"] for r in record["candidates"])
         assert all(r["evaluations"] <= record["budget"] for r in record["candidates"])
+        assert all(r["cost_unit"] == "CPU seconds" for r in record["candidates"])  # on the CPU: CPU time
+        spans = train.auto_timeline(record, QUICK["steps"])  # what plots.png draws of its choices
+        assert spans[0][0] == 0 and spans[-1][1] == QUICK["steps"]
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        assert {what for *_, what in spans} <= {"(measuring)"} | {r["candidate"] for r in record["candidates"]}
+    assert (tmp_path / "run" / "plots.png").is_file()
 
 
 def test_an_auto_run_resumes_from_its_checkpoint(tmp_path, digits):

@@ -58,6 +58,8 @@ TWO = [Latent("z1", "bernoulli", 200, 2), Latent("z2", "bernoulli", 200, 2)]
     ("rloo", TWO, 8, 4, 8),                      # the lower layer takes 2 samples per upper sample
     ("expect", [Latent("z", "bernoulli", 6, 2)], 64, 1, 64),
     ("vimco", BERN, 5, 5, 5),
+    ("auto", BERN, 4, 4, 4),
+    ("auto", TWO, 4, 2, 4),                      # Auto's lower layer: 2 evaluations per upper sample, as RLOO's
 ])
 def test_budget_arithmetic(est, latents, budget, n, evals):
     assert samples_for_budget(ESTIMATORS[est], latents, budget) == (n, evals)
@@ -216,12 +218,46 @@ def test_resume_repeats_an_uninterrupted_run(tmp_path, digits, device):
     train.run({**cfg, "steps": 4}, tmp_path / "part", progress=False, data=digits, log=lambda *_: None)
     assert (tmp_path / "part" / "checkpoint.pt").is_file()
     resumed = train.resume(tmp_path / "part", steps=8, progress=False, log=lambda *_: None)
-    timing = {"seconds", "ms_per_step"}
+    timing = {"seconds", "cpu_seconds", "ms_per_step"}
     a, b = _rows(tmp_path / "full"), _rows(tmp_path / "part")
     assert [{k: v for k, v in r.items() if k not in timing} for r in a] == \
            [{k: v for k, v in r.items() if k not in timing} for r in b]
     for k in ("train_nelbo", "valid_nelbo", "test_nelbo", "test_nll", "grad_logvar", "steps"):
         assert full[k] == resumed[k], k
+
+
+def test_seconds_budget_stops_on_cpu_time_and_resumes_to_the_new_total(tmp_path, digits):
+    """--seconds S: training stops at the first step at which the training steps' CPU time reaches S
+    (evaluations not counted), evaluating each tenth of S; --resume continues to a new total."""
+    cfg = {**QUICK, "steps": None, "seconds": 0.2, "eval_every": None, "checkpoint_every": 5,
+           "estimator": "disarm", "budget": 4}
+    first = train.run(cfg, tmp_path / "run", progress=False, data=digits, log=lambda *_: None)
+    rows = _rows(tmp_path / "run")
+    cpu = [float(r["cpu_seconds"]) for r in rows]
+    assert first["train_cpu_seconds"] >= 0.2 and first["seconds_budget"] == 0.2
+    assert cpu[0] == 0 and cpu == sorted(cpu) and cpu[-1] == pytest.approx(first["train_cpu_seconds"], abs=1e-3)
+    assert 2 <= len(rows) <= 12  # the start, at most one evaluation per tenth of the budget, the end
+    assert all(cpu[i] >= 0.02 * i - 1e-6 for i in range(len(rows) - 1))  # not before its tenth is spent
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["seconds"] == 0.2 and config["steps"] is None
+    more = train.resume(tmp_path / "run", seconds=0.4, progress=False, log=lambda *_: None)
+    assert more["train_cpu_seconds"] >= 0.4 and more["steps"] > first["steps"]
+    assert [r["step"] for r in _rows(tmp_path / "run")][: len(rows) - 1] == [r["step"] for r in rows[:-1]]
+    with pytest.raises(ValueError, match="--seconds 0"):
+        train.run({**cfg, "seconds": 0}, tmp_path / "zero", progress=False, data=digits, log=lambda *_: None)
+    with pytest.raises(ValueError, match="give --steps or --seconds"):
+        train.run({**cfg, "seconds": None}, tmp_path / "none", progress=False, data=digits, log=lambda *_: None)
+
+
+def test_cli_seconds_without_steps(tmp_path, capsys):
+    args = ["--estimator", "rloo", "--seconds", "0.1", "--eval-size", "30", "--eval-k", "5", "--latent-dim", "10",
+            "--out", str(tmp_path), "--no-progress"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "0.1 CPU seconds of training" in out  # the run header
+    (summary,) = tmp_path.rglob("summary.json")
+    s = json.loads(summary.read_text())
+    assert s["train_cpu_seconds"] >= 0.1 and s["steps"] >= 1
 
 
 @CUDA

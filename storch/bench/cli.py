@@ -81,7 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--categories", type=int, default=None, help="categories of the categorical models (default 10)")
     a("--batch-size", type=int, default=50)
     a("--lr", type=float, default=1e-3)
-    a("--steps", type=int, default=None, help="training steps (default 1000)")
+    a("--steps", type=int, default=None, help="training steps (default 1000, or no limit with --seconds)")
+    a("--seconds", type=float, default=None, metavar="S",
+      help="train until the training steps have taken S seconds of this process's CPU time "
+           "(time.process_time; evaluations and variance probes are not counted): an equal-time budget "
+           "that other programs on a busy machine do not shorten, fair between runs at the same --threads "
+           "(default 1); with --steps too, whichever comes first; with --resume, the new total")
     a("--seed", type=int, nargs="+", default=[0], help="one run per seed")
     a("--eval-every", type=int, default=None, help="steps between evaluations (default steps/10)")
     a("--eval-size", type=int, default=1000, help="data per split used for evaluation")
@@ -370,7 +375,8 @@ def _config(args) -> dict:
         "objective": args.objective, "n_samples": n, "budget": args.budget, "baseline": args.baseline,
         "temperature": args.temperature, "spsa_c": args.spsa_c, "latent_dim": args.latent_dim,
         "categories": args.categories, "batch_size": args.batch_size, "lr": args.lr,
-        "steps": args.steps if args.steps is not None else 1000, "eval_every": args.eval_every,
+        "steps": args.steps if args.steps is not None or args.seconds is not None else 1000,
+        "seconds": args.seconds, "eval_every": args.eval_every,
         "eval_size": args.eval_size, "eval_k": args.eval_k, "var_reps": args.var_reps,
         "checkpoint_every": args.checkpoint_every, "threads": args.threads, "device": args.device,
         "compile_step": args.compile_step, "memory_check": not args.no_memory_check,
@@ -439,7 +445,7 @@ def _main(args) -> int:
     if args.resume:
         try:
             summary = train.resume(args.resume, steps=args.steps, progress=progress,
-                                   memory_check=not args.no_memory_check)
+                                   memory_check=not args.no_memory_check, seconds=args.seconds)
         except (ValueError, FileNotFoundError, CompileStepError) as e:
             out(f"storch-bench: {e}", file=sys.stderr)
             return 2
@@ -459,8 +465,8 @@ def _main(args) -> int:
     summaries, dirs = [], []
     for seed in args.seed:
         c = dict(cfg, seed=seed)
-        eval_every = c["eval_every"] or max(1, c["steps"] // 10)
-        c["var_every"] = None if args.no_var else (args.var_every or eval_every)
+        eval_every = c["eval_every"] or (max(1, c["steps"] // 10) if c["steps"] else None)
+        c["var_every"] = None if args.no_var else (args.var_every or eval_every or 0)  # 0: at evaluations
         parts = [args.model, args.data, args.estimator]
         if args.objective == "iwae":
             parts.append("iwae")

@@ -59,6 +59,10 @@ class Estimator:
     kinds: Sequence[str] = BOTH
     objectives: Sequence[str] = ("elbo",)
     min_samples: int = 1
+    #: samples of a lower layer per upper sample (default ``min_samples``). Auto's lower layers get 2, as
+    #: RLOO's and DisARM's 2 evaluations: room for a baseline or an antithetic pair (at 1 no candidate has
+    #: an effective baseline)
+    lower_samples: int | None = None
     exact: bool = False
     max_samples: Callable[[Latent], int] | None = None
     options: Sequence[str] = ()  # the CLI options it reads (shown by `list`, part of the run's label)
@@ -80,6 +84,12 @@ def _local_expectation_evals(lat: Latent) -> int:
 
 def _mvd_evals(lat: Latent) -> int:
     return 1 + lat.variables * (lat.categories - 1)
+
+
+def _auto_cost(args) -> str:
+    """Auto's clock: the process's CPU time on the CPU (what ``--seconds`` budgets, and what a busy machine
+    does not inflate), wall time on a GPU (the host's CPU time leaves out the device's work)."""
+    return "cpu" if str(getattr(args, "device", None) or "cpu") == "cpu" else "time"
 
 
 def _opt(args, name, default):
@@ -148,8 +158,11 @@ ESTIMATORS: dict[str, Estimator] = {e.name: e for e in [
               lambda p, n, a, lat: sm.Expect(p, budget=max(10000, lat.support)), evals=lambda lat: lat.support,
               exact=True),
     Estimator("auto", "storch.method.Auto: the catalog's unbiased estimators at the budget, the one with the lowest "
-              "measured second moment x seconds per step chosen and re-checked (record in auto.json)",
-              lambda p, n, a, lat: sm.Auto(p, budget=n, relaxed=True, include=("DoubleControlVariate",))),
+              "measured second moment x seconds per step (CPU seconds on --device cpu) chosen and re-checked "
+              "(record in auto.json, its choices in plots.png)",
+              lambda p, n, a, lat: sm.Auto(p, budget=n, relaxed=True, include=("DoubleControlVariate",),
+                                           cost=_auto_cost(a)),
+              lower_samples=2),
     Estimator("wor", "score function with k = n samples without replacement (unbiased)",
               lambda p, n, a, lat: sm.ScoreFunctionWOR(p, k=n), max_samples=lambda lat: lat.support),
     Estimator("unordered-set", "unordered set estimator (Kool et al. 2020) with its baseline, k = n >= 2",
@@ -177,6 +190,10 @@ def applicable(est: Estimator, latents: Sequence[Latent], objective: str) -> str
     return None
 
 
+def _lower_samples(est: Estimator) -> int:
+    return est.min_samples if est.lower_samples is None else est.lower_samples
+
+
 def estimator_evals(est: Estimator, latents: Sequence[Latent]) -> int:
     """Cost evaluations per datum for one sample of the top layer (lower layers at ``min_samples``)."""
     if est.exact:
@@ -186,7 +203,7 @@ def estimator_evals(est: Estimator, latents: Sequence[Latent]) -> int:
         if est.additive_layers:
             e += est.evals(lat) - 1
         else:
-            e *= est.min_samples * est.evals(lat)
+            e *= _lower_samples(est) * est.evals(lat)
     return e
 
 
@@ -223,6 +240,7 @@ def samples_for_budget(est: Estimator, latents: Sequence[Latent], budget: int | 
 
 
 def build_methods(est: Estimator, latents: Sequence[Latent], n: int, args) -> dict[str, sm.Method]:
-    """One method per latent layer: ``n`` samples at the top, ``min_samples`` below."""
-    return {lat.name: est.build(lat.name, n if i == 0 else est.min_samples, args, lat)
+    """One method per latent layer: ``n`` samples at the top, ``lower_samples`` (default ``min_samples``)
+    below."""
+    return {lat.name: est.build(lat.name, n if i == 0 else _lower_samples(est), args, lat)
             for i, lat in enumerate(latents)}

@@ -63,18 +63,20 @@ from storch.compiled_step import CompiledStep
 
 __all__ = ["METRIC_FIELDS", "resume", "run", "run_label"]
 
+#: ``seconds``: wall-clock seconds of the training steps so far; ``cpu_seconds``: the CPU time this process
+#: spent in them (`time.process_time`, all its threads), what ``--seconds`` budgets;
 #: ``train_objective``: the training loss as the estimator computes it, averaged over the steps since the
 #: previous row (a relaxed −ELBO for a relaxation); ``*_nelbo``: −ELBO with hard samples on the fixed
 #: evaluation subsets; ``train_relaxed_nelbo``: a relaxation's objective (relaxed samples) on the
 #: training subset, empty for the other estimators
 METRIC_FIELDS = ["step", "seconds", "train_objective", "train_nelbo", "train_relaxed_nelbo", "valid_nelbo",
-                 "test_nelbo", "grad_logvar", "ms_per_step"]
+                 "test_nelbo", "grad_logvar", "ms_per_step", "cpu_seconds"]
 
 # the fields of config.json; defaults for the CLI
 DEFAULTS: dict[str, Any] = {
     "model": "sbn-linear", "data": "digits", "data_dir": None, "estimator": "score-function", "objective": "elbo",
     "n_samples": None, "budget": None, "baseline": None, "temperature": None, "spsa_c": None, "latent_dim": None,
-    "categories": None, "batch_size": 50, "lr": 1e-3, "steps": 1000, "seed": 0, "eval_every": None,
+    "categories": None, "batch_size": 50, "lr": 1e-3, "steps": 1000, "seconds": None, "seed": 0, "eval_every": None,
     "eval_size": 1000, "eval_k": 200, "eval_elbo_k": 10, "var_every": None, "var_reps": 20,
     "checkpoint_every": None, "threads": None, "device": "cpu", "memory_check": True,
 }
@@ -172,6 +174,14 @@ class Run:
             raise ValueError(f"--batch-size {cfg['batch_size']} does not split evenly over {self.world} ranks; "
                              f"use a multiple of {self.world}")
         self.device = resolve_device(cfg.get("device") or "cpu")
+        seconds = cfg.get("seconds")
+        if seconds is not None and not seconds > 0:
+            raise ValueError(f"--seconds {seconds}: give a positive number of CPU seconds of training")
+        if seconds is not None and self.world > 1:
+            raise ValueError("--seconds does not run with --distributed (each rank measures its own CPU time, and "
+                             "the ranks must stop at the same step); give --steps instead")
+        if cfg["steps"] is None and seconds is None:
+            raise ValueError("give --steps or --seconds: how long the run trains")
         self.data = data if data is not None else load_dataset(cfg["data"], cfg.get("data_dir"))
         torch.manual_seed(cfg["seed"])
         self.model: BenchModel = make_model(cfg["model"], self.data.input_dim, self.data.train_mean,
@@ -203,6 +213,7 @@ class Run:
         self.batches = Batches(self.data.train.shape[0], cfg["batch_size"], cfg["seed"] + 1)
         self.bin_gen = torch.Generator().manual_seed(cfg["seed"] + 2)
         self.step, self.train_time, self.rows = 0, 0.0, []
+        self.cpu_time = 0.0  # CPU seconds of this process in the training steps (what --seconds budgets)
         # the steps in which storch.compile_step traced (their seconds are in train_time): ms/step leaves
         # them out, so that a short compiled run reports what its replays cost
         self.trace_steps, self.trace_time = 0, 0.0
@@ -234,8 +245,9 @@ class Run:
         cfg = self.cfg
         ranks = f", {self.world} ranks" if self.world > 1 else ""
         threads = torch.get_num_threads()
+        length = _length(cfg)
         return (f"storch-bench: {cfg['model']} on {cfg['data']}, {cfg['label']}\n  seed {cfg['seed']}, batch size "
-                f"{cfg['batch_size']}, {cfg['steps']} steps; {self.device}{ranks}, {threads} "
+                f"{cfg['batch_size']}, {length}; {self.device}{ranks}, {threads} "
                 f"thread{'s' if threads > 1 else ''}\n  {self.memory.summary()}")
 
     # ---------------------------------------------------------------- training
@@ -321,15 +333,16 @@ class Run:
 
     def record(self, final: bool = False) -> dict[str, float]:
         cfg = self.cfg
-        row = {"step": self.step, "seconds": round(self.train_time, 4),
+        row = {"step": self.step, "seconds": round(self.train_time, 4), "cpu_seconds": round(self.cpu_time, 4),
                "train_objective": self._acc / self._acc_n if self._acc_n else "",
                "ms_per_step": 1000.0 * self._acc_time / self._acc_n if self._acc_n else ""}
         ev = self.evaluate(final)
         row.update({k: ev[k] for k in ("train_nelbo", "valid_nelbo", "test_nelbo")})
         row["train_relaxed_nelbo"] = ev.get("train_relaxed_nelbo", "")
-        var_every = cfg.get("var_every")
+        var_every = cfg.get("var_every")  # None: no probes; 0: at every evaluation
         row["grad_logvar"] = (self.grad_log_variance()
-                              if var_every and (self.step % var_every == 0 or final) else "")
+                              if var_every is not None and (var_every == 0 or self.step % var_every == 0 or final)
+                              else "")
         self.rows.append(row)
         self._acc, self._acc_n, self._acc_time = 0.0, 0, 0.0
         self.write_metrics()
@@ -359,7 +372,7 @@ class Run:
         if not self.main:
             return
         state = {
-            "step": self.step, "train_time": self.train_time, "rows": self.rows,
+            "step": self.step, "train_time": self.train_time, "cpu_time": self.cpu_time, "rows": self.rows,
             "traces": (self.trace_steps, self.trace_time),
             "acc": (self._acc, self._acc_n, self._acc_time),
             "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
@@ -381,6 +394,7 @@ class Run:
                              f"with as many (this run has {self.world}: torchrun --nproc-per-node "
                              f"{state['world_size']} ... --distributed)")
         self.step, self.train_time, self.rows = state["step"], state["train_time"], state["rows"]
+        self.cpu_time = state.get("cpu_time", state["train_time"])  # absent before --seconds: wall time
         self.trace_steps, self.trace_time = state.get("traces", (0, 0.0))  # absent before trace timing
         self._acc, self._acc_n, self._acc_time = state["acc"]
         self.model.load_state_dict(state["model"])
@@ -398,8 +412,10 @@ class Run:
     def train(self) -> dict[str, Any] | None:
         """Train to ``cfg["steps"]``; the summary (``None`` on ranks other than 0)."""
         cfg = self.cfg
-        steps = cfg["steps"]
-        eval_every = cfg.get("eval_every") or max(1, steps // 10)
+        steps, seconds = cfg["steps"], cfg.get("seconds")
+        # with --seconds and no --eval-every: an evaluation each tenth of the budget
+        eval_every = cfg.get("eval_every") or (None if seconds else max(1, steps // 10))
+        next_eval = (math.floor(self.cpu_time / (seconds / 10)) + 1) * seconds / 10 if seconds else None
         ckpt_every = cfg.get("checkpoint_every")
         if self.main:
             self.log(self.header())
@@ -407,11 +423,12 @@ class Run:
         first_step = True
         if self.main and self.step == 0 and not self.rows:
             self.record()
-        while self.step < steps:
+        while not self._done():
             traces = self.compiled_step.traces if self.compiled_step is not None else 0
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             loss = self.train_step()
             dt = time.perf_counter() - t0
+            self.cpu_time += time.process_time() - c0
             if self.compiled_step is not None and self.compiled_step.traces > traces:
                 self.trace_steps += 1
                 self.trace_time += dt
@@ -430,7 +447,13 @@ class Run:
                 bar.update(1)
             if bar is not None and self.step % 10 == 0:
                 bar.set_postfix({"relaxed loss" if self.estimator.relaxed else "loss": f"{loss:.2f}"})
-            if self.main and self.step % eval_every == 0 and self.step < steps:
+            if eval_every:
+                due = self.step % eval_every == 0
+            else:
+                due = self.cpu_time >= next_eval
+                while next_eval <= self.cpu_time:
+                    next_eval += seconds / 10
+            if self.main and due and not self._done():
                 self.record()
             if ckpt_every and self.step % ckpt_every == 0:
                 self.save_checkpoint()
@@ -451,6 +474,11 @@ class Run:
         self.write_auto_record()
         plot_run(self.dir, self.rows, cfg["label"], self.log)
         return summary
+
+    def _done(self) -> bool:
+        """Whether training has reached ``steps``, or spent ``seconds`` of CPU time (``--seconds``)."""
+        steps, seconds = self.cfg["steps"], self.cfg.get("seconds")
+        return (steps is not None and self.step >= steps) or (seconds is not None and self.cpu_time >= seconds)
 
     def write_auto_record(self) -> None:
         """``auto.json``: for each latent layer drawn by `storch.method.Auto`, its choice, per-candidate
@@ -474,7 +502,8 @@ class Run:
             "eval_size": len(self.eval_sets["test"]),
             "grad_logvar": last_var[-1] if last_var else None,
             "ms_per_step": self._ms_per_step(),
-            "train_seconds": self.train_time, "trace_seconds": self.trace_time, "device": str(self.device), "threads": torch.get_num_threads(),
+            "train_seconds": self.train_time, "train_cpu_seconds": self.cpu_time, "seconds_budget": cfg.get("seconds"),
+            "trace_seconds": self.trace_time, "device": str(self.device), "threads": torch.get_num_threads(),
             "peak_memory_mb": peak_memory_mb(self.device),
             "estimated_memory_mb": self.memory.needed_bytes / 2**20,
         }
@@ -558,7 +587,15 @@ def run(cfg: dict[str, Any], run_dir, progress: bool = True, overwrite: bool = F
     return r.train()
 
 
-def _read_config(run_dir: Path, steps: int | None) -> dict[str, Any]:
+def _length(cfg: dict[str, Any]) -> str:
+    """How long the run trains: ``N steps``, ``S CPU seconds`` or both (whichever comes first)."""
+    parts = [] if cfg["steps"] is None else [f"{cfg['steps']} steps"]
+    if cfg.get("seconds") is not None:
+        parts.append(f"{cfg['seconds']:g} CPU seconds of training")
+    return " or ".join(parts)
+
+
+def _read_config(run_dir: Path, steps: int | None, seconds: float | None = None) -> dict[str, Any]:
     if not (run_dir / "config.json").is_file():
         raise FileNotFoundError(f"--resume {run_dir}: not a storch-bench run folder (no config.json); name the "
                                 "folder of one run, as printed after 'run folders:'")
@@ -569,17 +606,22 @@ def _read_config(run_dir: Path, steps: int | None) -> dict[str, Any]:
         cfg = json.load(f)
     if steps is not None:
         cfg["steps"] = steps
+    if seconds is not None:
+        cfg["seconds"] = seconds
     return cfg
 
 
-def resume(run_dir, steps: int | None = None, progress: bool = True, log=print, memory_check: bool = True):
-    """Continue the run in ``run_dir`` from its checkpoint (to ``steps``, default the configured number).
+def resume(run_dir, steps: int | None = None, progress: bool = True, log=print, memory_check: bool = True,
+           seconds: float | None = None):
+    """Continue the run in ``run_dir`` from its checkpoint (to ``steps`` or ``seconds`` of CPU time in
+    training, default the configured ones: the budget is the run's total, the time before the
+    checkpoint included).
 
     A run trained on ``N`` ranks resumes on ``N`` ranks (each takes back its own random state).
     ``memory_check=False`` resumes even when the memory estimate exceeds the memory available.
     """
     run_dir = Path(run_dir)
-    cfg = _from_main(lambda: _read_config(run_dir, steps))
+    cfg = _from_main(lambda: _read_config(run_dir, steps, seconds))
     cfg["memory_check"] = memory_check
     r = Run(cfg, run_dir, progress=progress, log=log)
     r.load_checkpoint()
@@ -590,6 +632,30 @@ def resume(run_dir, steps: int | None = None, progress: bool = True, log=print, 
 
     _from_main(refresh)
     return r.train()
+
+
+def auto_timeline(record: dict[str, Any], last_step: int) -> list[tuple[int, int, str]]:
+    """``(first step, end step, candidate or "(measuring)")`` spans of an `storch.method.Auto` record's
+    switches: the rounds of measurements and the candidate chosen after each, up to ``last_step``."""
+    events = [(s["step"], s["to"]) for s in record["switches"]]
+    return [(t, events[i + 1][0] if i + 1 < len(events) else last_step, what)
+            for i, (t, what) in enumerate(events)]
+
+
+def plot_auto_choices(ax, record: dict[str, Any], last_step: int) -> None:
+    """Auto's choices over the steps into ``ax``: a bar per span on the row of the candidate chosen, the
+    rounds of measurements shaded, the switches marked."""
+    names = [c["candidate"] for c in record["candidates"]]
+    for start, end, what in auto_timeline(record, last_step):
+        if what == "(measuring)":
+            ax.axvspan(start, max(end, start + 1), color="0.85", lw=0)
+        elif what in names:
+            ax.plot([start, end], [names.index(what)] * 2, lw=4, color="tab:red")
+            ax.axvline(start, color="tab:red", lw=0.5, ls=":")
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    ax.set_ylim(-0.5, len(names) - 0.5)
+    ax.set(xlabel="step (grey: rounds of measurements)",
+           title=f"Auto({record['node']!r}): {record['settled'] or record['choice']}")
 
 
 def plot_run(run_dir: Path, rows: list[dict[str, Any]], label: str, log=print) -> bool:
@@ -603,7 +669,9 @@ def plot_run(run_dir: Path, rows: list[dict[str, Any]], label: str, log=print) -
         return False
     steps = [r["step"] for r in rows]
     secs = [r["seconds"] for r in rows]
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    auto = run_dir / "auto.json"
+    records = json.loads(auto.read_text()) if auto.is_file() else {}
+    fig, ax = plt.subplots(1, 3 + len(records), figsize=(15 + 6 * len(records), 4))
     for split in ("train", "valid", "test"):
         ys = [r[f"{split}_nelbo"] for r in rows]
         ax[0].plot(steps, ys, label=split)
@@ -621,6 +689,8 @@ def plot_run(run_dir: Path, rows: list[dict[str, Any]], label: str, log=print) -
     if var:
         ax[2].plot(*zip(*var), marker="o")
     ax[2].set(xlabel="step", ylabel="log total variance of encoder W grad")
+    for panel, record in zip(ax[3:], records.values()):
+        plot_auto_choices(panel, record, steps[-1] if steps else record["step"])
     fig.tight_layout()
     fig.savefig(run_dir / "plots.png", dpi=80)
     plt.close(fig)

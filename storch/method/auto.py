@@ -10,7 +10,10 @@ best one is used for a while, longer after each round, until the next round re-c
 the parameters the node's distribution was built with (a hook on each, whatever path the candidate's
 surrogate takes to it: the estimate ``ĝ`` for those parameters, as in ``z.param_grads``) and the step's
 wall time (from the node's sampling to the end of `storch.backward`, the candidate's own updates
-included) or its cost evaluations (the size of the node's plate). A candidate's score is its mean
+included), its CPU time over the same span (``cost="cpu"``: on a machine shared with other programs,
+wall time measures them too; on storch-bench's linear SBN on a loaded two-core machine, candidates of
+the same cost showed medians up to 9 times apart in wall time), or its cost evaluations (the size of
+the node's plate). A candidate's score is its mean
 second moment ``E‖ĝ‖²`` in the round times its median seconds (or evaluations) per step; the lowest
 score wins. The second moment is ``‖∇‖² + Var ĝ``: all candidates estimate the same ``∇``, so ranking by
 it ranks by variance, and it is what sets the progress of stochastic gradient descent per step at its
@@ -75,23 +78,30 @@ from __future__ import annotations
 
 import copy
 import math
-import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.distributions import Distribution
 
-from storch.extend import StepState, StochasticTensor, distribution_layout, get_distr_parameters, no_dispatch, node_of
+from storch.extend import (
+    StepState,
+    StochasticTensor,
+    distribution_layout,
+    get_distr_parameters,
+    no_dispatch,
+    node_of,
+)
+from storch.method import auto_report
+from storch.method.auto_schedule import CandidateStats, RoundSchedule
 from storch.method.catalog import CatalogEntry, catalog
 from storch.method.catalog import entry as catalog_entry
 from storch.method.method import Method, check_floating_parameters
 
 __all__ = ["Auto", "CandidateStats", "COLD_START"]
 
-COSTS = ("time", "evaluations")
+COSTS = ("time", "cpu", "evaluations")
 
 #: catalog entries left out by default: their first steps run without an effective baseline (none, or
 #: one that starts untrained), so their gradients there are hundreds of times noisier than the best
@@ -106,44 +116,7 @@ COLD_START = (
 )
 
 
-@dataclass
-class CandidateStats:
-    """What `Auto` measured of one candidate: its uses, and the latest round's measurements."""
-
-    label: str
-    evaluations: int
-    unbiased: bool
-    warmup: int
-    uses: int = 0
-    round_moments: list[float] = field(default_factory=list)
-    round_seconds: list[float] = field(default_factory=list)
-    warm_moments: list[float] = field(default_factory=list)
-    warm_seconds: list[float] = field(default_factory=list)
-    second_moment: Optional[float] = None
-    seconds: Optional[float] = None
-    dropped: str = ""
-    entry: str = ""  # the catalog entry it was built from, and its count (None: the entry's own)
-    count: Optional[int] = None
-
-    def running(self) -> tuple[Optional[float], Optional[float], bool]:
-        """The round's second moment and score so far, and whether they are from measured steps (else
-        from warm-up steps); ``None`` before any step of the round."""
-        for moments, seconds, measured in ((self.round_moments, self.round_seconds, True),
-                                           (self.warm_moments, self.warm_seconds, False)):
-            if moments:
-                moment = sum(moments) / len(moments)
-                return moment, moment * statistics.median(seconds), measured
-        return None, None, False
-
-    def close_round(self) -> None:
-        """Summarise the round's measurements (mean second moment, median seconds) and clear them."""
-        if self.round_moments:
-            self.second_moment = sum(self.round_moments) / len(self.round_moments)
-            self.seconds = statistics.median(self.round_seconds)
-        self.round_moments, self.round_seconds, self.warm_moments, self.warm_seconds = [], [], [], []
-
-
-class Auto(Method):
+class Auto(RoundSchedule, Method):
     """A node's estimator chosen among the catalog's by measured efficiency (module docstring).
 
     Args:
@@ -161,7 +134,10 @@ class Auto(Method):
         candidates: catalog labels to choose among (default: every entry that applies).
         exclude: catalog labels to leave out; by default `COLD_START`, the entries whose first steps run
             without an effective baseline.
-        cost: ``"time"`` (seconds per step) or ``"evaluations"`` (the node's plate size).
+        cost: ``"time"`` (wall-clock seconds per step), ``"cpu"`` (this process's CPU seconds per step,
+            `time.process_time`: what the step computed on the host, not the time other programs on a
+            busy machine took from it; not for a GPU, whose work the host waits for) or
+            ``"evaluations"`` (the node's plate size).
         visits: measured steps of each candidate per round.
         explore_every: steps on the chosen candidate before the first re-check.
         growth: factor by which the steps between re-checks grow after each round.
@@ -251,6 +227,7 @@ class Auto(Method):
         """Build the candidates for ``distr``'s type and event shape, at the budget."""
         kind = type(distr)
         shape = self._shape = _event_shape(distr)
+        left_out = self._left_out_by_exclude(distr, shape)
         for entry in catalog():
             reason = self._why_not(entry, kind)
             if reason:
@@ -267,6 +244,15 @@ class Auto(Method):
                 continue
             if any(s.label == label for s in self.stats):
                 continue  # the same estimator at the same count as an earlier entry
+            twin = next((s.label for s, m in zip(self.stats, self.methods)
+                         if _fingerprint(m, distr) == _fingerprint(method, distr)), None)
+            if twin is not None:  # e.g. Infer, which delegates to the score function with batch_average
+                self.excluded.append((label, f"the same estimator as {twin} on {kind.__name__} (built alike)"))
+                continue
+            if _fingerprint(method, distr) in left_out:  # Infer at n=1: the score function with a moving average
+                self.excluded.append((label, f"the same estimator as {left_out[_fingerprint(method, distr)]} on "
+                                             f"{kind.__name__}, which exclude= leaves out"))
+                continue
             self.methods.append(method)
             self.stats.append(CandidateStats(label, evals, entry.unbiased_for(kind, self.order), entry.warmup,
                                              entry=entry.label, count=count))
@@ -278,6 +264,24 @@ class Auto(Method):
                 + ". Raise the budget, or name entries the model allows in include=."
             )
         self._start_round()
+
+    def _left_out_by_exclude(self, distr: Distribution, shape: tuple[int, ...]) -> dict[tuple[type, str], str]:
+        """The estimators that ``exclude`` leaves out, built at the budget as candidates would be, by
+        `_fingerprint`: another entry that builds one of them is left out too (unless named in
+        ``candidates``)."""
+        out: dict[tuple[type, str], str] = {}
+        if self.only is not None:  # the candidates are named: none is left out as another's twin
+            return out
+        for entry in catalog():
+            if entry.label not in self.exclude or not entry.handles(type(distr)):
+                continue
+            try:
+                label, method, _, _ = self._sized(entry, distr, shape)
+            except Exception:  # noqa: BLE001  (an entry that cannot sample this node builds nothing to match)
+                continue
+            if method is not None:
+                out.setdefault(_fingerprint(method, distr), label)
+        return out
 
     def _why_not(self, entry: CatalogEntry, kind: type) -> str:
         """Why ``entry`` is not a candidate for ``kind`` (``""``: it is)."""
@@ -326,7 +330,7 @@ class Auto(Method):
             self._build(distr)
         if torch.is_grad_enabled():
             if self._t0 is None:
-                self._t0 = time.perf_counter()
+                self._t0 = self._clock()
             if self._queue:  # a step of a round: its gradient is measured (the chosen one's are not)
                 self._hook_parameters(distr)
         self._listening = False  # a candidate's own autograd calls while it samples are not the step's gradient
@@ -343,6 +347,10 @@ class Auto(Method):
         self.__dict__["_owner"] = node.method  # a reference, not a submodule (its state is the candidate's)
         node.method = self
         return tensor
+
+    def _clock(self) -> float:
+        """The clock of ``cost``: wall-clock seconds, or this process's CPU seconds for ``"cpu"``."""
+        return time.process_time() if self.cost == "cpu" else time.perf_counter()
 
     def _hook_parameters(self, distr: Distribution) -> None:
         """Sum the squares of the step's gradient with respect to the parameters ``distr`` was built with
@@ -439,13 +447,13 @@ class Auto(Method):
         self._owners.clear()
         if self._t0 is None:
             return
-        seconds = time.perf_counter() - self._t0
+        seconds = self._clock() - self._t0
         self._t0 = None
         stats = self.stats[self._current]
         stats.uses += 1
         self.step += 1
         if self._queue:
-            cost = seconds if self.cost == "time" else float(_evaluations_of(result_triples))
+            cost = float(_evaluations_of(result_triples)) if self.cost == "evaluations" else seconds
             if stats.uses > (stats.warmup if self._round == 1 else 0):
                 stats.round_moments.append(moment)
                 stats.round_seconds.append(cost)
@@ -454,80 +462,6 @@ class Auto(Method):
                 stats.warm_seconds.append(cost)
             self._prune()
         self._advance()
-
-    def _prune(self) -> None:
-        """Drop, from this round and the later ones, the candidates whose running score exceeds ``prune``
-        times the best measured one (``prune²`` times while they warm up)."""
-        if self.prune is None:
-            return
-        running = {c: s.running() for c, s in enumerate(self.stats) if not s.dropped}
-        measured = {c: r for c, r in running.items() if r[2]}
-        if not measured:
-            return
-        leader = min(measured, key=lambda c: measured[c][1])
-        best, low = measured[leader][1], min(r[0] for r in measured.values())
-        if best <= 0 or low <= 0:  # an exactly zero estimate so far (an antithetic pair that agreed): no ratio
-            return
-        for c, (moment, score, full) in running.items():
-            limit = self.prune if full else self.prune**2
-            steps = len(self.stats[c].round_moments if full else self.stats[c].warm_moments)
-            if score is not None and score > limit * best and (moment > limit * low or steps >= 2):
-                phase = "" if full else " while warming up"
-                self.stats[c].dropped = (f"round {self._round}, step {self.step}: score {_ratio(score, best)} that of "
-                                         f"{self.stats[leader].label}{phase}")
-                self._queue[1:] = [q for q in self._queue[1:] if q != c]
-
-    def _start_round(self) -> None:
-        """Queue a round of measurements: each candidate ``visits`` times (plus its warm-up in the first
-        round), interleaved."""
-        self._round += 1
-        needs = [0 if s.dropped else self.visits + (s.warmup if self._round == 1 else 0) for s in self.stats]
-        self._queue = [c for i in range(max(needs)) for c in range(len(self.stats)) if i < needs[c]]
-        if len(needs) - needs.count(0) == 1:
-            self._queue = self._queue[:1]
-        previous = "" if self._chosen is None else self.stats[self._chosen].label
-        self._current = self._queue[0]
-        self.switches.append((self.step, previous, "(measuring)",
-                              f"round {self._round}: {len(needs) - needs.count(0)} candidates, {self.visits} measured steps each"))
-
-    def _advance(self) -> None:
-        """Pick the candidate of the next step (from the history only)."""
-        if self._queue:
-            self._queue.pop(0)
-            if self._queue:
-                self._current = self._queue[0]
-                return
-            self._settle()
-            return
-        self._exploit_left -= 1
-        if self._exploit_left <= 0:
-            self._start_round()
-
-    def _settle(self) -> None:
-        """End a round: score the candidates, choose the best, schedule the next round."""
-        for s in self.stats:
-            s.close_round()
-        scores = {c: v for c, v in self.scores().items() if not self.stats[c].dropped}
-        if not scores:  # nothing measured in the round (every candidate dropped while warming up)
-            scores = {self._current: 0.0}
-        best = min(scores, key=lambda c: (scores[c], self.stats[c].seconds or 0.0))
-        ranked = sorted(scores, key=scores.get)
-        runner = next((c for c in ranked if c != best), None)
-        versus = "" if runner is None else f", next {self.stats[runner].label} at {_ratio(scores[runner], scores[best])}"
-        bias = "" if self.stats[best].unbiased else " (a biased candidate: allow_bias=True)"
-        what = "second moment × seconds per step" if self.cost == "time" else "second moment × evaluations"
-        self.switches.append((self.step, "(measuring)", self.stats[best].label,
-                              f"lowest {what} in round {self._round}{versus}{bias}"))
-        self._chosen = self._current = best
-        self._queue = []
-        self._exploit_left = int(round(self.explore_every * self.growth ** (self._round - 1)))
-
-    def scores(self) -> dict[int, float]:
-        """Each measured candidate's score (second moment × cost) from its latest round, by index."""
-        return {
-            c: s.second_moment * s.seconds for c, s in enumerate(self.stats)
-            if s.second_moment is not None and s.seconds is not None
-        }
 
     # ------------------------------------------------------------ checkpoints
     _SCHEDULE = ("excluded", "switches", "step", "_current", "_chosen", "_round", "_queue", "_exploit_left", "_shape")
@@ -560,42 +494,11 @@ class Auto(Method):
     # ------------------------------------------------------------ reporting
     def record(self) -> dict[str, Any]:
         """The choice, the per-candidate table and the switches, as plain data (JSON)."""
-        scores = self.scores()
-        low_m = min((s.second_moment for s in self.stats if s.second_moment), default=None)
-        low_s = min(scores.values(), default=None)
-        rows = []
-        for c, s in enumerate(self.stats):
-            rows.append({
-                "candidate": s.label, "unbiased": s.unbiased, "evaluations": s.evaluations, "steps": s.uses,
-                "cost_per_step": s.seconds, "cost_unit": "seconds" if self.cost == "time" else "evaluations",
-                "second_moment": s.second_moment,
-                "relative_second_moment": _relative(s.second_moment, low_m),
-                "relative_score": _relative(scores.get(c), low_s),
-                "chosen": c == self._chosen, "dropped": s.dropped,
-            })
-        return {
-            "node": self.plate_name, "budget": self.budget, "order": self.order, "allow_bias": self.allow_bias,
-            "choice": self.choice, "settled": None if self._chosen is None else self.stats[self._chosen].label,
-            "step": self.step, "round": self._round, "candidates": rows,
-            "excluded": [{"entry": label, "reason": why} for label, why in self.excluded],
-            "switches": [{"step": t, "from": a, "to": b, "reason": r} for t, a, b, r in self.switches],
-        }
+        return auto_report.record(self)
 
     def table(self) -> str:
         """The per-candidate table of the latest round: second moment and score relative to the best."""
-        rec = self.record()
-        unit = "s/step" if self.cost == "time" else "evals"
-        settled = "none yet" if self._chosen is None else self.stats[self._chosen].label
-        measuring = f" (a round of measurements: next step {self.choice})" if self._queue else ""
-        lines = [f"Auto({self.plate_name!r}) after {self.step} steps, settled on {settled}{measuring}",
-                 f"{'candidate':<36} {'evals':>5} {'steps':>6} {unit:>9} {'E|g|^2 rel':>10} {'score rel':>9}"]
-        for r in rec["candidates"]:
-            cost = "-" if r["cost_per_step"] is None else format(r["cost_per_step"], ".3g")
-            mark = " *" if r["chosen"] else ("  (biased)" if not r["unbiased"] else "")
-            mark += "  (dropped)" if r["dropped"] else ""
-            lines.append(f"{r['candidate']:<36} {r['evaluations']:>5} {r['steps']:>6} {cost:>9} "
-                         f"{_fmt(r['relative_second_moment']):>10} {_fmt(r['relative_score']):>9}{mark}")
-        return "\n".join(lines)
+        return auto_report.table(self)
 
     def reset(self) -> None:
         for method in self.methods:
@@ -611,6 +514,16 @@ def _event_shape(distr: Distribution) -> tuple[int, ...]:
     return full[len(distribution_layout(distr).sizes):]
 
 
+def _fingerprint(method: Method, distr: Distribution) -> tuple[type, str]:
+    """What ``method`` is for nodes of ``distr``: the class and the construction (its ``repr``: options,
+    sampling method, baseline) of the method that draws them, following a method that delegates (as
+    `storch.method.Infer` does), so that two catalog entries that build the same estimator are one
+    candidate."""
+    delegate = getattr(method, "delegate_for", None)
+    drawn = delegate(distr) if delegate is not None else method
+    return type(drawn), repr(drawn)
+
+
 def _evaluations(method: Method, distr: Distribution) -> int:
     """The size of the plate that ``method`` gives a node of ``distr``: the points the cost is evaluated at.
 
@@ -619,30 +532,24 @@ def _evaluations(method: Method, distr: Distribution) -> int:
     nothing reaches the user's graph or is cached on ``distr``; drawn without gradients, so that
     the probe is no node of the step.
     """
+    with torch.no_grad():  # and not noted as a node of the step
+        tensor = method(_probe(distr))
+        return tensor.plate.size
+
+
+def _probe(distr: Distribution) -> Distribution:
+    """A copy of ``distr`` whose floating parameters are detached leaves that require grad, also those of
+    the distributions it wraps (`OneHotCategorical` keeps its parameters in a `Categorical`)."""
     probe = copy.copy(distr)
     for name, value in list(vars(probe).items()):
-        if name in distr.arg_constraints and isinstance(value, torch.Tensor) and value.is_floating_point():
+        if isinstance(value, Distribution):
+            probe.__dict__[name] = _probe(value)
+        elif name in distr.arg_constraints and isinstance(value, torch.Tensor) and value.is_floating_point():
             probe.__dict__[name] = value.detach().requires_grad_()
-    with torch.no_grad():  # and not noted as a node of the step
-        tensor = method(probe)
-        return tensor.plate.size
+    return probe
 
 
 def _evaluations_of(triples: Sequence[tuple]) -> int:
     """The plate sizes of the step's nodes, summed: the points the cost was evaluated at."""
     sizes = {id(node_of(tensor)): tensor.plate.size for tensor, *_ in triples}
     return sum(sizes.values())
-
-
-def _relative(value: Optional[float], low: Optional[float]) -> Optional[float]:
-    if value is None or low is None:
-        return None
-    return value / low if low > 0 else (1.0 if value == 0 else math.inf)
-
-
-def _ratio(a: float, b: float) -> str:
-    return "the same score" if a == b else (f"{a / b:.3g}×" if b > 0 else "a higher score")
-
-
-def _fmt(value: Optional[float]) -> str:
-    return "-" if value is None else format(value, ".3g")

@@ -89,9 +89,14 @@ class Infer(Method):
                     "distribution it was built for, or leave distribution_type out: Infer chooses its "
                     "estimator per call."
                 )
+        return self.delegate_for(distr)(distr)
+
+    def delegate_for(self, distr: Distribution) -> Method:
+        """The method that draws a node of ``distr``: reparameterization where it has ``rsample``, else
+        the score function."""
         if isinstance(distr, Distribution) and distr.has_rsample:
-            return self.reparameterization(distr)
-        return self.score_function(distr)
+            return self.reparameterization
+        return self.score_function
 
 
 def _is_distribution_type(value: Any) -> bool:
