@@ -370,7 +370,8 @@ def test_own_log_prob_skips_the_support_check_of_the_nodes_own_samples(monkeypat
     checks = []
     original = Bernoulli._validate_sample
     monkeypatch.setattr(Bernoulli, "_validate_sample", lambda self, value: (checks.append(1), original(self, value))[1])
-    q = Bernoulli(logits=torch.tensor([0.3, -1.2], requires_grad=True))
+    # validation stated, not torch's process-wide default (an earlier torch.compile in the process turns that off)
+    q = Bernoulli(logits=torch.tensor([0.3, -1.2], requires_grad=True), validate_args=True)
     z = ScoreFunction("z", n_samples=3)(q)
     own = z.log_prob()
     assert checks == []
