@@ -122,6 +122,11 @@ def summary(fixed_runs, auto_runs) -> str:
     return "\n".join(lines)
 
 
+UNDECIDED = 0.05
+"""Nats between the best and the median fixed estimator below which a model does not decide anything
+(on the VAEs every estimator stays at the solution that ignores the latent code)."""
+
+
 def compact(fixed_runs, auto_runs) -> str:
     """The guide's table: per model, test -ELBO of the best and the median fixed estimator (all of them),
     Auto's, the two verdicts, and the candidate Auto had settled on in most seeds."""
@@ -135,9 +140,13 @@ def compact(fixed_runs, auto_runs) -> str:
         best = fixed[j["best"]][0]["label"]
         choices = [next(iter((s["auto"] or {}).values()), {}).get("settled") for s in auto]
         top = max(set(choices), key=choices.count)
+        if j["median"] - j["best_mean"] < UNDECIDED:  # the estimators did not tell apart: nothing to be near
+            near, better = "not decided: every run at the collapsed solution", "not decided"
+        else:
+            near = f"{'yes' if j['near'] else 'no'} ({j['auto'] - j['best_mean']:+.2f})"
+            better = "yes" if j["better"] else "no"
         lines.append(f"| `{model}` | {best} {j['best_mean']:.2f} | {j['median']:.2f} | "
-                     f"{cell([s['test_nelbo'] for s in auto])} | {'yes' if j['near'] else 'no'} "
-                     f"({j['auto'] - j['best_mean']:+.2f}) | {'yes' if j['better'] else 'no'} | "
+                     f"{cell([s['test_nelbo'] for s in auto])} | {near} | {better} | "
                      f"{top} ({choices.count(top)} of {len(choices)}) |")
     return "\n".join(lines)
 
