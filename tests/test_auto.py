@@ -385,3 +385,25 @@ def test_samples_drawn_without_autograd_leave_no_record():
         for _ in range(50):
             z = auto(Bernoulli(logits=logits))
     assert z.method is auto and auto._owners == {}
+
+
+@pytest.mark.parametrize("allow_bias", [False, True])
+def test_every_applicable_entry_is_a_candidate_or_left_out_with_a_reason(allow_bias):
+    """No catalog entry for the node's type disappears: each is a candidate or in ``excluded`` with its
+    reason; entries whose labels differ in more than the sample count keep their settings in the label
+    (``ScoreFunctionWOR(biased=True)`` is not a second ``ScoreFunctionWOR``)."""
+    from storch.method.catalog import catalog
+
+    auto = Auto("z", budget=4, allow_bias=allow_bias)
+    auto(Bernoulli(logits=torch.zeros(3, requires_grad=True)))
+    accounted = set(auto.labels) | {label for label, _ in auto.excluded}
+    applicable = [e.label for e in catalog() if e.handles(Bernoulli)]
+    missing = [label for label in applicable
+               if label not in accounted and not any(a.startswith(label + " [n=") for a in accounted)]
+    assert missing == []
+    assert len(set(auto.labels)) == len(auto.labels)
+    if allow_bias:
+        assert "ScoreFunctionWOR(biased=True) [n=4]" in auto.labels
+    else:
+        assert any(label == "ScoreFunctionWOR(biased=True)" for label, _ in auto.excluded)
+    storch.reset()

@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import time
 from typing import Any, Optional, Sequence
 
@@ -242,17 +243,17 @@ class Auto(RoundSchedule, Method):
             if method is None:
                 self.excluded.append((entry.label, f"needs {evals} cost evaluations per step, over the budget of {self.budget}"))
                 continue
-            if any(s.label == label for s in self.stats):
-                continue  # the same estimator at the same count as an earlier entry
             twin = next((s.label for s, m in zip(self.stats, self.methods)
                          if _fingerprint(m, distr) == _fingerprint(method, distr)), None)
             if twin is not None:  # e.g. Infer, which delegates to the score function with batch_average
-                self.excluded.append((label, f"the same estimator as {twin} on {kind.__name__} (built alike)"))
+                self.excluded.append((label if label != twin else entry.label, f"the same estimator as {twin} on {kind.__name__} (built alike)"))
                 continue
             if _fingerprint(method, distr) in left_out:  # Infer at n=1: the score function with a moving average
                 self.excluded.append((label, f"the same estimator as {left_out[_fingerprint(method, distr)]} on "
                                              f"{kind.__name__}, which exclude= leaves out"))
                 continue
+            if any(s.label == label for s in self.stats):  # another estimator sized to the same label
+                label = f"{entry.label} [n={count}]" if count is not None else entry.label
             self.methods.append(method)
             self.stats.append(CandidateStats(label, evals, entry.unbiased_for(kind, self.order), entry.warmup,
                                              entry=entry.label, count=count))
@@ -318,7 +319,7 @@ class Auto(RoundSchedule, Method):
         count = int(self.budget // per)
         if count < first:
             return entry.label, None, int(math.ceil(per * first)), None
-        base = entry.label.split("(", 1)[0].rstrip()
+        base = re.sub(r"\(n_samples=\d+\)", "", entry.label).rstrip()  # the count replaces it; other settings stay
         method = entry.make_counted(name, shape, count)
         return f"{base} [n={count}]", method, int(round(per * count)), count
 
