@@ -5,7 +5,7 @@ usage: python docs/results/vae_plateau_plot.py RUN_DIR OUT.png
 Prints a Markdown table per setting (``paper_*.csv``: Adam 1e-4, batch 100; ``fast_*.csv``: Adam
 1e-3, batch 50) and draws four panels per setting against the steps: test −ELBO, KL(q ‖ p), the
 encoder's dependence on the image (``x_dep``) and the norm of the reconstruction's part of the
-encoder's gradient.
+encoder's gradient (the runs in `DRAWN`).
 """
 import csv
 import sys
@@ -23,10 +23,12 @@ COLUMNS = ["step", "test_nelbo", "recon", "kl", "x_dep", "sat05", "entropy", "ac
            "g_enc_rec", "g_enc_kl", "g_enc_kl_exact", "g_dec"]
 
 
+#: the runs drawn, one colour each in both settings (the tables list every run)
+DRAWN = ["le", "rebar", "disarm", "le_analytic_kl", "le_warmup100", "rebar10", "disarm20", "auto4", "auto40"]
+
+
 def color(name: str) -> str:
-    """One colour per run name, the same in both settings."""
-    names = ["le", "rebar", "disarm", "le_warmup100", "rebar10", "disarm20_warmup100", "disarm_glorot", "auto4"]
-    return f"C{names.index(name) % 10}" if name in names else "k"
+    return f"C{DRAWN.index(name)}"
 
 
 def load(run_dir: Path, prefix: str) -> dict[str, list[dict]]:
@@ -63,6 +65,8 @@ def main():
         print(f"\n{title}\n\n{table(runs, 300 if prefix == 'paper' else 100)}")
         for ax, (col, label, scale) in zip(row, PANELS):
             for name, rows in runs.items():
+                if name not in DRAWN:
+                    continue
                 pts = [(int(r["step"]), float(r[col])) for r in rows if r[col] and float(r[col]) > 0]
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color(name), label=name, marker=".")
             ax.set_yscale(scale)
