@@ -35,8 +35,11 @@ that an interrupted run resumes where it stopped::
         --steps 3000 --diag-every 100 --out runs/plateau/le.csv
 
 ``--latent-dim`` shrinks the latent layer (fewer points per sample for local expectation),
-``--kl-warmup N`` multiplies the KL cost by ``min(1, step/N)`` (a KL warm-up), ``--threads`` sets
-torch's threads (default 1).
+``--kl-warmup N`` multiplies the KL cost by ``min(1, step/N)`` (a KL warm-up), ``--analytic-kl``
+trains with the KL in closed form (a cost without ``z``, exact gradient) instead of
+``log q(z|x) − log p(z)`` at the samples (the diagnostics' ``g_enc_kl`` stays the estimator's
+gradient of the sampled KL, for comparison), ``--init glorot`` starts from Glorot-uniform weights
+and zero biases, ``--threads`` sets torch's threads (default 1).
 """
 
 from __future__ import annotations
