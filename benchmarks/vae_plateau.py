@@ -1,6 +1,6 @@
 """Diagnostics of a Bernoulli VAE's training: does it leave the initial plateau, and why not.
 
-Trains one `storch-bench` model (default ``bernoulli-vae``) with one estimator, as `storch-bench`
+Trains `storch-bench`'s ``bernoulli-vae`` with one estimator, as `storch-bench`
 does (Adam, minibatches of the training set, dynamic binarisation where the data set has it), and
 every ``--diag-every`` steps writes one CSV row of diagnostics:
 
@@ -263,7 +263,8 @@ def train(args) -> None:
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     a = p.add_argument
-    a("--model", default="bernoulli-vae")
+    a("--model", default="bernoulli-vae", choices=("bernoulli-vae",),
+      help="the MLP VAE with Bernoulli latents (the diagnostics read its encoder's three layers)")
     a("--estimator", default="local-expectation", choices=sorted(ESTIMATORS))
     a("--n-samples", type=int, default=None)
     a("--data", default="binarized-mnist")
