@@ -26,6 +26,10 @@ fast disarm --estimator disarm --steps 1000 --diag-every 100
 fast disarm20 --estimator disarm --n-samples 20 --steps 600 --diag-every 100
 fast disarm20_warmup100 --estimator disarm --n-samples 20 --kl-warmup 100 --steps 600 --diag-every 100
 fast disarm_glorot --estimator disarm --init glorot --steps 1000 --diag-every 200
+# seed 1 of the contrast: the sampled KL, the KL in closed form, DisARM with 20 pairs
+fast s1_le --seed 1 --estimator local-expectation --steps 200 --diag-every 50
+fast s1_le_analytic_kl --seed 1 --estimator local-expectation --analytic-kl --steps 200 --diag-every 50
+fast s1_disarm20 --seed 1 --estimator disarm --n-samples 20 --steps 400 --diag-every 100
 fast auto4 --estimator auto --n-samples 4 --steps 1000 --diag-every 100
 fast auto40 --estimator auto --n-samples 40 --steps 1000 --diag-every 100
 $P docs/results/vae_plateau_plot.py $OUT docs/results/vae_plateau.png
