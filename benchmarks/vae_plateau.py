@@ -190,6 +190,10 @@ def train(args) -> None:
     torch.set_num_threads(args.threads)
     data, model, methods = build(args)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    if args.auto_optimizer:  # Auto clears Adam's state when its first round ends
+        for m in methods.values():
+            if isinstance(m, sm.Auto):
+                m.optimizer = opt
     g = torch.Generator().manual_seed(12345)
     test_x = eval_subset(data.test, args.eval_size)
     diag_x = data.binarize(eval_subset(data.train, args.eval_size), g)
@@ -256,6 +260,8 @@ def train(args) -> None:
         opt.step()
         seconds += time.perf_counter() - t0
         step += 1
+        if step == args.reset_optimizer_at:  # Adam's moments forgotten (what earlier steps left in them)
+            opt.state.clear()
         if step % args.diag_every == 0 or step == args.steps:
             diagnose()
 
@@ -279,6 +285,11 @@ def parse(argv):
     a("--analytic-kl", action="store_true",
       help="train with the KL in closed form (a cost without z) instead of log q(z|x) - log p(z) at the samples")
     a("--kl-warmup", type=int, default=0, help="multiply the KL cost by min(1, step/N) (0: no warm-up)")
+    a("--auto-optimizer", action="store_true",
+      help="give Auto the optimizer (Auto(optimizer=...)): its state is cleared when the first round ends")
+    a("--reset-optimizer-at", type=int, default=0,
+      help="clear Adam's moment estimates after this step (0: never); e.g. after Auto's first round, to see "
+           "whether its measurement steps hold it on the plateau through Adam's second moment")
     a("--diag-every", type=int, default=100)
     a("--eval-size", type=int, default=1000)
     a("--ref-every", type=int, default=0, help="the reference comparison every N steps (0: never)")

@@ -407,3 +407,28 @@ def test_every_applicable_entry_is_a_candidate_or_left_out_with_a_reason(allow_b
     else:
         assert any(label == "ScoreFunctionWOR(biased=True)" for label, _ in auto.excluded)
     storch.reset()
+
+
+def test_the_optimizer_forgets_the_first_round_once():
+    """With ``optimizer=``, Adam's state is cleared once: after the update of the first round's last step,
+    before the first step on the chosen candidate; the later rounds leave it alone."""
+    logits = torch.zeros(3, requires_grad=True)
+    opt = torch.optim.Adam([logits], lr=1e-2)
+    auto = Auto("x", budget=4, candidates=["ScoreFunction + batch_average", "DisARM"], visits=2, explore_every=3,
+                growth=1.0, prune=None, optimizer=opt)
+    first_round = 2 * 2
+    adam_steps = []
+    for _ in range(first_round + 3 + 2 * 2 + 3):  # round 1, its choice, round 2, its choice
+        storch.reset()
+        opt.zero_grad()
+        z = auto(Bernoulli(logits=logits))
+        adam_steps.append(int(opt.state[logits]["step"]) if logits in opt.state else 0)
+        storch.add_cost((z - torch.tensor([0.2, 0.5, 0.9])).pow(2).sum(-1), "f")
+        storch.backward()
+        opt.step()
+    # Adam's own count of steps, read at each draw: cleared at the draw after the first round only
+    assert adam_steps[:first_round] == list(range(first_round))
+    assert adam_steps[first_round:] == list(range(len(adam_steps) - first_round))
+    assert auto._round == 3  # the second round came and went without clearing it
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        Auto("x", optimizer=[logits])

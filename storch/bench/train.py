@@ -203,6 +203,9 @@ class Run:
         for method in self.methods.values():
             method.to(self.device)  # control variates, temperatures, baselines' buffers
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg["lr"])
+        for method in self.methods.values():  # Auto clears Adam's state when its first round ends
+            if isinstance(method, storch.method.Auto):
+                method.optimizer = self.opt
         # the module the training steps call: DDP averages its gradients over the ranks
         self.train_module: torch.nn.Module = self.model
         if self.world > 1:

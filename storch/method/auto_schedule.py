@@ -11,7 +11,7 @@ starts. Every decision uses the steps already taken only (the history), which is
 step's gradient unbiased (`storch.method.auto`).
 
 `RoundSchedule` holds these rules for `Auto`, whose state (``stats``, ``_queue``, ``_current``,
-``_chosen``, ``_round``, ``_exploit_left``, ``switches``, ``step`` and the options ``visits``,
+``_chosen``, ``_round``, ``_exploit_left``, ``_clear_optimizer``, ``switches``, ``step`` and the options ``visits``,
 ``explore_every``, ``growth``, ``prune``, ``cost``) it reads and updates; `CandidateStats` is what it
 keeps of one candidate.
 """
@@ -131,6 +131,8 @@ class RoundSchedule:
                               f"lowest {what} in round {self._round}{versus}{bias}"))
         self._chosen = self._current = best
         self._queue = []
+        if self._round == 1:  # Auto's optimizer (if given) forgets the first round's steps
+            self._clear_optimizer = True
         self._exploit_left = int(round(self.explore_every * self.growth ** (self._round - 1)))
 
     def scores(self) -> dict[int, float]:
