@@ -124,10 +124,27 @@ def test_a_far_noisier_candidate_leaves_the_rounds():
     score_function, expect = auto.stats
     assert score_function.uses == 1 and "round 1" in score_function.dropped and not expect.dropped
     assert auto.choice == "Expect" and auto.record()["candidates"][0]["dropped"]
+    # without pruning in the round, the whole round's score (over recheck=4 times Expect's) keeps it
+    # out of the later rounds
+    rechecked = Auto("x", budget=8, candidates=["ScoreFunction", "Expect"], cost="evaluations", visits=4,
+                     explore_every=2, growth=1.0, prune=None)
+    _run(rechecked, 12, offset=100.0)
+    assert rechecked.stats[0].uses == 4 and "over recheck=4" in rechecked.stats[0].dropped
+    assert rechecked.stats[1].uses == 8  # its 4 steps of round 1, 2 chosen, 2 of round 2 (measured alone)
     kept = Auto("x", budget=8, candidates=["ScoreFunction", "Expect"], cost="evaluations", visits=4,
-                explore_every=2, growth=1.0, prune=None)
+                explore_every=2, growth=1.0, prune=None, recheck=None)
     _run(kept, 12, offset=100.0)
     assert kept.stats[0].uses == 5  # 4 in round 1, the first step of round 2
+
+
+def test_recheck_keeps_the_candidates_within_its_factor():
+    """After a round, a candidate within ``recheck`` times the best score is measured again."""
+    auto = Auto("x", budget=4, candidates=["ScoreFunction + batch_average", "DisARM"], cost="evaluations",
+                visits=2, explore_every=2, growth=1.0, prune=None, recheck=1e6)
+    _run(auto, 12)
+    assert not any(s.dropped for s in auto.stats) and all(s.uses >= 4 for s in auto.stats)
+    with pytest.raises(ValueError, match="recheck"):
+        Auto("x", recheck=1.0)
 
 
 def test_candidates_follow_the_catalog_declarations():

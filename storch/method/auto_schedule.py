@@ -7,12 +7,12 @@ After each measured step a candidate whose running score exceeds ``prune`` times
 has run two steps of the round. When the queue is empty the round is scored: each candidate's mean
 second moment ``E‖ĝ‖²`` times its median cost per step (seconds, CPU seconds or evaluations); the lowest
 wins and is used for ``explore_every · growth^(r−1)`` steps after round ``r``, then the next round
-starts. Every decision uses the steps already taken only (the history), which is what keeps each
+starts, without the candidates whose score was over ``recheck`` times the winner's. Every decision uses the steps already taken only (the history), which is what keeps each
 step's gradient unbiased (`storch.method.auto`).
 
 `RoundSchedule` holds these rules for `Auto`, whose state (``stats``, ``_queue``, ``_current``,
 ``_chosen``, ``_round``, ``_exploit_left``, ``_clear_optimizer``, ``switches``, ``step`` and the options ``visits``,
-``explore_every``, ``growth``, ``prune``, ``cost``) it reads and updates; `CandidateStats` is what it
+``explore_every``, ``growth``, ``prune``, ``recheck``, ``cost``) it reads and updates; `CandidateStats` is what it
 keeps of one candidate.
 """
 
@@ -129,6 +129,11 @@ class RoundSchedule:
                 "evaluations": "second moment × evaluations"}[self.cost]
         self.switches.append((self.step, "(measuring)", self.stats[best].label,
                               f"lowest {what} in round {self._round}{versus}{bias}"))
+        if self.recheck is not None:  # far behind after a whole round: not measured again
+            for c, score in scores.items():
+                if score > self.recheck * scores[best]:
+                    self.stats[c].dropped = (f"round {self._round}: score {_ratio(score, scores[best])} that of "
+                                             f"{self.stats[best].label}, over recheck={self.recheck:g}")
         self._chosen = self._current = best
         self._queue = []
         if self._round == 1:  # Auto's optimizer (if given) forgets the first round's steps
