@@ -38,12 +38,12 @@ def run_dir(out: Path, model: str, estimator: str, seed: int) -> Path:
     return out / model / f"{model}_digits_{estimator}_budget={BUDGET}_seed{seed}"
 
 
-def jobs(seeds, only) -> list[tuple[str, str, int]]:
-    """Auto's runs first (they are the subject), then every fixed estimator, seed by seed."""
-    fixed = [e for e in ESTIMATORS if e != "auto"]
-    first = [(m, "auto", s) for s in seeds for m in MODELS]
-    rest = [(m, e, s) for s in seeds for m in MODELS for e in fixed]
-    return [j for j in first + rest if not only or j[1] in only]
+def jobs(seeds, only, models=MODELS) -> list[tuple[str, str, int]]:
+    """Seed by seed and model by model, Auto and then every fixed estimator: the runs of one model and
+    seed are made together, so that a change of the machine's load touches them alike."""
+    order = ["auto"] + [e for e in ESTIMATORS if e != "auto"]
+    every = [(m, e, s) for s in seeds for m in models for e in order]
+    return [j for j in every if not only or j[1] in only]
 
 
 def main(argv=None) -> int:
@@ -53,9 +53,10 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--part", default="0/1", help="I/N: every N-th run, from the I-th")
     p.add_argument("--only", nargs="+", default=None, help="these estimators only")
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS, help="these models only")
     args = p.parse_args(argv)
     part, parts = (int(x) for x in args.part.split("/"))
-    todo = jobs(args.seeds, args.only)[part::parts]
+    todo = jobs(args.seeds, args.only, args.models)[part::parts]
     for model, est, seed in todo:
         folder = run_dir(args.out, model, est, seed)
         if (folder / "summary.json").is_file():

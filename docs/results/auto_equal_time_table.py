@@ -27,11 +27,14 @@ from pathlib import Path
 BEFORE = "auto, first version"
 #: the row of another batch of Auto's runs (``--earlier``): shown, not counted among the fixed estimators
 EARLIER = "auto, earlier batch"
+#: the row of Auto's runs without its optimizer (``--no-optimizer``): shown, not counted either
+NO_OPTIMIZER = "auto, optimizer not given"
+SHOWN = (BEFORE, EARLIER, NO_OPTIMIZER)
 MODELS = ("sbn-linear", "sbn-two-layer", "sbn-categorical", "bernoulli-vae", "categorical-vae")
 
 
 def biased(estimator: str) -> bool:
-    if estimator in (BEFORE, EARLIER):
+    if estimator in SHOWN:
         return False
     from storch.bench.estimators import ESTIMATORS
 
@@ -151,7 +154,7 @@ def compact(fixed_runs, auto_runs) -> str:
     return "\n".join(lines)
 
 
-def tables(fixed_runs, auto_runs, before_runs=None, earlier_runs=None) -> str:
+def tables(fixed_runs, auto_runs, before_runs=None, earlier_runs=None, no_optimizer_runs=None) -> str:
     lines = []
     for model in MODELS:
         runs = {**fixed_runs.get(model, {}), **({"auto": auto_runs[model]["auto"]} if "auto" in auto_runs.get(model, {}) else {})}
@@ -159,6 +162,8 @@ def tables(fixed_runs, auto_runs, before_runs=None, earlier_runs=None) -> str:
             runs[BEFORE] = before_runs[model]["auto"]
         if earlier_runs and "auto" in earlier_runs.get(model, {}):
             runs[EARLIER] = earlier_runs[model]["auto"]
+        if no_optimizer_runs and "auto" in no_optimizer_runs.get(model, {}):
+            runs[NO_OPTIMIZER] = no_optimizer_runs[model]["auto"]
         if not runs:
             continue
         lines += [f"### {model}", "",
@@ -167,7 +172,7 @@ def tables(fixed_runs, auto_runs, before_runs=None, earlier_runs=None) -> str:
         order = sorted(runs, key=lambda e: statistics.fmean(s["test_nelbo"] for s in runs[e]))
         for e in order:
             ss = runs[e]
-            name = ("**auto**" if e == "auto" else e if e in (BEFORE, EARLIER)
+            name = ("**auto**" if e == "auto" else e if e in SHOWN
                     else ss[0]["label"] + (" (biased)" if biased(e) else ""))
             steps = statistics.fmean(s["steps"] for s in ss)
             cpu = statistics.fmean(s["train_cpu_seconds"] for s in ss)
@@ -178,10 +183,12 @@ def tables(fixed_runs, auto_runs, before_runs=None, earlier_runs=None) -> str:
             lines += [f"Auto's candidate at the end, per seed: {auto_choice(runs['auto'])}.", ""]
         if EARLIER in runs:
             lines += [f"Earlier batch: {auto_choice(runs[EARLIER])}.", ""]
+        if NO_OPTIMIZER in runs:
+            lines += [f"Optimizer not given: {auto_choice(runs[NO_OPTIMIZER])}.", ""]
         if "auto" in runs and len(runs) > 1:
             for metric, title in (("test_nelbo", "test −ELBO"), ("test_nll", "test −log p(x)")):
                 auto = [s[metric] for s in runs["auto"]]
-                every = {e: [s[metric] for s in ss] for e, ss in runs.items() if e not in ("auto", BEFORE, EARLIER)}
+                every = {e: [s[metric] for s in ss] for e, ss in runs.items() if e not in ("auto", *SHOWN)}
                 unbiased = {e: v for e, v in every.items() if not biased(e)}
                 if not every:
                     continue
@@ -273,6 +280,8 @@ def main() -> None:
     p.add_argument("--auto", type=Path, default=None, help="Auto's runs from this folder instead")
     p.add_argument("--earlier", type=Path, default=None,
                    help=f"another batch of Auto's runs, as the row '{EARLIER}'")
+    p.add_argument("--no-optimizer", type=Path, default=None,
+                   help=f"Auto's runs made without giving it the optimizer, as the row '{NO_OPTIMIZER}'")
     p.add_argument("--before", action="store_true",
                    help=f"with --auto: also RUN_ROOT's own Auto runs, as the row '{BEFORE}'")
     args = p.parse_args()
@@ -284,7 +293,8 @@ def main() -> None:
     print(summary(fixed_runs, auto_runs))
     print()
     earlier = load(args.earlier, lambda e: e == "auto") if args.earlier else None
-    print(tables(fixed_runs, auto_runs, before, earlier))
+    no_optimizer = load(args.no_optimizer, lambda e: e == "auto") if args.no_optimizer else None
+    print(tables(fixed_runs, auto_runs, before, earlier, no_optimizer))
     skipped = Path(args.root) / "skipped.txt"
     if skipped.is_file():
         reasons = {}

@@ -31,5 +31,7 @@ fast s1_le --seed 1 --estimator local-expectation --steps 200 --diag-every 50
 fast s1_le_analytic_kl --seed 1 --estimator local-expectation --analytic-kl --steps 200 --diag-every 50
 fast s1_disarm20 --seed 1 --estimator disarm --n-samples 20 --steps 400 --diag-every 100
 fast auto4 --estimator auto --n-samples 4 --steps 1000 --diag-every 100
-fast auto40 --estimator auto --n-samples 40 --steps 1000 --diag-every 100
+fast auto40 --estimator auto --n-samples 40 --steps 3000 --diag-every 100
+fast auto40_reset100 --estimator auto --n-samples 40 --steps 1000 --diag-every 100 --reset-optimizer-at 100
+fast auto40_optimizer --estimator auto --n-samples 40 --steps 1000 --diag-every 100 --auto-optimizer
 $P docs/results/vae_plateau_plot.py $OUT docs/results/vae_plateau.png
