@@ -83,6 +83,7 @@ from storch.extend import (
     wrap_new,
 )
 from storch.sampling.method import MonteCarlo, SamplingMethod, check_count, describe_argument
+from storch.util import has_parameters_requiring_grad
 
 __all__ = [
     "Method", "log_prob", "DEFAULT_N_SAMPLES", "proposal_arguments", "check_floating_parameters", "JointBoundRecords",
@@ -404,11 +405,11 @@ class Method(nn.Module, DeclaresStepState):
             raise
         tensor = new_node(self, distr, samples, plate, others)
         plate.weight = self._plate_weight(tensor, plate)
-        restore_lazy_plates(distr)  # parameters computed while sampling with dispatch disabled
+        restore_lazy_plates(distr, parents)  # parameters computed while sampling with dispatch disabled
         if isinstance(plate, ChainPlate) and plate.ancestor is not None:
             # the node's distribution without the step it extended, as its samples are (copied when first read)
             node_of(tensor).step_of_chain(distr, 1 + parents.position(plate.ancestor))
-        if not self.reparameterized and torch.is_grad_enabled() and get_distr_parameters(distr):
+        if not self.reparameterized and torch.is_grad_enabled() and has_parameters_requiring_grad(distr):
             note_sampled(plate)  # its gradient needs a cost that carries its plate (see storch.backward)
         return tensor
 
