@@ -164,12 +164,16 @@ def _integer_parameters(distr: Distribution) -> list[tuple[str, str, torch.dtype
     with no_dispatch():  # dtype reads of storch tensors: no trip through storch's dispatch
         while stack:
             d = stack.pop()
+            own = d.__dict__
             for name, constraint in d.arg_constraints.items():
-                value = d.__dict__.get(name)
-                if isinstance(value, torch.Tensor) and not (value.dtype.is_floating_point or value.dtype.is_complex) \
-                        and not _is_discrete(constraint):
-                    found.append((type(d).__name__, name, value.dtype))
-            stack.extend(v for v in d.__dict__.values() if isinstance(v, Distribution))
+                value = own.get(name)
+                if isinstance(value, torch.Tensor):
+                    dtype = value.dtype
+                    if not (dtype.is_floating_point or dtype.is_complex) and not _is_discrete(constraint):
+                        found.append((type(d).__name__, name, dtype))
+            for value in own.values():  # the distributions it wraps (Independent's base, OneHotCategorical's)
+                if isinstance(value, Distribution):
+                    stack.append(value)
     return found
 
 
@@ -445,7 +449,10 @@ class Method(nn.Module, DeclaresStepState):
     def _draw(self, distr: Distribution, parents: PlateLayout) -> tuple[torch.Tensor, Plate, Sequence[Plate]]:
         """The proposal's samples on a new plate over all the distribution's plates; a single sample
         starts or extends a single-sample chain (see `storch.plate.ChainPlate`)."""
-        samples = self.sampling_method(distr, parents.plates, self.reparameterized)
+        sampling = self._modules.get("sampling_method")  # not through nn.Module.__getattr__ (once per draw)
+        if sampling is None:
+            sampling = self.sampling_method
+        samples = sampling(distr, parents.plates, self.reparameterized)
         self._check_samples(distr, samples, parents.sizes)
         if samples.shape[0] != 1 or not self._draws_chain_steps():
             return samples, Plate(self.plate_name, samples.shape[0], parents=parents.plates), parents.plates
