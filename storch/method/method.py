@@ -408,7 +408,9 @@ class Method(nn.Module, DeclaresStepState):
             reraise_cuda_dimension_error(error, parents.plates, f"{type(self).__name__}({self.plate_name!r}) sampling")
             raise
         tensor = new_node(self, distr, samples, plate, others)
-        plate.weight = self._plate_weight(tensor, plate)
+        weight = self._plate_weight(tensor, plate)
+        if weight is not plate._weight or plate._weight_plates is not None:  # else it has that weight already
+            plate.weight = weight
         restore_lazy_plates(distr, parents)  # parameters computed while sampling with dispatch disabled
         if isinstance(plate, ChainPlate) and plate.ancestor is not None:
             # the node's distribution without the step it extended, as its samples are (copied when first read)
@@ -500,8 +502,14 @@ class Method(nn.Module, DeclaresStepState):
         return self(distr)
 
     def _check_samples(self, distr: Distribution, samples: torch.Tensor, sizes: tuple[int, ...]) -> None:
-        expected = tuple(distr.batch_shape) + tuple(distr.event_shape)
-        if samples.dim() != len(expected) + 1 or tuple(samples.shape[1:]) != expected:
+        batch, event = distr.batch_shape, distr.event_shape
+        if type(batch) is torch.Size and type(event) is torch.Size:
+            expected = batch + event
+        else:  # a distribution that gives its shapes as lists
+            expected = tuple(batch) + tuple(event)
+        shape = samples.shape
+        if not shape or shape[1:] != expected:  # (a tuple's equality: the same length and sizes)
+            expected = tuple(expected)
             raise ValueError(
                 f"{type(self).__name__}({self.plate_name!r}): the proposal returned samples of shape "
                 f"{tuple(samples.shape)}; expected (n, *batch_shape, *event_shape) = (n, {expected})."
