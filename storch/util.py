@@ -18,8 +18,8 @@ from storch.plate import EMPTY_LAYOUT, Plate, PlateLayout, layout_of_plates, ord
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout_of, wrap, wrap_new
 
 __all__ = [
-    "magic_box", "get_distr_parameters", "has_parameters_requiring_grad", "distribution_layout", "has_differentiable_path",
-    "has_backwards_path", "walk_backward_graph", "print_graph", "topological_sort", "split",
+    "magic_box", "get_distr_parameters", "has_parameters_requiring_grad", "distribution_layout",
+    "has_differentiable_path", "has_backwards_path", "walk_backward_graph", "print_graph", "topological_sort", "split",
     "rsample_gumbel", "rsample_gumbel_softmax", "conditional_gumbel_rsample", "tensor_stats",
     "reduce_mean", "log_prob_of_own_samples", "restore_lazy_plates", "lazy_plates_kept", "floating_dtype",
     "with_nested", "elementwise",

@@ -69,6 +69,7 @@ from storch.extend import (
     elementwise,
     floating_dtype,
     get_distr_parameters,
+    has_parameters_requiring_grad,
     is_tracing,
     layout_of,
     layout_of_plates,
@@ -83,7 +84,6 @@ from storch.extend import (
     wrap_new,
 )
 from storch.sampling.method import MonteCarlo, SamplingMethod, check_count, describe_argument
-from storch.util import has_parameters_requiring_grad
 
 __all__ = [
     "Method", "log_prob", "DEFAULT_N_SAMPLES", "proposal_arguments", "check_floating_parameters", "JointBoundRecords",
