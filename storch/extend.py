@@ -27,6 +27,7 @@ as plain torch operations (no alignment, no wrapping, no plate checks); results 
 * ``reduce_plate(t, plate)``: the weighted sum of ``t`` over one plate
 * ``distribution_layout(d)``: the union of the plates of a distribution's parameters
 * ``get_distr_parameters(d)``: a distribution's parameters by name (those that require grad)
+* ``has_parameters_requiring_grad(d)``: whether ``get_distr_parameters(d)`` is not empty (no dict built)
 * ``floating_dtype(d, samples)``: the floating dtype of a distribution's parameters (for weights)
 * ``restore_lazy_plates(d)``: re-wrap lazily computed parameters (``probs`` from ``logits``)
 * ``log_prob_of_own_samples``: ``d.log_prob(samples)`` without re-validating samples ``d`` produced
@@ -148,6 +149,7 @@ from storch.util import (
     elementwise,
     floating_dtype,
     get_distr_parameters,
+    has_parameters_requiring_grad,
     log_prob_of_own_samples,
     magic_box,
     restore_lazy_plates,
@@ -185,6 +187,7 @@ __all__ = [
     "reduce_plate",
     "distribution_layout",
     "get_distr_parameters",
+    "has_parameters_requiring_grad",
     "floating_dtype",
     "restore_lazy_plates",
     "log_prob_of_own_samples",

@@ -18,8 +18,8 @@ from storch.plate import EMPTY_LAYOUT, Plate, PlateLayout, layout_of_plates, ord
 from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout_of, wrap, wrap_new
 
 __all__ = [
-    "magic_box", "get_distr_parameters", "distribution_layout", "has_differentiable_path",
-    "has_backwards_path", "walk_backward_graph", "print_graph", "topological_sort", "split",
+    "magic_box", "get_distr_parameters", "has_parameters_requiring_grad", "distribution_layout",
+    "has_differentiable_path", "has_backwards_path", "walk_backward_graph", "print_graph", "topological_sort", "split",
     "rsample_gumbel", "rsample_gumbel_softmax", "conditional_gumbel_rsample", "tensor_stats",
     "reduce_mean", "log_prob_of_own_samples", "restore_lazy_plates", "lazy_plates_kept", "floating_dtype",
     "with_nested", "elementwise",
@@ -113,6 +113,25 @@ def _named_parameters(d: Distribution) -> Iterator[tuple[str, torch.Tensor]]:
                 yield from _named_parameters(value)
 
 
+def has_parameters_requiring_grad(d: Distribution) -> bool:
+    """Whether ``get_distr_parameters(d)`` is not empty: some parameter of ``d`` requires a gradient
+    (stops at the first one, builds no dict).
+
+    Examples:
+        >>> import torch
+        >>> from torch.distributions import Normal
+        >>> has_parameters_requiring_grad(Normal(torch.zeros(2, requires_grad=True), 1.0))
+        True
+        >>> has_parameters_requiring_grad(Normal(torch.zeros(2), 1.0))
+        False
+    """
+    for _, value in _named_parameters(d):  # found as get_distr_parameters finds them (dispatch on)
+        with _Disable():  # a plain attribute read, not a trip through storch's dispatch
+            if value.requires_grad:
+                return True
+    return False
+
+
 def get_distr_parameters(d: Distribution, filter_requires_grad: bool = True) -> dict[str, torch.Tensor]:
     """The parameter tensors of a distribution, by name (e.g. ``{"loc": ..., "scale": ...}``).
 
@@ -196,7 +215,7 @@ def _refcount_held_by_a_dict_only() -> int:
 _HELD_BY_THE_CACHE_ONLY = _refcount_held_by_a_dict_only()
 
 
-def restore_lazy_plates(d: Distribution) -> None:
+def restore_lazy_plates(d: Distribution, layout: PlateLayout | None = None) -> None:
     """Give the plates back to parameters that ``d`` computed lazily while dispatch was off.
 
     ``torch.distributions`` computes some parameters on first use and caches them on the object
@@ -206,9 +225,14 @@ def restore_lazy_plates(d: Distribution) -> None:
     dimensions (``q.probs * logits`` a data × data grid). Each such cached value gets the plates of
     its own distribution's parameters back (nothing is recomputed): the cached object itself where
     nothing else holds it, else a view.
+
+    ``layout``: ``distribution_layout(d)`` where the caller has it already (a method that just drew
+    ``d`` with dispatch off, which adds no plated tensor to it); it is used for ``d`` only, not for
+    the distributions nested in it.
     """
+    known = layout
     for dist in with_nested(d):
-        layout = None
+        layout = known if dist is d else None
         cached = dist.__dict__
         for name in _lazy_property_names(type(dist)):
             value = cached.get(name)

@@ -4,6 +4,7 @@ user-written estimator (the manual's ScoreFunctionLOO)."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -92,6 +93,34 @@ def test_proposal_with_wrong_shape_raises():
 
     with pytest.raises(ValueError, match="proposal returned samples of shape"):
         BadProposal("z", n_samples=2)(Normal(torch.zeros(3), 1.0))
+
+
+@pytest.mark.parametrize("make", [
+    lambda d, n: d.sample(),  # no sample dimension: a 0-d tensor of a scalar distribution
+    lambda d, n: d.sample((n,))[:, 0],  # a dimension missing
+    lambda d, n: d.sample((n,)).unsqueeze(-1),  # a dimension too many
+    lambda d, n: d.sample((n,))[:, :2],  # the right number of dimensions, a wrong size
+])
+def test_proposal_check_names_every_wrong_shape(make):
+    """The samples' shape check (compared as sizes, no tuples built per draw) still refuses each wrong
+    shape with its message, for scalar and batched distributions alike."""
+
+    class BadProposal(Method):
+        def proposal_dist(self, distr, amt_samples):
+            return make(distr, amt_samples)
+
+    for d in (Normal(torch.zeros(3, 2), 1.0), Normal(torch.tensor(0.0), 1.0)):
+        expected = tuple(d.batch_shape)
+        try:
+            bad = make(d, 2)
+        except IndexError:  # a scalar distribution has no dimension to drop or slice
+            continue
+        with pytest.raises(ValueError, match=re.escape(f"= (n, {expected}).")):
+            BadProposal("z", n_samples=2)(d)
+        assert tuple(bad.shape) != (2, *expected)
+    good = ScoreFunction("z", n_samples=2)(Normal(torch.zeros(3, 2), 1.0))  # the right shape passes
+    assert good.shape == (2, 3, 2)
+    storch.reset()
 
 
 def test_weighting_function_with_wrong_shape_raises():

@@ -524,3 +524,51 @@ def test_magic_box_of_a_storch_tensor_is_made_once_while_it_is_unchanged():
         l.mul_(2.0)
     fresh = magic_box(l)
     assert fresh is not again and torch.equal(fresh.plain().detach(), torch.ones(2))
+
+
+def test_has_parameters_requiring_grad_agrees_with_get_distr_parameters():
+    """The short-circuit test a draw uses agrees with ``bool(get_distr_parameters(d))``: plain and plated
+    parameters, with and without gradients, parameters kept inside a wrapping distribution."""
+    from torch.distributions import Categorical, Independent
+
+    from storch.util import has_parameters_requiring_grad
+
+    grad = torch.zeros(3, 2, requires_grad=True)
+    plated = storch.denote_independent(torch.zeros(3, 2, requires_grad=True), 0, "data") * 1.0
+    plated_const = storch.denote_independent(torch.zeros(3, 2), 0, "data")
+    cases = [
+        Normal(grad, 1.0), Normal(torch.zeros(3, 2), 1.0), Normal(torch.zeros(3, 2), grad.exp()),
+        Normal(plated, 1.0), Normal(plated_const, 1.0), Bernoulli(logits=plated), Bernoulli(probs=torch.tensor(0.3)),
+        OneHotCategorical(logits=grad), OneHotCategorical(logits=torch.zeros(3)), Categorical(logits=plated),
+        Independent(Normal(grad, 1.0), 1), Independent(Normal(torch.zeros(3, 2), 1.0), 1),
+    ]
+    for d in cases:
+        assert has_parameters_requiring_grad(d) == bool(get_distr_parameters(d)), d
+    assert [has_parameters_requiring_grad(d) for d in cases] == [
+        True, False, True, True, False, True, False, True, False, True, True, False
+    ]
+    storch.reset()
+
+
+def test_restore_lazy_plates_with_the_known_layout_gives_each_nested_distribution_its_own():
+    """``restore_lazy_plates(d, layout)`` (the layout a draw already found) plates the lazily computed
+    parameters as ``restore_lazy_plates(d)`` does, the nested distribution's by its own layout."""
+    from torch.distributions import Independent
+
+    from storch._dispatch import no_dispatch
+    from storch.util import distribution_layout, restore_lazy_plates
+
+    logits = storch.denote_independent(torch.randn(4, 3, requires_grad=True), 0, "data") * 1.0
+    results = []
+    for known in (False, True):
+        q = Independent(Bernoulli(logits=logits), 1)
+        with no_dispatch():
+            q.sample((2,))  # computes the nested Bernoulli's probs, plain
+        inner = q.base_dist
+        assert type(inner.__dict__["probs"]) is torch.Tensor
+        restore_lazy_plates(q, distribution_layout(q) if known else None)
+        probs = inner.__dict__["probs"]
+        assert type(probs) is storch.Tensor and probs.plate_names == ["data"]
+        results.append(probs.plain())
+    assert torch.equal(results[0], results[1])
+    storch.reset()

@@ -69,6 +69,7 @@ from storch.extend import (
     elementwise,
     floating_dtype,
     get_distr_parameters,
+    has_parameters_requiring_grad,
     is_tracing,
     layout_of,
     layout_of_plates,
@@ -163,12 +164,16 @@ def _integer_parameters(distr: Distribution) -> list[tuple[str, str, torch.dtype
     with no_dispatch():  # dtype reads of storch tensors: no trip through storch's dispatch
         while stack:
             d = stack.pop()
+            own = d.__dict__
             for name, constraint in d.arg_constraints.items():
-                value = d.__dict__.get(name)
-                if isinstance(value, torch.Tensor) and not (value.dtype.is_floating_point or value.dtype.is_complex) \
-                        and not _is_discrete(constraint):
-                    found.append((type(d).__name__, name, value.dtype))
-            stack.extend(v for v in d.__dict__.values() if isinstance(v, Distribution))
+                value = own.get(name)
+                if isinstance(value, torch.Tensor):
+                    dtype = value.dtype
+                    if not (dtype.is_floating_point or dtype.is_complex) and not _is_discrete(constraint):
+                        found.append((type(d).__name__, name, dtype))
+            for value in own.values():  # the distributions it wraps (Independent's base, OneHotCategorical's)
+                if isinstance(value, Distribution):
+                    stack.append(value)
     return found
 
 
@@ -403,12 +408,14 @@ class Method(nn.Module, DeclaresStepState):
             reraise_cuda_dimension_error(error, parents.plates, f"{type(self).__name__}({self.plate_name!r}) sampling")
             raise
         tensor = new_node(self, distr, samples, plate, others)
-        plate.weight = self._plate_weight(tensor, plate)
-        restore_lazy_plates(distr)  # parameters computed while sampling with dispatch disabled
+        weight = self._plate_weight(tensor, plate)
+        if weight is not plate._weight or plate._weight_plates is not None:  # else it has that weight already
+            plate.weight = weight
+        restore_lazy_plates(distr, parents)  # parameters computed while sampling with dispatch disabled
         if isinstance(plate, ChainPlate) and plate.ancestor is not None:
             # the node's distribution without the step it extended, as its samples are (copied when first read)
             node_of(tensor).step_of_chain(distr, 1 + parents.position(plate.ancestor))
-        if not self.reparameterized and torch.is_grad_enabled() and get_distr_parameters(distr):
+        if not self.reparameterized and torch.is_grad_enabled() and has_parameters_requiring_grad(distr):
             note_sampled(plate)  # its gradient needs a cost that carries its plate (see storch.backward)
         return tensor
 
@@ -444,7 +451,10 @@ class Method(nn.Module, DeclaresStepState):
     def _draw(self, distr: Distribution, parents: PlateLayout) -> tuple[torch.Tensor, Plate, Sequence[Plate]]:
         """The proposal's samples on a new plate over all the distribution's plates; a single sample
         starts or extends a single-sample chain (see `storch.plate.ChainPlate`)."""
-        samples = self.sampling_method(distr, parents.plates, self.reparameterized)
+        sampling = self._modules.get("sampling_method")  # not through nn.Module.__getattr__ (once per draw)
+        if sampling is None:
+            sampling = self.sampling_method
+        samples = sampling(distr, parents.plates, self.reparameterized)
         self._check_samples(distr, samples, parents.sizes)
         if samples.shape[0] != 1 or not self._draws_chain_steps():
             return samples, Plate(self.plate_name, samples.shape[0], parents=parents.plates), parents.plates
@@ -492,8 +502,14 @@ class Method(nn.Module, DeclaresStepState):
         return self(distr)
 
     def _check_samples(self, distr: Distribution, samples: torch.Tensor, sizes: tuple[int, ...]) -> None:
-        expected = tuple(distr.batch_shape) + tuple(distr.event_shape)
-        if samples.dim() != len(expected) + 1 or tuple(samples.shape[1:]) != expected:
+        batch, event = distr.batch_shape, distr.event_shape
+        if type(batch) is torch.Size and type(event) is torch.Size:
+            expected = batch + event
+        else:  # a distribution that gives its shapes as lists
+            expected = tuple(batch) + tuple(event)
+        shape = samples.shape
+        if not shape or shape[1:] != expected:  # (a tuple's equality: the same length and sizes)
+            expected = tuple(expected)
             raise ValueError(
                 f"{type(self).__name__}({self.plate_name!r}): the proposal returned samples of shape "
                 f"{tuple(samples.shape)}; expected (n, *batch_shape, *event_shape) = (n, {expected})."
