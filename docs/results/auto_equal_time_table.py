@@ -29,7 +29,9 @@ BEFORE = "auto, first version"
 EARLIER = "auto, earlier batch"
 #: the row of Auto's runs without its optimizer (``--no-optimizer``): shown, not counted either
 NO_OPTIMIZER = "auto, optimizer not given"
-SHOWN = (BEFORE, EARLIER, NO_OPTIMIZER)
+#: the row of Auto's runs with every candidate re-measured in every round (``--no-recheck``)
+NO_RECHECK = "auto, recheck=None"
+SHOWN = (BEFORE, EARLIER, NO_OPTIMIZER, NO_RECHECK)
 MODELS = ("sbn-linear", "sbn-two-layer", "sbn-categorical", "bernoulli-vae", "categorical-vae")
 
 
@@ -154,12 +156,13 @@ def compact(fixed_runs, auto_runs) -> str:
     return "\n".join(lines)
 
 
-def tables(fixed_runs, auto_runs, before_runs=None, earlier_runs=None, no_optimizer_runs=None) -> str:
+def tables(fixed_runs, auto_runs, before_runs=None, earlier_runs=None, no_optimizer_runs=None,
+           before_label=BEFORE) -> str:
     lines = []
     for model in MODELS:
         runs = {**fixed_runs.get(model, {}), **({"auto": auto_runs[model]["auto"]} if "auto" in auto_runs.get(model, {}) else {})}
         if before_runs and "auto" in before_runs.get(model, {}):
-            runs[BEFORE] = before_runs[model]["auto"]
+            runs[before_label] = before_runs[model]["auto"]
         if earlier_runs and "auto" in earlier_runs.get(model, {}):
             runs[EARLIER] = earlier_runs[model]["auto"]
         if no_optimizer_runs and "auto" in no_optimizer_runs.get(model, {}):
@@ -284,6 +287,8 @@ def main() -> None:
                    help=f"Auto's runs made without giving it the optimizer, as the row '{NO_OPTIMIZER}'")
     p.add_argument("--before", action="store_true",
                    help=f"with --auto: also RUN_ROOT's own Auto runs, as the row '{BEFORE}'")
+    p.add_argument("--before-is-no-recheck", action="store_true",
+                   help=f"with --before: RUN_ROOT's own Auto runs are Auto(recheck=None), the row '{NO_RECHECK}'")
     args = p.parse_args()
     fixed_runs = load(args.root, lambda e: e != "auto")
     auto_runs = load(args.auto or args.root, lambda e: e == "auto")
@@ -294,7 +299,8 @@ def main() -> None:
     print()
     earlier = load(args.earlier, lambda e: e == "auto") if args.earlier else None
     no_optimizer = load(args.no_optimizer, lambda e: e == "auto") if args.no_optimizer else None
-    print(tables(fixed_runs, auto_runs, before, earlier, no_optimizer))
+    print(tables(fixed_runs, auto_runs, before, earlier, no_optimizer,
+                 NO_RECHECK if args.before_is_no_recheck else BEFORE))
     skipped = Path(args.root) / "skipped.txt"
     if skipped.is_file():
         reasons = {}

@@ -28,8 +28,8 @@ of a round are training steps, and one far noisier step already costs an adaptiv
 Adam's second-moment estimate for about ``1 / (1 − β₂)`` steps). After a round, only the candidates
 whose score is within ``recheck`` (4) times the best one's are measured in the later rounds: the others
 would spend every round's steps on estimators that lost by a margin that a round's measurements do not
-reverse (on `storch-bench`'s 8 × 8 digits, re-measuring REBAR, RELAX and double control variates at
-each round took a fifth of the training time).
+reverse (fewer noisy or slow training steps; on `storch-bench`'s 8 × 8 digits at 6 CPU seconds per run
+it made no difference beyond the noise, since `prune` had already cut those candidates short).
 
 **Unbiasedness.** The candidate of step ``t`` is a function of the history only (the earlier steps'
 gradients and times): it is fixed when step ``t − 1`` ends, before step ``t``'s samples are drawn. So,
