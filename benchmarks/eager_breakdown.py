@@ -131,17 +131,11 @@ def antithetic_pieces() -> list[tuple[str, Callable, Callable]]:
         log_px = Bernoulli(logits=model.decoder(z)).log_prob(x).sum(-1)
         log_pz = Bernoulli(logits=model.prior_logits).log_prob(z).sum(-1)
         cost = -(log_px + log_pz - z.log_prob().sum(-1))
-        phi, phid, u, b, bt, f, _, _ = sbn_step._antithetic(model, batch, 1)
+        terms = sbn_step._antithetic(model, batch, 1)
         storch.reset()
 
-        def plain(f=f, phi=phi, phid=phid, u=u, b=b, bt=bt, name=name) -> torch.Tensor:
-            pairs = f.detach().reshape(1, 2, -1)
-            f_b, f_bt = pairs[:, 0].unsqueeze(-1), pairs[:, 1].unsqueeze(-1)
-            if name == "ARM":
-                g = (f_bt - f_b) * (u - 0.5)
-            else:
-                g = 0.5 * (f_b - f_bt) * (1.0 - 2.0 * bt) * (b != bt).to(phid.dtype) * torch.sigmoid(phid.abs())
-            return f.mean() + ((phi - phid) * g).sum(-1).mean()
+        def plain(terms=terms, name=name) -> torch.Tensor:
+            return sbn_step.antithetic_loss(name, *terms)
 
         rows.append((f"add_cost + surrogate, {name}", plain, lambda cost=cost: _surrogate_of(cost)))
     return rows

@@ -146,8 +146,20 @@ def _antithetic(model: LinearSBN, x: torch.Tensor, n: int):
     bt = (u > torch.sigmoid(-phid)).to(phid.dtype)
     z = torch.stack([b, bt], 1).reshape((2 * n,) + tuple(phid.shape))  # points b_1, b~_1, b_2, ...
     f, _ = _neg_elbo(model, x, z, q)  # (2n, B)
-    pairs = f.detach().reshape(n, 2, -1)
-    return phi, phid, u, b, bt, f, pairs[:, 0].unsqueeze(-1), pairs[:, 1].unsqueeze(-1)
+    return phi, phid, u, b, bt, f
+
+
+def antithetic_loss(estimator: str, phi, phid, u, b, bt, f) -> torch.Tensor:
+    """The hand-written ARM or DisARM surrogate from the pairs' costs ``f`` (``2n`` points, ``b_1, b~_1,
+    b_2, ...``): ``mean(f) + mean_{n, batch} sum_i (phi_i - stopgrad phi_i) g_i`` with ARM's or DisARM's
+    ``g`` (`hw_arm`, `hw_disarm`)."""
+    pairs = f.detach().reshape(u.shape[0], 2, -1)
+    f_b, f_bt = pairs[:, 0].unsqueeze(-1), pairs[:, 1].unsqueeze(-1)
+    if estimator == "ARM":
+        g = (f_bt - f_b) * (u - 0.5)  # (n, B, Z)
+    else:
+        g = 0.5 * (f_b - f_bt) * (1.0 - 2.0 * bt) * (b != bt).to(phid.dtype) * torch.sigmoid(phid.abs())
+    return f.mean() + ((phi - phid) * g).sum(-1).mean()
 
 
 def hw_arm(model: LinearSBN, x: torch.Tensor, n: int = 1) -> torch.Tensor:
@@ -156,22 +168,18 @@ def hw_arm(model: LinearSBN, x: torch.Tensor, n: int = 1) -> torch.Tensor:
     (phi_i - stopgrad phi_i) g_i``. The cost keeps its own gradient at both points (pathwise for
     the decoder and prior, the direct ``log q`` term for the encoder)."""
     model.zero_grad(set_to_none=True)
-    phi, phid, u, b, bt, f, f_b, f_bt = _antithetic(model, x, n)
-    g = (f_bt - f_b) * (u - 0.5)  # (n, B, Z)
-    loss = f.mean() + ((phi - phid) * g).sum(-1).mean()
-    loss.backward()
-    return f.detach().mean()
+    terms = _antithetic(model, x, n)
+    antithetic_loss("ARM", *terms).backward()
+    return terms[-1].detach().mean()
 
 
 def hw_disarm(model: LinearSBN, x: torch.Tensor, n: int = 1) -> torch.Tensor:
     """DisARM (Dong et al. 2020), ``g_phi_i = 1/2 (f(b) - f(b~)) (-1)^{b~_i} 1[b_i != b~_i]
     s(|phi_i|)`` on the same antithetic pairs as ARM; the same surrogate otherwise."""
     model.zero_grad(set_to_none=True)
-    phi, phid, u, b, bt, f, f_b, f_bt = _antithetic(model, x, n)
-    g = 0.5 * (f_b - f_bt) * (1.0 - 2.0 * bt) * (b != bt).to(phid.dtype) * torch.sigmoid(phid.abs())
-    loss = f.mean() + ((phi - phid) * g).sum(-1).mean()
-    loss.backward()
-    return f.detach().mean()
+    terms = _antithetic(model, x, n)
+    antithetic_loss("DisARM", *terms).backward()
+    return terms[-1].detach().mean()
 
 
 def hw_bsb(model: LinearSBN, x: torch.Tensor, n: int = 1) -> torch.Tensor:

@@ -125,13 +125,7 @@ def hand_phases(model: sbn_step.LinearSBN, x: torch.Tensor, name: str, times: li
         signal = fd if n == 1 else fd - (fd.sum(0, keepdim=True) - fd) / (n - 1)
         loss = (f + signal * log_qz).mean()
     else:
-        pairs = f.detach().reshape(1, 2, -1)
-        f_b, f_bt = pairs[:, 0].unsqueeze(-1), pairs[:, 1].unsqueeze(-1)
-        if name == "ARM":
-            g = (f_bt - f_b) * (u - 0.5)
-        else:
-            g = 0.5 * (f_b - f_bt) * (1.0 - 2.0 * bt) * (b != bt).to(phid.dtype) * torch.sigmoid(phid.abs())
-        loss = f.mean() + ((phi - phid) * g).sum(-1).mean()
+        loss = sbn_step.antithetic_loss(name, phi, phid, u, b, bt, f)
     t.append(_now())
     t.append(_now())  # checks and hooks: none
     loss.backward()
