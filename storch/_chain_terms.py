@@ -139,13 +139,22 @@ def _gather(partials: Sequence["_Partial"], steps: list[ChainPlate], plates: Pla
 
 
 def _gradient_functions(method: Any, chain: ChainCosts, record: "_Record") -> torch.Tensor:
-    """``l_s`` of every step (``method.gradient_function`` of its node), plain, ``(T, *plate sizes)``."""
-    shape = (1,) + chain.plates.sizes
-    parts = []
+    """``l_s`` of every step (``method.gradient_function`` of its node), plain, ``(T, *plate sizes)``:
+    all steps in one call where the method can (`Method.chain_gradient_functions`), else step by step."""
+    tensors = []
     for step in chain.steps:
         tensor = record.node_tensor(step)
-        l = method.gradient_function(tensor)  # noqa: E741
         record.add(method, (tensor, None, None))
+        tensors.append(tensor)
+    n_plates = 1 + len(chain.plates.sizes)
+    with no_dispatch():
+        l = method.chain_gradient_functions([step.node for step in chain.steps], chain.plates)  # noqa: E741
+        if l is not None:
+            return l.sum(tuple(range(n_plates, l.dim()))) if l.dim() > n_plates else l
+    shape = (1,) + chain.plates.sizes
+    parts = []
+    for step, tensor in zip(chain.steps, tensors):
+        l = method.gradient_function(tensor)  # noqa: E741
         layout = l._layout
         with no_dispatch():
             if l.dim() > len(layout.sizes):  # per-variable terms: summed over the non-plate dimensions

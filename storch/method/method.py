@@ -593,6 +593,14 @@ class Method(nn.Module, DeclaresStepState):
         the terms are formed step by step."""
         return False
 
+    def chain_gradient_functions(
+        self, nodes: Sequence[StochasticNode], plates: PlateLayout
+    ) -> Optional[torch.Tensor]:
+        """The gradient functions ``l_s`` of the steps ``nodes`` (oldest first) of a chain this method
+        vectorises (see `vectorises_chain`), in one call: plain, ``(T, *sizes of plates, ...)``, called with
+        storch's dispatch disabled. ``None`` (the default): `gradient_function` is called step by step."""
+        return None
+
     def chain_control_variates(
         self, names: Sequence[str], to_go: torch.Tensor, plates: PlateLayout
     ) -> Optional[torch.Tensor]:

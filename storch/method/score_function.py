@@ -14,10 +14,12 @@ from typing import Optional, Sequence
 
 import torch
 
+from storch._stacked_log_prob import stacked_log_prob
 from storch.method.baseline import BaselineFactory, UpdatesItsBaseline, make_baseline
 from storch.method.method import DEFAULT_N_SAMPLES, Method, log_prob, proposal_arguments
 from storch.sampling.method import SamplingMethod
 from storch.extend import CostTensor, PlateLayout, StochasticTensor
+from storch.tensor import StochasticNode
 
 __all__ = ["ScoreFunction"]
 
@@ -86,6 +88,11 @@ class ScoreFunction(UpdatesItsBaseline, Method):
         changes the estimator or reads the triples, or the baseline cannot give every step's baseline
         at once (a critic, a baseline with a correction)."""
         return _keeps_estimator(type(self)) and (self.baseline is None or self.baseline.vectorises_chain(plates))
+
+    def chain_gradient_functions(self, nodes: Sequence[StochasticNode], plates: PlateLayout) -> Optional[torch.Tensor]:
+        """``log p_t(x_t)`` of every step from the steps' parameters stacked, where the distributions allow
+        it (`storch._stacked_log_prob.stacked_log_prob`): the same values as `gradient_function` per step."""
+        return stacked_log_prob(nodes, plates) if len(nodes) > 1 else None
 
     def chain_control_variates(
         self, names: Sequence[str], to_go: torch.Tensor, plates: PlateLayout
