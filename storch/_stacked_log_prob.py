@@ -4,11 +4,13 @@ A single-sample chain (`storch.plate.ChainPlate`) of ``T`` decisions has one dis
 all of one kind and shape in the usual rollout (``Categorical(logits=policy(h_t))``). The surrogate
 needs ``log p_t(x_t)`` of every step; computed step by step that is ``T`` calls of
 ``Distribution.log_prob``, each a handful of operations and autograd nodes. Where the distributions
-are of a kind whose log-probability is elementwise over the batch (`STACKED_PARAMETERS`), the
-parameters of the ``T`` steps are concatenated along the step dimension and the log-probability is
-computed once, by the distribution class's own ``log_prob`` on a distribution that holds the
-stacked parameters: the same arithmetic on the same numbers, so the same values and gradients, with
-a fixed number of operations for the whole chain.
+are of a kind whose log-probability is elementwise over the batch (`STACKED_PARAMETERS`, also
+inside `Independent`), the parameters of the ``T`` steps are concatenated along the step dimension
+and the log-probability is computed once, by the distribution class's own ``log_prob`` on a
+distribution that holds the stacked parameters: the same arithmetic on the same numbers, with a fixed
+number of operations for the whole chain. The values and gradients are those of the steps one by one;
+a `Categorical`'s (a gather) to the bit, others up to the last bit that torch's vectorised kernels
+may round differently for another number of elements.
 
 `stacked_log_prob` answers ``None`` wherever it does not apply (another kind of distribution, a
 parameter not stored as the kind's natural one, a log-probability the model computed itself and the
@@ -21,7 +23,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from torch.distributions import Bernoulli, Categorical, Distribution, Normal
+from torch.distributions import Bernoulli, Categorical, Distribution, Independent, Normal
 
 from storch.plate import Plate, PlateLayout
 from storch.tensor import StochasticNode
@@ -51,10 +53,16 @@ def stacked_log_prob(nodes: Sequence[StochasticNode], plates: PlateLayout) -> to
     stacked: dict[str, list[torch.Tensor]] = {}
     samples = []
     sizes = plates.sizes
+    reinterpreted = None  # the dimensions `Independent` wrappers sum, the same at every step
     for node in nodes:
         if node.own_log_prob is not None or node.parents != plates.plates:
             return None  # the surrogate reuses the model's own log-probability, or other plates
         distribution, previous = node.drawn_distribution()
+        distribution, sums = _unwrapped(distribution)
+        if reinterpreted is None:
+            reinterpreted = sums
+        elif sums != reinterpreted:
+            return None
         if kind is None:
             kind = type(distribution)
             names = STACKED_PARAMETERS.get(kind)
@@ -76,7 +84,27 @@ def stacked_log_prob(nodes: Sequence[StochasticNode], plates: PlateLayout) -> to
     if any(s.shape != samples[0].shape for s in samples) or samples[0].shape[: 1 + len(sizes)] != (1, *sizes):
         return None
     parameters = {name: torch.cat(values, 0) for name, values in stacked.items()}
-    return _with_parameters(kind, parameters).log_prob(torch.cat(samples, 0))
+    log_p = _with_parameters(kind, parameters).log_prob(torch.cat(samples, 0))
+    return _sum_rightmost(log_p, reinterpreted)
+
+
+def _unwrapped(distribution: Distribution) -> tuple[Distribution, tuple[int, ...]]:
+    """The distribution inside `Independent` wrappers, and the rightmost dimensions each wrapper sums
+    (innermost first)."""
+    sums: tuple[int, ...] = ()
+    while type(distribution) is Independent:
+        sums = (distribution.reinterpreted_batch_ndims,) + sums
+        distribution = distribution.base_dist
+    return distribution, sums
+
+
+def _sum_rightmost(value: torch.Tensor, sums: tuple[int, ...]) -> torch.Tensor:
+    """The log-probability summed as the `Independent` wrappers sum it, innermost first: each a reshape
+    and one sum, so the additions come in the same order and give the same last bits."""
+    for n in sums:
+        if n:
+            value = value.reshape(value.shape[:-n] + (-1,)).sum(-1)
+    return value
 
 
 def _stepped_parameter(
