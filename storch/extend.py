@@ -31,6 +31,8 @@ as plain torch operations (no alignment, no wrapping, no plate checks); results 
 * ``floating_dtype(d, samples)``: the floating dtype of a distribution's parameters (for weights)
 * ``restore_lazy_plates(d)``: re-wrap lazily computed parameters (``probs`` from ``logits``)
 * ``log_prob_of_own_samples``: ``d.log_prob(samples)`` without re-validating samples ``d`` produced
+* ``stacked_log_prob(nodes, plates)``: ``log p_t(x_t)`` of a single-sample chain's steps in one call
+  from their parameters stacked (``None`` where the distributions do not allow it)
 * ``with_nested(d)``: ``d`` and the distributions nested in it, outermost first
 * ``note_sampled(plate)``: mark a node that must reach a cost (the unused-node warning)
 * ``magic_box(l)``: ``exp(l - stopgrad(l))``: 1 in value, ``∇l`` in derivative (DiCE)
@@ -128,6 +130,7 @@ from storch.registries import (
     register_spsa_wrapper,
     register_wor_support,
 )
+from storch._stacked_log_prob import stacked_log_prob
 from storch.registry import AmbiguousLookupError, DuplicateRegistrationError, TypeRegistry, ambiguity_message
 from storch.tensor import (
     CostTensor,
@@ -191,6 +194,7 @@ __all__ = [
     "floating_dtype",
     "restore_lazy_plates",
     "log_prob_of_own_samples",
+    "stacked_log_prob",
     "copy_distribution",
     "with_nested",
     "without_plate",

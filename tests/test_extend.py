@@ -32,7 +32,10 @@ from storch.extend import register_operation
 from storch.registry import DuplicateRegistrationError, TypeRegistry
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINE_MODULES = {"storch.tensor", "storch.plate", "storch._dispatch", "storch._step", "storch.util", "storch.registry"}
+ENGINE_MODULES = {
+    "storch.tensor", "storch.plate", "storch._dispatch", "storch._step", "storch.util", "storch.registry",
+    "storch._stacked_log_prob",
+}
 PRIVATE_FIELDS = {"_node", "_layout"}
 
 

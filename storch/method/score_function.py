@@ -14,12 +14,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from storch._stacked_log_prob import stacked_log_prob
 from storch.method.baseline import BaselineFactory, UpdatesItsBaseline, make_baseline
 from storch.method.method import DEFAULT_N_SAMPLES, Method, log_prob, proposal_arguments
 from storch.sampling.method import SamplingMethod
-from storch.extend import CostTensor, PlateLayout, StochasticTensor
-from storch.tensor import StochasticNode
+from storch.extend import CostTensor, PlateLayout, StochasticNode, StochasticTensor, stacked_log_prob
 
 __all__ = ["ScoreFunction"]
 
