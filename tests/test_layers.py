@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "storch.wrappers": 1,
     "storch.inference": 1,
     "storch._chain_terms": 1,
+    "storch._stacked_log_prob": 1,
     "storch.distributed": 1,
     "storch.nn": 1,
     # 2. the extension interface
