@@ -30,6 +30,7 @@ as plain torch operations (no alignment, no wrapping, no plate checks); results 
 * ``has_parameters_requiring_grad(d)``: whether ``get_distr_parameters(d)`` is not empty (no dict built)
 * ``floating_dtype(d, samples)``: the floating dtype of a distribution's parameters (for weights)
 * ``restore_lazy_plates(d)``: re-wrap lazily computed parameters (``probs`` from ``logits``)
+* ``forget_lazy_plain_values(d)``: forget them instead (computed again, with plates, when read)
 * ``log_prob_of_own_samples``: ``d.log_prob(samples)`` without re-validating samples ``d`` produced
 * ``stacked_log_prob(nodes, plates)``: ``log p_t(x_t)`` of a single-sample chain's steps in one call
   from their parameters stacked (``None`` where the distributions do not allow it)
@@ -155,6 +156,7 @@ from storch.util import (
     has_parameters_requiring_grad,
     log_prob_of_own_samples,
     magic_box,
+    forget_lazy_plain_values,
     restore_lazy_plates,
     rsample_gumbel_softmax,
     with_nested,
@@ -193,6 +195,7 @@ __all__ = [
     "has_parameters_requiring_grad",
     "floating_dtype",
     "restore_lazy_plates",
+    "forget_lazy_plain_values",
     "log_prob_of_own_samples",
     "stacked_log_prob",
     "copy_distribution",

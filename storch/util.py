@@ -21,7 +21,8 @@ __all__ = [
     "magic_box", "get_distr_parameters", "has_parameters_requiring_grad", "distribution_layout",
     "has_differentiable_path", "has_backwards_path", "walk_backward_graph", "print_graph", "topological_sort", "split",
     "rsample_gumbel", "rsample_gumbel_softmax", "conditional_gumbel_rsample", "tensor_stats",
-    "reduce_mean", "log_prob_of_own_samples", "restore_lazy_plates", "lazy_plates_kept", "floating_dtype",
+    "reduce_mean", "log_prob_of_own_samples", "restore_lazy_plates", "forget_lazy_plain_values", "lazy_plates_kept",
+    "floating_dtype",
     "with_nested", "elementwise",
 ]
 
@@ -250,6 +251,30 @@ def restore_lazy_plates(d: Distribution, layout: PlateLayout | None = None) -> N
                     continue
                 with torch.enable_grad():  # a view: under torch.no_grad it would drop the value's graph
                     dist.__dict__[name] = wrap(value, layout)
+
+
+def forget_lazy_plain_values(d: Distribution, layout: PlateLayout | None = None) -> None:
+    """Forget the parameters that ``d`` computed lazily while dispatch was off, where its parameters
+    carry plates (the plain values `restore_lazy_plates` would plate): read again, they are computed
+    with their plates.
+
+    For a draw whose samples carry no gradient (a score-function draw): nothing in the graph of the
+    costs depends on what the draw computed (``Categorical(logits=...).probs`` for the multinomial),
+    so nothing is lost, and nothing keeps the value and its autograd node alive as long as the node, or
+    gives it a gradient hook at the backward pass (one tensor, its storch state and a hook fewer per
+    decision of a rollout). ``layout`` as for `restore_lazy_plates`.
+    """
+    known = layout
+    for dist in with_nested(d):
+        layout = known if dist is d else None
+        cached = dist.__dict__
+        for name in _lazy_property_names(type(dist)):
+            if type(cached.get(name)) is not torch.Tensor:
+                continue
+            if layout is None:
+                layout = distribution_layout(dist)
+            if layout.sizes:
+                del cached[name]
 
 
 @contextlib.contextmanager

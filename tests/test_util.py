@@ -468,23 +468,43 @@ def test_elementwise_equals_the_dispatched_operation(case):
 
 
 def test_lazy_parameter_computed_while_sampling_gets_its_plates_without_a_view():
-    """A parameter that sampling computed lazily (``Categorical(logits=...).probs``) and nobody else holds
-    is given its plates in place: the cached object itself, no view of it."""
-    from torch.distributions import Categorical
+    """A parameter that a differentiable draw computed lazily (``RelaxedBernoulli(logits=...)``'s ``probs``, which
+    the relaxed samples depend on) and nobody else holds is given its plates in place: the cached
+    object itself, no view of it."""
+    from torch.distributions import RelaxedBernoulli
 
     logits = storch.denote_independent(torch.randn(4, 3, requires_grad=True), 0, "data") * 1.0
-    q = Categorical(logits=logits)
-    ScoreFunction("z")(q)
-    probs = q.__dict__["probs"]
+    q = RelaxedBernoulli(torch.tensor(0.5), logits=logits)
+    z = storch.method.Reparameterization("z")(q)
+    assert z.requires_grad
+    probs = q.base_dist.__dict__["probs"]  # (RelaxedBernoulli samples its LogitRelaxedBernoulli)
     assert type(probs) is storch.Tensor and probs.plate_names == ["data"]
-    assert probs._base is None and type(probs.grad_fn).__name__ == "SoftmaxBackward0"
-    torch.testing.assert_close(probs.plain(), torch.softmax(logits.plain(), -1))
+    assert probs._base is None and type(probs.grad_fn).__name__ == "SigmoidBackward0"
+    torch.testing.assert_close(probs.plain(), torch.sigmoid(logits.plain()))
     storch.reset()
 
 
 def test_lazy_parameter_held_by_the_users_code_is_not_retyped():
-    """The same parameter, kept by a user's sampling function while it was a plain tensor: the user's
+    """A lazily computed parameter that a user's code also holds while it is a plain tensor: the user's
     object stays plain, and the distribution caches a storch view of it."""
+    from torch.distributions import Categorical
+
+    from storch._dispatch import no_dispatch
+    from storch.util import restore_lazy_plates
+
+    logits = storch.denote_independent(torch.randn(4, 3, requires_grad=True), 0, "data") * 1.0
+    q = Categorical(logits=logits)
+    with no_dispatch():
+        kept = q.probs
+    restore_lazy_plates(q)
+    assert type(kept) is torch.Tensor
+    probs = q.__dict__["probs"]
+    assert type(probs) is storch.Tensor and probs.plate_names == ["data"] and probs._base is kept
+
+
+def test_lazy_parameter_held_by_a_users_sampler_stays_plain_and_is_not_cached():
+    """A score-function draw whose sampling function kept ``distr.probs``: the user's object stays plain
+    and the distribution does not cache it (read again, it is computed with its plates)."""
     from torch.distributions import Categorical
 
     kept = []
@@ -498,10 +518,29 @@ def test_lazy_parameter_held_by_the_users_code_is_not_retyped():
     logits = storch.denote_independent(torch.randn(4, 3, requires_grad=True), 0, "data") * 1.0
     q = Categorical(logits=logits)
     method(q)
-    assert type(kept[0]) is torch.Tensor
-    probs = q.__dict__["probs"]
-    assert type(probs) is storch.Tensor and probs.plate_names == ["data"] and probs._base is kept[0]
+    assert type(kept[0]) is torch.Tensor and "probs" not in q.__dict__
+    assert q.probs.plate_names == ["data"]
     storch.reset()
+
+
+def test_lazy_parameter_of_a_draw_without_gradient_is_forgotten_and_computed_again_with_plates():
+    """A score-function draw's ``Categorical(logits=...).probs`` (the multinomial's input, which no cost
+    depends on) is not kept on the distribution: read again it is computed with its plates and its
+    gradient path to the logits, and the gradient a cost sends through it reaches ``param_grads``."""
+    from torch.distributions import Categorical
+
+    leaf = torch.randn(4, 3, requires_grad=True)
+    logits = storch.denote_independent(leaf, 0, "data") * 1.0
+    q = Categorical(logits=logits)
+    z = ScoreFunction("z")(q)
+    assert "probs" not in q.__dict__
+    probs = q.probs
+    assert type(probs) is storch.Tensor and probs.plate_names == ["data"] and q.__dict__["probs"] is probs
+    torch.testing.assert_close(probs.plain(), torch.softmax(leaf, -1))
+    storch.add_cost((probs * torch.tensor([1.0, 2.0, 3.0])).sum(-1) + z.float(), "c")
+    storch.backward()
+    assert set(z.param_grads) == {"logits", "probs"}
+    torch.testing.assert_close(z.param_grads["probs"].plain(), torch.tensor([1.0, 2.0, 3.0]).expand(4, 3) / 4)
 
 
 def test_magic_box_of_a_storch_tensor_is_made_once_while_it_is_unchanged():

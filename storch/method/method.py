@@ -68,6 +68,7 @@ from storch.extend import (
     distribution_layout,
     elementwise,
     floating_dtype,
+    forget_lazy_plain_values,
     get_distr_parameters,
     has_parameters_requiring_grad,
     is_tracing,
@@ -411,7 +412,12 @@ class Method(nn.Module, DeclaresStepState):
         weight = self._plate_weight(tensor, plate)
         if weight is not plate._weight or plate._weight_plates is not None:  # else it has that weight already
             plate.weight = weight
-        restore_lazy_plates(distr, parents)  # parameters computed while sampling with dispatch disabled
+        # parameters computed while sampling with dispatch disabled: plated where the samples' graph may
+        # hold them (relaxed, reparameterized), else forgotten (computed again, plated, if read)
+        if tensor.requires_grad:
+            restore_lazy_plates(distr, parents)
+        else:
+            forget_lazy_plain_values(distr, parents)
         if isinstance(plate, ChainPlate) and plate.ancestor is not None:
             # the node's distribution without the step it extended, as its samples are (copied when first read)
             node_of(tensor).step_of_chain(distr, 1 + parents.position(plate.ancestor))
@@ -462,6 +468,8 @@ class Method(nn.Module, DeclaresStepState):
         if tip is None:
             return samples, ChainPlate(self.plate_name, parents=parents.plates), parents.plates
         others = tuple(p for p in parents.plates if p is not tip)
+        if len(tip.parents) == len(others) and all(map(operator.is_, tip.parents, others)):
+            others = tip.parents  # the previous step's own tuple: one object fewer per decision
         # the new step takes the tip's place: the tip's size-1 dimension is dropped
         return samples.select(1 + parents.position(tip), 0), ChainPlate(self.plate_name, others, ancestor=tip), others
 
