@@ -19,7 +19,11 @@ to the same part of the hand-written step, in µs per decision (the part's time 
   hand-written baseline's update.
 
 Both steps run in alternating rounds in one process, one thread; the table gives the median over
-rounds of each part. Parts are timed in the thread's CPU time (``time.thread_time``), which a machine
+rounds of each part. Below the sum, ``of which garbage collection`` is the time Python's cyclic
+garbage collector ran during the step (already counted in the parts it interrupted), with the
+full (generation 2) collections per step: the objects a decision leaves alive until the backward
+pass (storch's tensors, nodes and plates) are promoted to the oldest generation, and a full
+collection traverses every object of the process. Parts are timed in the thread's CPU time (``time.thread_time``), which a machine
 shared with other jobs disturbs less than the wall clock (``--wall`` for that).
 
 Run from the repository root::
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import statistics
 import sys
 import time
@@ -124,6 +129,28 @@ def storch_parts(policy, cell, method, targets) -> dict[str, float]:
     return parts
 
 
+class GarbageClock:
+    """The time spent in Python's garbage collector (on the parts' clock) and its full collections,
+    from ``gc.callbacks``, while it is installed (``with GarbageClock() as clock``)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self._start = 0.0, 0, 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = _clock()
+        else:
+            self.seconds += _clock() - self._start
+            self.full += info["generation"] == 2
+
+    def __enter__(self) -> "GarbageClock":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--length", type=int, default=100, help="decisions per episode (T)")
@@ -140,23 +167,33 @@ def main(argv: list[str] | None = None) -> None:
     hand, ours = collections.defaultdict(list), collections.defaultdict(list)
     for round_ in range(args.rounds + 2):
         policy.zero_grad()
-        h = hand_written_parts(policy, targets, baseline)
+        with GarbageClock() as clock_h:
+            h = hand_written_parts(policy, targets, baseline)
         policy.zero_grad()
-        s = storch_parts(policy, cell, method, targets)
+        with GarbageClock() as clock_s:
+            s = storch_parts(policy, cell, method, targets)
         if round_ >= 2:  # two warm-up rounds
             for part in PARTS:
                 hand[part].append(h.get(part, 0.0))
                 ours[part].append(s.get(part, 0.0))
+            hand["gc"].append(clock_h.seconds)
+            ours["gc"].append(clock_s.seconds)
+            hand["full"].append(clock_h.full)
+            ours["full"].append(clock_s.full)
     scale = 1e6 / args.length
     print(f"T = {args.length}, {rl_rollout.EPISODES} episodes; µs per decision, "
           f"median of {args.rounds} alternating rounds")
-    print(f"{'part':26s} {'hand-written':>12s} {'storch':>8s} {'difference':>10s}")
+    print(f"{'part':28s} {'hand-written':>12s} {'storch':>8s} {'difference':>10s}")
     total_h = total_s = 0.0
     for part in PARTS:
         a, b = statistics.median(hand[part]) * scale, statistics.median(ours[part]) * scale
         total_h, total_s = total_h + a, total_s + b
-        print(f"{part:26s} {a:12.1f} {b:8.1f} {b - a:10.1f}")
-    print(f"{'sum':26s} {total_h:12.1f} {total_s:8.1f} {total_s - total_h:10.1f}")
+        print(f"{part:28s} {a:12.1f} {b:8.1f} {b - a:10.1f}")
+    print(f"{'sum':28s} {total_h:12.1f} {total_s:8.1f} {total_s - total_h:10.1f}")
+    gc_h, gc_s = statistics.mean(hand["gc"]) * scale, statistics.mean(ours["gc"]) * scale
+    print(f"{'of which garbage collection':28s} {gc_h:12.1f} {gc_s:8.1f} {gc_s - gc_h:10.1f}"
+          f"   (mean over rounds; full collections per step: hand-written "
+          f"{statistics.mean(hand['full']):.2f}, storch {statistics.mean(ours['full']):.2f})")
 
 
 if __name__ == "__main__":
