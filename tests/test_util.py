@@ -474,7 +474,8 @@ def test_lazy_parameter_computed_while_sampling_gets_its_plates_without_a_view()
     from torch.distributions import RelaxedBernoulli
 
     logits = storch.denote_independent(torch.randn(4, 3, requires_grad=True), 0, "data") * 1.0
-    q = RelaxedBernoulli(torch.tensor(0.5), logits=logits)
+    # validation stated: without it, torch's sampling path keeps a second reference (then a view is right)
+    q = RelaxedBernoulli(torch.tensor(0.5), logits=logits, validate_args=True)
     z = storch.method.Reparameterization("z")(q)
     assert z.requires_grad
     probs = q.base_dist.__dict__["probs"]  # (RelaxedBernoulli samples its LogitRelaxedBernoulli)
