@@ -11,7 +11,10 @@ noise and load changes then affect every variant alike. Results are medians over
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -147,6 +150,61 @@ class StepBench:
     def ratio(self, num: str, den: str) -> float:
         """Median over rounds of time(num) / time(den) within the same round (paired)."""
         return statistics.median(a / b for a, b in zip(self.times[num], self.times[den]))
+
+
+class ProcessBench(StepBench):
+    """`StepBench`'s rounds with each variant in a process of its own, in its process's CPU time.
+
+    A step that leaves many objects alive until its end (storch's nodes and tensors) makes Python's
+    garbage collector run full collections more often, and in one process a collection is charged to
+    whichever step is running when it triggers, often the other variant's. In processes of their own
+    each variant pays for its own collections, as in a user's program. ``command(name)`` is the
+    command line of the child that serves variant ``name`` (see `serve_steps`); rounds still
+    alternate between the children, so that load changes hit all variants alike.
+    """
+
+    def __init__(self, command: Callable[[str], list[str]], names: list[str], warmup: int):
+        self.names = list(names)
+        self.times = {n: [] for n in self.names}
+        self.round = 0
+        self.children = {
+            n: subprocess.Popen(command(n), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for n in self.names
+        }
+        for n in self.names:
+            self._steps(n, warmup)
+
+    def _steps(self, name: str, k: int) -> list[float]:
+        child = self.children[name]
+        child.stdin.write(f"{k}\n")
+        child.stdin.flush()
+        line = child.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the benchmark process of {name!r} ended early (exit code {child.wait()})")
+        return json.loads(line)
+
+    def run_chunk(self, reps: int) -> None:
+        for _ in range(reps):
+            k = self.round % len(self.names)
+            for n in self.names[k:] + self.names[:k]:
+                self.times[n].extend(self._steps(n, 1))
+            self.round += 1
+
+    def close(self) -> None:
+        for child in self.children.values():
+            child.stdin.close()
+            child.wait()
+
+
+def serve_steps(fn: Callable[[], None]) -> None:
+    """The child's side of `ProcessBench`: for each line ``k`` on stdin, run ``fn`` ``k`` times and
+    print the times (ms of this process's CPU time) as one JSON line; stop at the end of stdin."""
+    for line in sys.stdin:
+        times = []
+        for _ in range(int(line)):
+            start = time.process_time()
+            fn()
+            times.append((time.process_time() - start) * 1000.0)
+        print(json.dumps(times), flush=True)
 
 
 def add_measurement_arguments(ap: argparse.ArgumentParser) -> None:

@@ -26,18 +26,25 @@ baselines of the earlier updates). The timing runs both trainings in one process
 update by update (which goes first alternates), each with its own environments and policy from the
 same seeds, and reports the median time per update with and without the time spent inside the
 environments' ``step`` and ``reset``, and the median of the paired ratios storch / hand-written.
+With ``--processes`` the two trainings run in processes of their own (the same updates, still
+alternating): storch keeps more objects alive during an update, which makes Python's garbage
+collector run full collections more often, and in one process those are charged to whichever
+training runs when they trigger.
 
 Needs ``gymnasium`` (``pip install -e ".[rl]"``). Run from the repository root::
 
     .venv/bin/python benchmarks/rl_cartpole.py --check
     .venv/bin/python benchmarks/rl_cartpole.py                 # about a minute
     .venv/bin/python benchmarks/rl_cartpole.py --updates 10 --env Pendulum-v1
+    .venv/bin/python benchmarks/rl_cartpole.py --processes
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -223,29 +230,71 @@ def check(env_name: str, updates: int = 3, seed: int = 0, make: Callable[[str], 
     return worst
 
 
+def _training(name: str, env_name: str, seed: int = 0) -> tuple:
+    """One training's environments, policy, optimizer and baseline state."""
+    envs, policy = _make(env_name, seed)
+    state = HandWrittenBaseline() if name == "hand-written" else _method()
+    return envs, policy, torch.optim.Adam(policy.parameters(), lr=LR), state
+
+
+def _one_update(name: str, run: tuple, update: int) -> tuple[float, float, float]:
+    """``(seconds, environment seconds, mean return)`` of update ``update`` of training ``run``."""
+    envs, policy, optimizer, state = run
+    torch.manual_seed(100 + update)
+    before = envs.seconds
+    start = time.perf_counter()
+    optimizer.zero_grad()
+    if name == "hand-written":
+        ret = hand_written_update(policy, envs, state, 1000 * update)
+    else:
+        ret = storch_update(policy, envs, state, 1000 * update)
+    optimizer.step()
+    return time.perf_counter() - start, envs.seconds - before, ret
+
+
 def timing(env_name: str, updates: int, seed: int = 0) -> dict[str, list[tuple[float, float, float]]]:
     """``(seconds, environment seconds, mean return)`` per update of each training, interleaved."""
-    runs = {}
-    for name in ("hand-written", "storch"):
-        envs, policy = _make(env_name, seed)
-        state = HandWrittenBaseline() if name == "hand-written" else _method()
-        runs[name] = (envs, policy, torch.optim.Adam(policy.parameters(), lr=LR), state)
+    runs = {name: _training(name, env_name, seed) for name in ("hand-written", "storch")}
     times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in runs}
     for update in range(updates):
         order = list(runs) if update % 2 == 0 else list(reversed(runs))
         for name in order:
-            envs, policy, optimizer, state = runs[name]
-            torch.manual_seed(100 + update)
-            before = envs.seconds
-            start = time.perf_counter()
-            optimizer.zero_grad()
-            if name == "hand-written":
-                ret = hand_written_update(policy, envs, state, 1000 * update)
-            else:
-                ret = storch_update(policy, envs, state, 1000 * update)
-            optimizer.step()
-            times[name].append((time.perf_counter() - start, envs.seconds - before, ret))
+            times[name].append(_one_update(name, runs[name], update))
     return times
+
+
+def timing_in_processes(env_name: str, updates: int) -> dict[str, list[tuple[float, float, float]]]:
+    """`timing` with each training in a process of its own (``--serve``), updates still alternating:
+    each then pays for its own garbage collection (see ``common.ProcessBench``)."""
+    names = ("hand-written", "storch")
+    children = {
+        name: subprocess.Popen([sys.executable, __file__, "--serve", name, "--env", env_name],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for name in names
+    }
+    times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in names}
+    try:
+        for update in range(updates):
+            for name in names if update % 2 == 0 else reversed(names):
+                child = children[name]
+                child.stdin.write(f"{update}\n")
+                child.stdin.flush()
+                line = child.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"the {name} training process ended early (exit code {child.wait()})")
+                times[name].append(tuple(json.loads(line)))
+    finally:
+        for child in children.values():
+            child.stdin.close()
+            child.wait()
+    return times
+
+
+def _serve(name: str, env_name: str) -> None:
+    """A `timing_in_processes` child: one update per line on stdin (its number), its times as JSON."""
+    run = _training(name, env_name)
+    for line in sys.stdin:
+        print(json.dumps(_one_update(name, run, int(line))), flush=True)
 
 
 def report(env_name: str, times: dict, skip: int = 2) -> None:
@@ -271,8 +320,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--env", nargs="+", default=["CartPole-v1", "Pendulum-v1"])
     ap.add_argument("--updates", type=int, default=None, help="updates per environment (default 40, Pendulum 10)")
     ap.add_argument("--check", action="store_true", help="only compare the gradients with hand-written")
+    ap.add_argument("--processes", action="store_true",
+                    help="each training in a process of its own (each pays for its own garbage collection)")
+    ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # a --processes child: the training it runs
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.serve is not None:
+        _serve(args.serve, args.env[0])
+        return
     for env_name in args.env:
         if args.check:
             for seed in (0, 1, 2):
@@ -280,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"updates, relative to the largest gradient entry {check(env_name, seed=seed):.2e}")
             continue
         updates = args.updates or (10 if env_name.startswith("Pendulum") else 40)
-        report(env_name, timing(env_name, updates))
+        report(env_name, (timing_in_processes if args.processes else timing)(env_name, updates))
 
 
 if __name__ == "__main__":

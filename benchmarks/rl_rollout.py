@@ -16,12 +16,17 @@ REINFORCE on the reward to go and a moving-average baseline per decision:
 ``--check`` seeds both identically and compares the gradients (they draw their actions with the
 same torch calls, so the draws align). The table reports the median step time over interleaved
 rounds and the paired ratio to hand-written, for ``T`` in ``--lengths`` (default 8, 100, 1000).
+With ``--processes`` each variant runs in a process of its own and is timed in that process's CPU
+time: storch keeps more objects alive during a step than the hand-written step, which makes
+Python's garbage collector run full collections more often, and in one process those are charged
+to whichever variant is running when they trigger (``common.ProcessBench``).
 
 Run from the repository root::
 
     .venv/bin/python benchmarks/rl_rollout.py --check
     .venv/bin/python benchmarks/rl_rollout.py                    # a few minutes
     .venv/bin/python benchmarks/rl_rollout.py --quick --lengths 8 100
+    .venv/bin/python benchmarks/rl_rollout.py --processes --no-compile --lengths 100 1000
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import storch  # noqa: E402
-from common import StepBench  # noqa: E402
+from common import ProcessBench, StepBench, serve_steps  # noqa: E402
 
 __all__ = ["Policy", "HandWrittenBaseline", "hand_written_step", "storch_step", "check", "main"]
 
@@ -168,19 +173,35 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="leave out the storch.compile_step column")
     ap.add_argument("--check", action="store_true", help="only compare the gradients with hand-written")
+    ap.add_argument("--processes", action="store_true",
+                    help="each variant in a process of its own, in CPU time (each pays for its own garbage collection)")
+    ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # a --processes child: the variant it runs
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.serve is not None:
+        serve_steps(_variants(args.lengths[0], args.serve == "storch compiled")[args.serve])
+        return
     if args.check:
         for length in (5, 40):
             print(f"T = {length}: largest |storch - hand-written| gradient difference {check(length):.2e}")
         return
     rounds = args.rounds or (3 if args.quick else 20)
+    where = "each variant in its own process, CPU time" if args.processes else "one process, wall clock"
     print(f"{EPISODES} episodes, GRU policy ({HIDDEN} units, {ACTIONS} actions), reward after each decision; "
-          f"one thread, median of {rounds} interleaved rounds")
+          f"one thread, median of {rounds} interleaved rounds ({where})")
     print(f"{'T':>6s} {'hand-written ms':>16s} {'storch ms':>10s} {'ratio':>6s} {'compiled ms':>12s} {'ratio':>6s}")
     for length in args.lengths:
-        bench = StepBench(_variants(length, not args.no_compile), warmup=1 if length >= 1000 else 2)
+        warmup = 1 if length >= 1000 else 2
+        if args.processes:
+            names = ["hand-written", "storch"] + ([] if args.no_compile else ["storch compiled"])
+            bench = ProcessBench(
+                lambda name: [sys.executable, __file__, "--serve", name, "--lengths", str(length)], names, warmup
+            )
+        else:
+            bench = StepBench(_variants(length, not args.no_compile), warmup=warmup)
         bench.run_chunk(max(2, rounds // (5 if length >= 1000 else 1)))
+        if args.processes:
+            bench.close()
         times = bench.summary()
         row = f"{length:6d} {times['hand-written']:16.2f} {times['storch']:10.2f} {bench.ratio('storch', 'hand-written'):6.2f}"
         if "storch compiled" in times:
