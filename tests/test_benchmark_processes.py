@@ -1,0 +1,20 @@
+"""The benchmarks' ``--processes`` mode (``benchmarks/common.py``'s ``ProcessBench``): each variant in a
+process of its own, rounds alternating, the same table as in one process."""
+
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import rl_rollout  # noqa: E402
+
+
+def test_rl_rollout_times_each_variant_in_its_own_process(capsys):
+    rl_rollout.main(["--processes", "--no-compile", "--lengths", "3", "--rounds", "2"])
+    out = capsys.readouterr().out
+    assert "each variant in its own process, CPU time" in out
+    row = re.search(r"^\s+3\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$", out, re.MULTILINE)
+    assert row is not None, out
+    hand, storch_ms, ratio = (float(v) for v in row.groups())
+    assert hand > 0 and storch_ms > 0 and 0.2 < ratio < 20  # a timing, not a made-up number
