@@ -19,7 +19,10 @@ rounds and the paired ratio to hand-written, for ``T`` in ``--lengths`` (default
 With ``--processes`` each variant runs in a process of its own and is timed in that process's CPU
 time: storch keeps more objects alive during a step than the hand-written step, which makes
 Python's garbage collector run full collections more often, and in one process those are charged
-to whichever variant is running when they trigger (``common.ProcessBench``).
+to whichever variant is running when they trigger (``common.ProcessBench``). ``--gc-freeze`` (with
+``--processes``) calls ``gc.freeze()`` in each process after two warm-up steps, as a user can after
+building the model: the full collections then no longer traverse the objects that live for the whole
+run (torch, the model), which is most of what they cost.
 
 Run from the repository root::
 
@@ -166,6 +169,17 @@ def _variants(length: int, compiled: bool) -> dict:
     return variants
 
 
+def _freeze_after_warm_up(step) -> None:
+    """Two warm-up steps, then ``gc.freeze()``: the objects alive now (torch, the model, the caches) move
+    to the collector's permanent generation, which its full collections no longer traverse."""
+    import gc
+
+    for _ in range(2):
+        step()
+    gc.collect()
+    gc.freeze()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[8, 100, 1000])
@@ -175,18 +189,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--check", action="store_true", help="only compare the gradients with hand-written")
     ap.add_argument("--processes", action="store_true",
                     help="each variant in a process of its own, in CPU time (each pays for its own garbage collection)")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="with --processes: gc.freeze() in each process after two warm-up steps (see the docstring)")
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # a --processes child: the variant it runs
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.serve is not None:
-        serve_steps(_variants(args.lengths[0], args.serve == "storch compiled")[args.serve])
+        step = _variants(args.lengths[0], args.serve == "storch compiled")[args.serve]
+        if args.gc_freeze:
+            _freeze_after_warm_up(step)
+        serve_steps(step)
         return
+    if args.gc_freeze and not args.processes:
+        ap.error("--gc-freeze needs --processes (each variant's process freezes its own objects)")
     if args.check:
         for length in (5, 40):
             print(f"T = {length}: largest |storch - hand-written| gradient difference {check(length):.2e}")
         return
     rounds = args.rounds or (3 if args.quick else 20)
     where = "each variant in its own process, CPU time" if args.processes else "one process, wall clock"
+    where += ", gc.freeze() after warm-up" if args.gc_freeze else ""
     print(f"{EPISODES} episodes, GRU policy ({HIDDEN} units, {ACTIONS} actions), reward after each decision; "
           f"one thread, median of {rounds} interleaved rounds ({where})")
     print(f"{'T':>6s} {'hand-written ms':>16s} {'storch ms':>10s} {'ratio':>6s} {'compiled ms':>12s} {'ratio':>6s}")
@@ -195,7 +217,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.processes:
             names = ["hand-written", "storch"] + ([] if args.no_compile else ["storch compiled"])
             bench = ProcessBench(
-                lambda name: [sys.executable, __file__, "--serve", name, "--lengths", str(length)], names, warmup
+                lambda name: [sys.executable, __file__, "--serve", name, "--lengths", str(length)]
+                + (["--gc-freeze"] if args.gc_freeze else []),
+                names,
+                warmup,
             )
         else:
             bench = StepBench(_variants(length, not args.no_compile), warmup=warmup)

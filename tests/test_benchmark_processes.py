@@ -5,6 +5,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import rl_rollout  # noqa: E402
@@ -18,3 +20,11 @@ def test_rl_rollout_times_each_variant_in_its_own_process(capsys):
     assert row is not None, out
     hand, storch_ms, ratio = (float(v) for v in row.groups())
     assert hand > 0 and storch_ms > 0 and 0.2 < ratio < 20  # a timing, not a made-up number
+
+
+def test_rl_rollout_gc_freeze_runs_in_the_processes_only(capsys):
+    rl_rollout.main(["--processes", "--gc-freeze", "--no-compile", "--lengths", "3", "--rounds", "2"])
+    out = capsys.readouterr().out
+    assert "gc.freeze() after warm-up" in out and re.search(r"^\s+3\s+[\d.]+\s+[\d.]+\s+[\d.]+\s*$", out, re.MULTILINE)
+    with pytest.raises(SystemExit):  # in one process it would freeze the other variant's objects too
+        rl_rollout.main(["--gc-freeze", "--no-compile", "--lengths", "3"])
