@@ -26,7 +26,7 @@ import torch
 from torch.distributions import Bernoulli, Categorical, Distribution, Independent, Normal
 
 from storch.plate import Plate, PlateLayout
-from storch.tensor import StochasticNode
+from storch.tensor import StochasticNode, layout_of
 
 __all__ = ["STACKED_PARAMETERS", "stacked_log_prob"]
 
@@ -115,7 +115,7 @@ def _stepped_parameter(
     value = distribution.__dict__.get(name)
     if not isinstance(value, torch.Tensor):
         return None  # not stored (a lazily computed parameter) or a number
-    layout_plates = value._layout.plates if hasattr(value, "_layout") else ()
+    layout_plates = layout_of(value).plates
     if layout_plates == plates.plates:  # drawn without the previous step (the first step, or a copy)
         value = value.unsqueeze(0)
     elif previous is not None and layout_plates[:1] == (previous,) and layout_plates[1:] == plates.plates:

@@ -101,6 +101,7 @@ from __future__ import annotations
 
 from storch._dispatch import align_tensor as align_to
 from storch._dispatch import expand_plain, no_dispatch, register_operation, union_of_layouts
+from storch._stacked_log_prob import stacked_log_prob
 from storch._step import note_sampled
 from storch._tracing import EagerStepNeeded
 from storch._tracing import active as is_tracing
@@ -131,7 +132,6 @@ from storch.registries import (
     register_spsa_wrapper,
     register_wor_support,
 )
-from storch._stacked_log_prob import stacked_log_prob
 from storch.registry import AmbiguousLookupError, DuplicateRegistrationError, TypeRegistry, ambiguity_message
 from storch.tensor import (
     CostTensor,
@@ -152,11 +152,11 @@ from storch.util import (
     distribution_layout,
     elementwise,
     floating_dtype,
+    forget_lazy_plain_values,
     get_distr_parameters,
     has_parameters_requiring_grad,
     log_prob_of_own_samples,
     magic_box,
-    forget_lazy_plain_values,
     restore_lazy_plates,
     rsample_gumbel_softmax,
     with_nested,

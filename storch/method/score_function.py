@@ -87,7 +87,9 @@ class ScoreFunction(UpdatesItsBaseline, Method):
         at once (a critic, a baseline with a correction)."""
         return _keeps_estimator(type(self)) and (self.baseline is None or self.baseline.vectorises_chain(plates))
 
-    def chain_gradient_functions(self, nodes: Sequence[StochasticNode], plates: PlateLayout) -> Optional[torch.Tensor]:
+    def chain_gradient_functions(
+        self, nodes: Sequence[StochasticNode], plates: PlateLayout
+    ) -> Optional[torch.Tensor]:
         """``log p_t(x_t)`` of every step from the steps' parameters stacked, where the distributions allow
         it (`storch._stacked_log_prob.stacked_log_prob`): the same values as `gradient_function` per step."""
         return stacked_log_prob(nodes, plates) if len(nodes) > 1 else None
