@@ -152,6 +152,28 @@ class StepBench:
         return statistics.median(a / b for a, b in zip(self.times[num], self.times[den]))
 
 
+class Served:
+    """A child process that answers each line written to its stdin with one JSON line (a benchmark
+    variant or training served in a process of its own, see `ProcessBench`)."""
+
+    def __init__(self, name: str, command: list[str]):
+        self.name = name
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(self, line: str):
+        """Write ``line``, return the child's answer (decoded JSON)."""
+        self.process.stdin.write(f"{line}\n")
+        self.process.stdin.flush()
+        answer = self.process.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"the benchmark process of {self.name!r} ended early (exit code {self.process.wait()})")
+        return json.loads(answer)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
 class ProcessBench(StepBench):
     """`StepBench`'s rounds with each variant in a process of its own, in its process's CPU time.
 
@@ -167,32 +189,20 @@ class ProcessBench(StepBench):
         self.names = list(names)
         self.times = {n: [] for n in self.names}
         self.round = 0
-        self.children = {
-            n: subprocess.Popen(command(n), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for n in self.names
-        }
+        self.children = {n: Served(n, command(n)) for n in self.names}
         for n in self.names:
-            self._steps(n, warmup)
-
-    def _steps(self, name: str, k: int) -> list[float]:
-        child = self.children[name]
-        child.stdin.write(f"{k}\n")
-        child.stdin.flush()
-        line = child.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the benchmark process of {name!r} ended early (exit code {child.wait()})")
-        return json.loads(line)
+            self.children[n].ask(str(warmup))
 
     def run_chunk(self, reps: int) -> None:
         for _ in range(reps):
             k = self.round % len(self.names)
             for n in self.names[k:] + self.names[:k]:
-                self.times[n].extend(self._steps(n, 1))
+                self.times[n].extend(self.children[n].ask("1"))
             self.round += 1
 
     def close(self) -> None:
         for child in self.children.values():
-            child.stdin.close()
-            child.wait()
+            child.close()
 
 
 def serve_steps(fn: Callable[[], None]) -> None:

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -57,9 +56,11 @@ from torch import nn
 from torch.distributions import Categorical, Distribution, Independent, Normal
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import storch
-from storch.method.baseline import MovingAverageBaseline
+import storch  # noqa: E402
+from storch.method.baseline import MovingAverageBaseline  # noqa: E402
+from common import Served  # noqa: E402
 
 __all__ = ["EnvBatch", "HandWrittenBaseline", "Policy", "check", "hand_written_update", "main", "storch_update"]
 
@@ -267,26 +268,15 @@ def timing_in_processes(env_name: str, updates: int) -> dict[str, list[tuple[flo
     """`timing` with each training in a process of its own (``--serve``), updates still alternating:
     each then pays for its own garbage collection (see ``common.ProcessBench``)."""
     names = ("hand-written", "storch")
-    children = {
-        name: subprocess.Popen([sys.executable, __file__, "--serve", name, "--env", env_name],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        for name in names
-    }
+    children = {name: Served(name, [sys.executable, __file__, "--serve", name, "--env", env_name]) for name in names}
     times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in names}
     try:
         for update in range(updates):
             for name in names if update % 2 == 0 else reversed(names):
-                child = children[name]
-                child.stdin.write(f"{update}\n")
-                child.stdin.flush()
-                line = child.stdout.readline()
-                if not line:
-                    raise RuntimeError(f"the {name} training process ended early (exit code {child.wait()})")
-                times[name].append(tuple(json.loads(line)))
+                times[name].append(tuple(children[name].ask(str(update))))
     finally:
         for child in children.values():
-            child.stdin.close()
-            child.wait()
+            child.close()
     return times
 
 
