@@ -1,8 +1,8 @@
 """Costs, the surrogate loss and ``storch.backward``.
 
-Registered costs live in a `contextvars.ContextVar`, so each thread and each asyncio task
-builds its own graph. The registry is an immutable tuple that is replaced, never mutated, so a task
-that inherits its parent's context cannot add costs to the parent's graph.
+Registered costs live in a `contextvars.ContextVar` (a `storch._step.StepLog`), so each thread
+and each asyncio task builds its own graph: a task that inherits its parent's context cannot add
+costs to the parent's graph, and the ``T``-th cost of a step is registered in constant time.
 
 The surrogate loss (Storchastic, §3) is built per cost, so that each sampled decision is credited
 only with the costs downstream of it. Stochastic nodes are read off the cost's plates and processed
@@ -44,7 +44,7 @@ import torch
 
 from storch import _tracing
 from storch._chain_terms import chain_term
-from storch._step import forget_sampled, sampled_plates
+from storch._step import StepLog, forget_sampled, sampled_plates
 from storch.exceptions import NonFiniteCostError, StaleCostError, UnusedNodeWarning
 from storch.plate import MAX_PLATES  # noqa: F401 (re-exported)
 from storch.plate import ChainPlate, Plate, PlateClashError, layout_of_plates, merge_layouts, uniform_weight
@@ -59,7 +59,8 @@ if TYPE_CHECKING:  # pragma: no cover  (methods import this module: add_cost, ba
 __all__ = ["add_cost", "backward", "surrogate_loss", "reset", "registered_costs", "MAX_PLATES"]
 
 
-_COSTS: ContextVar[tuple[CostTensor, ...]] = ContextVar("storch_costs", default=())
+#: the costs registered in this context (a `StepLog`: registering the T-th cost copies nothing)
+_COSTS: StepLog[CostTensor] = StepLog("storch_costs")
 
 
 class _Names(NamedTuple):
@@ -120,9 +121,8 @@ def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
         (['double', 'double#2'], 10.0)
         >>> storch.reset()
     """
-    costs = _COSTS.get()
     if name is None:
-        name = f"cost_{len(costs)}"
+        name = f"cost_{len(_COSTS)}"
     try:
         cost = _as_cost_tensor(cost, name)
         _check_cost(cost, name)
@@ -140,7 +140,7 @@ def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
     registered = CostTensor._retype_as(own, layout, name)
     if flows and isinstance(cost, Tensor):  # the surrogate multiplies the user's tensor itself: no view in its graph
         registered._source = cost
-    _COSTS.set(costs + (registered,))  # type: ignore[operator]
+    _COSTS.append(registered)
     _COST_NAMES.set(_COST_NAMES.get().adding(name))
     _CONSUMED.set(False)
 
@@ -199,7 +199,7 @@ def _check_cost(cost: torch.Tensor, name: str) -> None:
 
 def registered_costs() -> tuple[CostTensor, ...]:
     """The costs registered in the current context."""
-    return _COSTS.get()
+    return _COSTS.items()
 
 
 def reset() -> None:
@@ -215,7 +215,7 @@ def reset() -> None:
 
 def _clear_registry() -> None:
     """Forget the registered costs and the sampled nodes (what `backward` does when it ends)."""
-    _COSTS.set(())
+    _COSTS.clear()
     _COST_NAMES.set(_NO_NAMES)
     _REPEATS.set({})
     forget_sampled()
@@ -536,7 +536,7 @@ def surrogate_loss(costs: tuple[CostTensor, ...] | None = None) -> torch.Tensor:
         tensor(2.)
         >>> storch.reset()
     """
-    return _surrogate(_COSTS.get() if costs is None else tuple(costs), _Record())
+    return _surrogate(_COSTS.items() if costs is None else tuple(costs), _Record())
 
 
 def _retain_param_grads(record: _Record) -> list[Any]:
@@ -760,7 +760,7 @@ def backward(
     if update_estimator_params is not None:
         update_parameters = update_estimator_params
     print_costs = print_costs or debug
-    costs = _COSTS.get()
+    costs = _COSTS.items()
     record = _Record()
     try:
         if not torch.is_grad_enabled():
