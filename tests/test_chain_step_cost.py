@@ -45,6 +45,27 @@ def test_a_layout_that_lists_its_plates_out_of_order_is_still_merged():
     storch.reset()
 
 
+def test_two_layouts_one_chain_step_apart_give_the_merge_s_union():
+    """The union of two layouts that differ by a chain step (a recurrent state, one step older, meets
+    the new step's input) is found without merging, and is what a merge gives: the newer step, the
+    first of two equal independent plates, the plates newest first."""
+    from storch.plate import ChainPlate, Plate, PlateLayout, layout_of_plates
+
+    data, data_again = Plate("episodes", 4), Plate("episodes", 4)  # equal, two objects
+    older = ChainPlate("a", (data,))
+    newer = ChainPlate("a", (data,), ancestor=older)
+    cases = [
+        [layout_of_plates((newer, data)), layout_of_plates((older, data))],
+        [layout_of_plates((older, data)), layout_of_plates((newer, data))],
+        [layout_of_plates((newer, data_again)), layout_of_plates((older, data))],
+        [layout_of_plates((older, data)), layout_of_plates((newer, data_again))],
+        [PlateLayout((data, newer)), PlateLayout((data, older))],  # oldest first: merged, sorted
+    ]
+    for layouts in cases:
+        union, merged = _dispatch.union_of_layouts(layouts), merge_layouts(layouts)
+        assert [id(p) for p in union.plates] == [id(p) for p in merged.plates], layouts
+
+
 def test_the_averages_of_many_decisions_fold_as_one_at_a_time():
     """MovingAverageBaseline updates the averages of a rollout's decisions together: the same values
     as updating each alone (the first update sets it, a non-finite mean is skipped)."""
