@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 from contextvars import ContextVar
-from typing import Generic, NamedTuple, TypeVar
+from typing import Callable, Generic, Hashable, NamedTuple, TypeVar
 
 from storch.plate import Plate
 
@@ -21,13 +21,15 @@ _Item = TypeVar("_Item")
 
 
 class _Prefix(NamedTuple):
-    """What one context sees of a log: the first ``n`` items of the shared list ``items``."""
+    """What one context sees of a log: the first ``n`` items of the shared list ``items``, and the
+    shared index of their keys (key -> position; a key at a position ``>= n`` is not this context's)."""
 
     items: list | None
     n: int
+    index: dict | None
 
 
-_EMPTY = _Prefix(None, 0)
+_EMPTY = _Prefix(None, 0, None)
 
 
 class StepLog(Generic[_Item]):
@@ -41,38 +43,51 @@ class StepLog(Generic[_Item]):
     context appending, the usual case) extends the list in place; a context whose list was extended
     by another copies its prefix first (copy on write). Each context sees exactly what it appended.
 
+    Args:
+        name: the context variable's name.
+        key: with it, the log also answers whether it holds an item of a given key (`holds`) in O(1);
+            keys must be unique within a context.
+
     Examples:
-        >>> log = StepLog("example")
+        >>> log = StepLog("example", key=str.upper)
         >>> log.append("a"); log.append("b")
-        >>> log.items(), len(log)
-        (('a', 'b'), 2)
+        >>> log.items(), len(log), log.holds("B"), log.holds("C")
+        (('a', 'b'), 2, True, False)
         >>> log.clear(); log.items()
         ()
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, key: Callable[[_Item], Hashable] | None = None) -> None:
         self._var: ContextVar[_Prefix] = ContextVar(name, default=_EMPTY)
+        self._key = key
 
     def append(self, item: _Item) -> None:
-        items, n = self._var.get()
-        if items is None:
-            items = [item]
-        elif len(items) == n:
+        items, n, index = self._var.get()
+        if items is not None and len(items) == n:
             items.append(item)
-            if items[n] is not item:  # another thread appended to the same list at the same moment
-                items = items[:n] + [item]
-        else:  # another context extended the list past what this one sees
-            items = items[:n] + [item]
-        self._var.set(_Prefix(items, n + 1))
+            if items[n] is item:  # (else another thread appended to the same list at the same moment)
+                if index is not None:
+                    index[self._key(item)] = n  # type: ignore[misc]
+                self._var.set(_Prefix(items, n + 1, index))
+                return
+        # the first item, or another context extended the list past what this one sees: copy
+        self.replace(([] if items is None else items[:n]) + [item])
 
     def items(self) -> tuple[_Item, ...]:
         """What this context appended since it was last cleared, oldest first."""
-        items, n = self._var.get()
+        items, n, _ = self._var.get()
         return () if items is None else tuple(items[:n])
+
+    def holds(self, key: Hashable) -> bool:
+        """Whether this context appended an item of ``key`` (a log made with ``key``)."""
+        _, n, index = self._var.get()
+        return index is not None and index.get(key, n) < n
 
     def replace(self, items: list[_Item]) -> None:
         """Make ``items`` (a new list, owned by the log from now on) what this context sees."""
-        self._var.set(_Prefix(items, len(items)))
+        key = self._key
+        index = None if key is None else {key(item): i for i, item in enumerate(items)}
+        self._var.set(_Prefix(items, len(items), index))
 
     def clear(self) -> None:
         self._var.set(_EMPTY)

@@ -59,33 +59,11 @@ if TYPE_CHECKING:  # pragma: no cover  (methods import this module: add_cost, ba
 __all__ = ["add_cost", "backward", "surrogate_loss", "reset", "registered_costs", "MAX_PLATES"]
 
 
-#: the costs registered in this context (a `StepLog`: registering the T-th cost copies nothing)
-_COSTS: StepLog[CostTensor] = StepLog("storch_costs")
+#: the costs registered in this context, by name too (a `StepLog`: the T-th cost copies nothing, its
+#: name is checked in O(1))
+_COSTS: StepLog[CostTensor] = StepLog("storch_costs", key=lambda cost: cost.name)
 
 
-class _Names(NamedTuple):
-    """The names of the registered costs: a frozen set and the names added since it was last rebuilt.
-
-    Immutable, as the registry: each `add_cost` makes a new one. Rebuilding the set at every cost
-    would make ``T`` costs ``O(T²)``; it is rebuilt once per ``_TAIL`` names, and a name is checked
-    against the set and at most ``_TAIL`` recent names."""
-
-    frozen: frozenset[str]
-    recent: tuple[str, ...]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.frozen or name in self.recent
-
-    def adding(self, name: str) -> "_Names":
-        if len(self.recent) < _TAIL:
-            return _Names(self.frozen, self.recent + (name,))
-        return _Names(self.frozen.union(self.recent, (name,)), ())
-
-
-_TAIL = 32
-_NO_NAMES = _Names(frozenset(), ())
-# the names of the registered costs (set with _COSTS): a name is checked in O(1), not against every cost
-_COST_NAMES: ContextVar[_Names] = ContextVar("storch_cost_names", default=_NO_NAMES)
 # whether a storch.backward() cleared the registry and no cost was registered (nor reset) since: the
 # reason a later backward finds no costs, named in its error
 _CONSUMED: ContextVar[bool] = ContextVar("storch_costs_consumed", default=False)
@@ -129,7 +107,7 @@ def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
     except Exception:
         reset()  # a failed step leaves nothing behind for the next one
         raise
-    if name in _COST_NAMES.get():
+    if _COSTS.holds(name):
         name = _next_name(name)
     layout = layout_of(cost)
     # storch's own object for the cost: a view while gradients flow through it; else a detached tensor on the
@@ -141,16 +119,14 @@ def add_cost(cost: torch.Tensor, name: str | None = None) -> None:
     if flows and isinstance(cost, Tensor):  # the surrogate multiplies the user's tensor itself: no view in its graph
         registered._source = cost
     _COSTS.append(registered)
-    _COST_NAMES.set(_COST_NAMES.get().adding(name))
     _CONSUMED.set(False)
 
 
 def _next_name(name: str) -> str:
     """The name of the next cost registered as ``name`` in this step: ``name#2``, ``name#3``, …"""
     repeats = _REPEATS.get()
-    names = _COST_NAMES.get()
     k = repeats.get(name, 1) + 1
-    while f"{name}#{k}" in names:  # a name the user chose
+    while _COSTS.holds(f"{name}#{k}"):  # a name the user chose
         k += 1
     _REPEATS.set({**repeats, name: k})
     return f"{name}#{k}"
@@ -216,7 +192,6 @@ def reset() -> None:
 def _clear_registry() -> None:
     """Forget the registered costs and the sampled nodes (what `backward` does when it ends)."""
     _COSTS.clear()
-    _COST_NAMES.set(_NO_NAMES)
     _REPEATS.set({})
     forget_sampled()
 

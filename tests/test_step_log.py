@@ -46,8 +46,21 @@ def test_a_copied_context_sees_what_it_appended_and_nothing_else():
     assert log.items() == ("parent", "parent again")
 
 
+def test_holds_answers_for_this_context_only():
+    log = StepLog("test", key=str)
+    log.append(1)
+    child_context = contextvars.copy_context()
+    child_context.run(log.append, 2)  # in place: the shared index now has 2, past the parent's prefix
+    assert log.holds("1") and not log.holds("2")
+    assert child_context.run(log.holds, "2")
+    log.append(3)  # the parent copies its prefix, with an index of its own
+    assert log.holds("3") and not log.holds("2") and not child_context.run(log.holds, "3")
+    log.clear()
+    assert not log.holds("1") and child_context.run(log.holds, "1")
+
+
 def test_threads_appending_from_one_copied_context_keep_their_own_items():
-    log = StepLog("test")
+    log = StepLog("test", key=lambda item: item)
     log.append("start")
     start = contextvars.copy_context()
     seen = {}
@@ -58,6 +71,7 @@ def test_threads_appending_from_one_copied_context_keep_their_own_items():
         for i in range(2000):
             log.append((k, i))
         seen[k] = log.items()
+        assert all(log.holds((k, i)) for i in range(2000)) and not log.holds(((k + 1) % 4, 0))
 
     threads = [threading.Thread(target=start.copy().run, args=(worker, k)) for k in range(4)]
     for t in threads:
