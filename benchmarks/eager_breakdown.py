@@ -73,7 +73,7 @@ def _surrogate_of(cost: torch.Tensor) -> torch.Tensor:
     """``storch.add_cost`` then the surrogate loss, leaving the registry empty (no backward)."""
     storch.add_cost(cost, "neg_elbo")
     try:
-        return inference._surrogate(inference._COSTS.get(), inference._Record())
+        return inference._surrogate(storch.registered_costs(), inference._Record())
     finally:
         inference._clear_registry()
 

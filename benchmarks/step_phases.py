@@ -71,7 +71,7 @@ def storch_phases(model: sbn_step.LinearSBN, data: torch.Tensor, method, times: 
     t.append(_now())
     storch.add_cost(cost, "neg_elbo")
     t.append(_now())
-    costs, record = inference._COSTS.get(), inference._Record()
+    costs, record = storch.registered_costs(), inference._Record()
     loss = inference._surrogate(costs, record)
     t.append(_now())
     inference._check_finite(loss, costs)
