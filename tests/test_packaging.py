@@ -66,6 +66,17 @@ print("imported", sum(1 for _ in pkgutil.walk_packages(storch.__path__, "storch.
 """
 
 
+def test_the_readme_lists_every_extra():
+    """The README's table of extras has a row for each extra of pyproject.toml, naming what it installs."""
+    readme = (ROOT / "README.md").read_text()
+    for extra, requirements in PYPROJECT["optional-dependencies"].items():
+        row = re.search(rf"^\| `{extra}` \| ([^|]+) \|", readme, re.MULTILINE)
+        assert row is not None, f"the README's table of extras has no row for {extra!r}"
+        if extra not in ("test", "docs"):  # (those two summarise their long lists)
+            for req in requirements:
+                assert _requirement_name(req) in row.group(1).lower(), (extra, req)
+
+
 def test_every_module_imports_without_the_extras():
     code = BLOCKED_IMPORTS.format(blocked=sorted(OPTIONAL) + ["pytest"])
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
