@@ -28,6 +28,8 @@ as plain torch operations (no alignment, no wrapping, no plate checks); results 
 * ``distribution_layout(d)``: the union of the plates of a distribution's parameters
 * ``get_distr_parameters(d)``: a distribution's parameters by name (those that require grad)
 * ``has_parameters_requiring_grad(d)``: whether ``get_distr_parameters(d)`` is not empty (no dict built)
+* ``distribution_facts(d)``: its layouts, whether a parameter requires a gradient and its integer
+  parameters, in one pass (what a method checks before it draws)
 * ``floating_dtype(d, samples)``: the floating dtype of a distribution's parameters (for weights)
 * ``restore_lazy_plates(d)``: re-wrap lazily computed parameters (``probs`` from ``logits``)
 * ``forget_lazy_plain_values(d)``: forget them instead (computed again, with plates, when read)
@@ -148,7 +150,9 @@ from storch.tensor import (
     wrap_new,
 )
 from storch.util import (
+    DistributionFacts,
     copy_distribution,
+    distribution_facts,
     distribution_layout,
     elementwise,
     floating_dtype,
@@ -192,6 +196,8 @@ __all__ = [
     "reduce_plate",
     "distribution_layout",
     "get_distr_parameters",
+    "DistributionFacts",
+    "distribution_facts",
     "has_parameters_requiring_grad",
     "floating_dtype",
     "restore_lazy_plates",

@@ -38,7 +38,7 @@ import math
 import operator
 import warnings
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 

@@ -365,6 +365,20 @@ class ChainPlate(AncestralPlate):
             self.chain = ancestor.chain
             ancestor._extended_by = weakref.ref(self)
 
+    def next_step(self, name: str, parents: tuple[Plate, ...]) -> "ChainPlate":
+        """The plate of the node that extends this step: ``ChainPlate(name, parents, ancestor=self)``,
+        its attributes set directly (a chain's next step is made at every decision of a rollout; the
+        checks of the constructors are about arguments this step fixes). ``parents`` is a tuple."""
+        if type(self) is not ChainPlate:  # a subclass's own constructor runs
+            return type(self)(name, parents, ancestor=self)
+        step = object.__new__(ChainPlate)
+        step.name, step.size, step._weight, step._weight_plates = name, 1, uniform_weight(1), None
+        step.parents, step.node, step.order, step.info = parents, None, next(_creation_counter), None
+        step.ancestor, step.parent_index, step.index_plates = self, _NO_OTHER_PARENT, ()
+        step.chain_name, step.depth, step.chain, step._extended_by = self.chain_name, self.depth + 1, self.chain, None
+        self._extended_by = weakref.ref(step)
+        return step
+
     @property
     def is_tip(self) -> bool:
         """Whether no node has extended this step yet (a new single-sample node drawn from it would)."""

@@ -6,7 +6,7 @@ import contextlib
 import copy
 import functools
 import sys
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 from torch.distributions import Distribution
@@ -19,6 +19,7 @@ from storch.tensor import CostTensor, StochasticTensor, Tensor, _Disable, layout
 
 __all__ = [
     "magic_box", "get_distr_parameters", "has_parameters_requiring_grad", "distribution_layout",
+    "DistributionFacts", "distribution_facts",
     "has_differentiable_path", "has_backwards_path", "walk_backward_graph", "print_graph", "topological_sort", "split",
     "rsample_gumbel", "rsample_gumbel_softmax", "conditional_gumbel_rsample", "tensor_stats",
     "reduce_mean", "log_prob_of_own_samples", "restore_lazy_plates", "forget_lazy_plain_values", "lazy_plates_kept",
@@ -148,6 +149,80 @@ def get_distr_parameters(d: Distribution, filter_requires_grad: bool = True) -> 
         with _Disable():  # a plain attribute read, not a trip through storch's dispatch
             params = {k: v for k, v in params.items() if v.requires_grad}
     return params
+
+
+class DistributionFacts(NamedTuple):
+    """What a method checks of a distribution before it draws, read in one pass over the
+    distribution's attributes and those of the distributions it wraps (see `distribution_facts`).
+
+    Attributes:
+        layouts: the plate layouts of its tensors, in the order `distribution_layout` meets them
+            (their union is the distribution's layout).
+        requires_grad: whether some parameter requires a gradient (`has_parameters_requiring_grad`).
+        integer_parameters: ``(distribution, parameter, dtype)`` of each parameter stored on it, or on
+            a distribution it wraps, that is not floating point although its constraint is not
+            discrete (``Normal(torch.tensor(0), 1.0)``'s ``loc``).
+    """
+
+    layouts: list[PlateLayout]
+    requires_grad: bool
+    integer_parameters: list[tuple[str, str, torch.dtype]]
+
+    @property
+    def layout(self) -> PlateLayout:
+        """The union of `layouts` (raises `storch.plate.PlateClashError` where two plates clash)."""
+        return union_of_layouts(self.layouts) if self.layouts else EMPTY_LAYOUT
+
+
+def distribution_facts(d: Distribution) -> DistributionFacts:
+    """`DistributionFacts` of ``d``: its plates, whether a parameter requires a gradient, its integer
+    parameters (one pass where `distribution_layout`, `has_parameters_requiring_grad` and the integer
+    check would each walk the distribution).
+
+    Only the parameters stored on a distribution are read: lazily derived ones (``Bernoulli.logits``
+    of ``Bernoulli(probs=...)``) are not computed, and normalised ones (``Categorical`` divides its
+    ``probs`` by their sum) are floating point already.
+
+    Examples:
+        >>> import torch, storch
+        >>> from torch.distributions import Normal
+        >>> x = storch.denote_independent(torch.zeros(3, requires_grad=True), 0, "data")
+        >>> facts = distribution_facts(Normal(x, torch.tensor(1)))
+        >>> facts.layout.names, facts.requires_grad, facts.integer_parameters
+        (('data',), True, [('Normal', 'scale', torch.int64)])
+    """
+    layouts: list[PlateLayout] = []
+    integer: list[tuple[str, str, torch.dtype]] = []
+    requires_grad = False
+    stack = [d]
+    with _Disable():  # dtype and requires_grad reads of storch tensors: no trip through storch's dispatch
+        while stack:
+            dist = stack.pop()
+            own = dist.__dict__
+            for name, constraint in dist.arg_constraints.items():
+                value = own.get(name)
+                if isinstance(value, torch.Tensor):
+                    dtype = value.dtype
+                    if not (dtype.is_floating_point or dtype.is_complex) and not _is_discrete(constraint):
+                        integer.append((type(dist).__name__, name, dtype))
+                    if dist is d and value.requires_grad:
+                        requires_grad = True
+            for value in own.values():
+                if isinstance(value, Tensor) and value._layout.plates:
+                    layouts.append(value._layout)
+                elif isinstance(value, Distribution):  # what it wraps (Independent's base, OneHotCategorical's)
+                    stack.append(value)
+    if not requires_grad:  # (parameters that are not stored on ``d`` itself, as get_distr_parameters finds them)
+        requires_grad = has_parameters_requiring_grad(d)
+    return DistributionFacts(layouts, requires_grad, integer)
+
+
+def _is_discrete(constraint: Any) -> bool:
+    """Whether a parameter constraint holds integers (``Binomial.total_count``); unknown: ``False``."""
+    try:
+        return bool(constraint.is_discrete)
+    except NotImplementedError:  # constraints.dependent without is_discrete
+        return False
 
 
 def distribution_layout(d: Distribution) -> PlateLayout:

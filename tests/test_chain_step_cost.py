@@ -133,3 +133,20 @@ def test_arguments_that_carry_every_plate_are_flattened_without_an_expand():
     h = cell(obs, obs * 2)
     kinds = {type(node).__name__ for node in walk_backward_graph(h)}
     assert "ExpandBackward0" not in kinds and h.plate_names == ["episodes"]
+
+
+def test_next_step_is_the_constructor_s_step():
+    """`ChainPlate.next_step` (the rollout's fast path) makes the plate the constructor makes."""
+    from storch.plate import AncestralPlate, ChainPlate, Plate
+
+    data = Plate("episodes", 3)
+    root = ChainPlate("a", (data,))
+    built = ChainPlate("a", (data,), ancestor=root)
+    fast = root.next_step("a", (data,))
+    slots = {name for cls in ChainPlate.__mro__ for name in getattr(cls, "__slots__", ()) if name != "__weakref__"}
+    assert slots >= set(ChainPlate.__slots__) | set(AncestralPlate.__slots__) | {"name", "order", "_weight"}
+    for name in slots - {"order"}:
+        a, b = getattr(built, name), getattr(fast, name)
+        assert a is b or (isinstance(a, torch.Tensor) and torch.equal(a, b)) or a == b, name
+    assert fast.order > built.order and root._extended_by() is fast and not root.is_tip and fast.is_tip
+    assert fast.descends_from(root) and fast.weight == built.weight and fast.has_uniform_weight

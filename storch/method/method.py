@@ -65,12 +65,11 @@ from storch.extend import (
     TooManyPlatesError,
     StochasticTensor,
     Tensor,
-    distribution_layout,
+    distribution_facts,
     elementwise,
     floating_dtype,
     forget_lazy_plain_values,
     get_distr_parameters,
-    has_parameters_requiring_grad,
     is_tracing,
     layout_of,
     layout_of_plates,
@@ -144,40 +143,6 @@ def proposal_arguments(owner: str, sampling_method: Any, n_samples: Any) -> tupl
     return None, count
 
 
-def _is_discrete(constraint: Any) -> bool:
-    """Whether a parameter constraint holds integers (``Binomial.total_count``); unknown: ``False``."""
-    try:
-        return bool(constraint.is_discrete)
-    except NotImplementedError:  # constraints.dependent without is_discrete
-        return False
-
-
-def _integer_parameters(distr: Distribution) -> list[tuple[str, str, torch.dtype]]:
-    """``(distribution, parameter, dtype)`` of each parameter of ``distr`` (and of the distributions
-    it wraps, as ``Independent`` does) that is not floating point although its constraint is real.
-
-    Only the parameters stored on the distribution are read: lazily derived ones (``Bernoulli.logits``
-    of ``Bernoulli(probs=...)``) are not computed, and normalised ones (``Categorical`` divides its
-    ``probs`` by their sum) are floating point already.
-    """
-    found = []
-    stack = [distr]
-    with no_dispatch():  # dtype reads of storch tensors: no trip through storch's dispatch
-        while stack:
-            d = stack.pop()
-            own = d.__dict__
-            for name, constraint in d.arg_constraints.items():
-                value = own.get(name)
-                if isinstance(value, torch.Tensor):
-                    dtype = value.dtype
-                    if not (dtype.is_floating_point or dtype.is_complex) and not _is_discrete(constraint):
-                        found.append((type(d).__name__, name, dtype))
-            for value in own.values():  # the distributions it wraps (Independent's base, OneHotCategorical's)
-                if isinstance(value, Distribution):
-                    stack.append(value)
-    return found
-
-
 def check_floating_parameters(distr: Distribution, method: str, node: str) -> None:
     """Refuse a distribution with integer (or bool) parameters before sampling it.
 
@@ -203,7 +168,11 @@ def check_floating_parameters(distr: Distribution, method: str, node: str) -> No
         ...
         TypeError: ScoreFunction cannot sample node 'z': the parameters of Normal must be floating point ...
     """
-    found = _integer_parameters(distr)
+    _refuse_integer_parameters(distribution_facts(distr).integer_parameters, distr, method, node)
+
+
+def _refuse_integer_parameters(found: list[tuple[str, str, torch.dtype]], distr: Distribution, method: str, node: str) -> None:
+    """`check_floating_parameters` on the integer parameters of `DistributionFacts` found already."""
     if not found:
         return
     top = type(distr).__name__
@@ -390,9 +359,10 @@ class Method(nn.Module, DeclaresStepState):
                 "distribution, e.g. ScoreFunction('z', n_samples=8)(q) (the manual's older form was "
                 "method('z', q, n=8))."
             )
-        check_floating_parameters(distr, type(self).__name__, self.plate_name)
+        facts = distribution_facts(distr)  # one pass over the distribution for the checks below
+        _refuse_integer_parameters(facts.integer_parameters, distr, type(self).__name__, self.plate_name)
         self.check_distribution(distr)
-        parents = distribution_layout(distr)
+        parents = facts.layout
         self._check_orders_needed_above(parents)
         tip = self._chain_tip(parents)
         if self.plate_name in parents.names and not (tip is not None and tip.name == self.plate_name):
@@ -421,7 +391,7 @@ class Method(nn.Module, DeclaresStepState):
         if isinstance(plate, ChainPlate) and plate.ancestor is not None:
             # the node's distribution without the step it extended, as its samples are (copied when first read)
             node_of(tensor).step_of_chain(distr, 1 + parents.position(plate.ancestor))
-        if not self.reparameterized and torch.is_grad_enabled() and has_parameters_requiring_grad(distr):
+        if not self.reparameterized and torch.is_grad_enabled() and facts.requires_grad:
             note_sampled(plate)  # its gradient needs a cost that carries its plate (see storch.backward)
         return tensor
 
@@ -471,7 +441,7 @@ class Method(nn.Module, DeclaresStepState):
         if len(tip.parents) == len(others) and all(map(operator.is_, tip.parents, others)):
             others = tip.parents  # the previous step's own tuple: one object fewer per decision
         # the new step takes the tip's place: the tip's size-1 dimension is dropped
-        return samples.select(1 + parents.position(tip), 0), ChainPlate(self.plate_name, others, ancestor=tip), others
+        return samples.select(1 + parents.position(tip), 0), tip.next_step(self.plate_name, others), others
 
     def _draws_chain_steps(self) -> bool:
         """Whether this method's nodes are steps of single-sample chains: one plain Monte Carlo sample,
