@@ -14,6 +14,9 @@ hyperparameters:
   MovingAverageBaseline(0.95))`` is called at every decision (its nodes form one chain), the
   environment's step is wrapped in ``storch.deterministic`` (its observation and reward carry the
   action's plates), and each reward is a cost of its own (``storch.add_cost(-reward, f"r{t}")``).
+* ``floor``: the hand-written update with its observations on a tensor subclass whose
+  ``__torch_function__`` only calls the function (``common.FloorTensor``): what any library built on
+  a tensor subclass pays before doing any work of its own; ``storch - floor`` is storch's own cost.
 
 An episode that has ended is no longer stepped: its reward is 0 and its observation stays, while the
 batch plays on until its longest episode ends (in both steps alike; the score terms of those
@@ -60,11 +63,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import storch  # noqa: E402
 from storch.method.baseline import MovingAverageBaseline  # noqa: E402
-from common import Served  # noqa: E402
+from common import Served, floor_view  # noqa: E402
 
 __all__ = ["EnvBatch", "HandWrittenBaseline", "Policy", "check", "hand_written_update", "main", "storch_update"]
 
 EPISODES, HIDDEN, LR, DECAY = 8, 64, 0.01, 0.95
+#: the trainings timed side by side: storch, the hand-written update, and the same on a do-nothing
+#: tensor subclass (the floor of any ``__torch_function__`` library)
+NAMES = ("hand-written", "storch", "floor")
 
 
 class EnvBatch:
@@ -161,16 +167,21 @@ class HandWrittenBaseline:
         self.updated[:length] = True
 
 
-def hand_written_update(policy: Policy, envs: EnvBatch, baseline: HandWrittenBaseline, seed: int) -> float:
-    """Play the batch, accumulate REINFORCE's gradient in ``.grad``; returns the mean return."""
-    obs = torch.from_numpy(envs.reset(seed))
+def hand_written_update(
+    policy: Policy, envs: EnvBatch, baseline: HandWrittenBaseline, seed: int, data: Callable = lambda t: t
+) -> float:
+    """Play the batch, accumulate REINFORCE's gradient in ``.grad``; returns the mean return.
+
+    ``data`` is applied to each observation: ``common.floor_view`` makes it the *floor*, the same
+    update on a do-nothing tensor subclass."""
+    obs = data(torch.from_numpy(envs.reset(seed)))
     log_probs, costs = [], []
     while not envs.all_done:
         distribution = policy(obs)
         action = distribution.sample()
         log_probs.append(distribution.log_prob(action))
         next_obs, reward = envs.step(action.numpy())
-        obs = torch.from_numpy(next_obs)
+        obs = data(torch.from_numpy(next_obs))
         costs.append(-torch.from_numpy(reward))
     log_p, cost = torch.stack(log_probs, 1), torch.stack(costs, 1)  # (episodes, T)
     to_go = cost.flip(1).cumsum(1).flip(1)
@@ -234,7 +245,7 @@ def check(env_name: str, updates: int = 3, seed: int = 0, make: Callable[[str], 
 def _training(name: str, env_name: str, seed: int = 0) -> tuple:
     """One training's environments, policy, optimizer and baseline state."""
     envs, policy = _make(env_name, seed)
-    state = HandWrittenBaseline() if name == "hand-written" else _method()
+    state = _method() if name == "storch" else HandWrittenBaseline()
     return envs, policy, torch.optim.Adam(policy.parameters(), lr=LR), state
 
 
@@ -245,17 +256,17 @@ def _one_update(name: str, run: tuple, update: int) -> tuple[float, float, float
     before = envs.seconds
     start = time.perf_counter()
     optimizer.zero_grad()
-    if name == "hand-written":
-        ret = hand_written_update(policy, envs, state, 1000 * update)
-    else:
+    if name == "storch":
         ret = storch_update(policy, envs, state, 1000 * update)
+    else:
+        ret = hand_written_update(policy, envs, state, 1000 * update, floor_view if name == "floor" else lambda t: t)
     optimizer.step()
     return time.perf_counter() - start, envs.seconds - before, ret
 
 
 def timing(env_name: str, updates: int, seed: int = 0) -> dict[str, list[tuple[float, float, float]]]:
     """``(seconds, environment seconds, mean return)`` per update of each training, interleaved."""
-    runs = {name: _training(name, env_name, seed) for name in ("hand-written", "storch")}
+    runs = {name: _training(name, env_name, seed) for name in NAMES}
     times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in runs}
     for update in range(updates):
         order = list(runs) if update % 2 == 0 else list(reversed(runs))
@@ -267,7 +278,7 @@ def timing(env_name: str, updates: int, seed: int = 0) -> dict[str, list[tuple[f
 def timing_in_processes(env_name: str, updates: int) -> dict[str, list[tuple[float, float, float]]]:
     """`timing` with each training in a process of its own (``--serve``), updates still alternating:
     each then pays for its own garbage collection (see ``common.ProcessBench``)."""
-    names = ("hand-written", "storch")
+    names = NAMES
     children = {name: Served(name, [sys.executable, __file__, "--serve", name, "--env", env_name]) for name in names}
     times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in names}
     try:
@@ -287,22 +298,30 @@ def _serve(name: str, env_name: str) -> None:
         print(json.dumps(_one_update(name, run, int(line))), flush=True)
 
 
-def report(env_name: str, times: dict, skip: int = 2) -> None:
-    hand, mine = times["hand-written"][skip:], times["storch"][skip:]
-    steps = statistics.median(r for _, _, r in hand)
+def _ratios(mine: list, hand: list) -> tuple[float, float]:
+    """Medians of the paired ratios per update, with and without the environment's time."""
     with_env = [s / h for (s, _, _), (h, _, _) in zip(mine, hand)]
     without_env = [(s - se) / (h - he) for (s, se, _), (h, he, _) in zip(mine, hand)]
+    return statistics.median(with_env), statistics.median(without_env)
+
+
+def report(env_name: str, times: dict, skip: int = 2) -> None:
+    hand, mine, floor = times["hand-written"][skip:], times["storch"][skip:], times["floor"][skip:]
+    steps = statistics.median(r for _, _, r in hand)
     print(f"{env_name}: {EPISODES} episodes per update, MLP policy ({HIDDEN}x2, tanh), Adam lr {LR}; "
           f"{len(hand)} timed updates (median return {steps:.1f}); one thread")
     print(f"  returns, first and last update: hand-written {times['hand-written'][0][2]:.1f} -> "
           f"{times['hand-written'][-1][2]:.1f}, storch {times['storch'][0][2]:.1f} -> {times['storch'][-1][2]:.1f}")
-    for label, column in (("hand-written", hand), ("storch", mine)):
+    for label, column in (("hand-written", hand), ("storch", mine), ("floor", floor)):
         total = statistics.median(t for t, _, _ in column) * 1e3
         env = statistics.median(e for _, e, _ in column) * 1e3
         rest = statistics.median(t - e for t, e, _ in column) * 1e3
         print(f"  {label:13s} ms per update {total:8.1f}  in the environment {env:7.1f}  without it {rest:8.1f}")
+    (storch_with, storch_without), (floor_with, floor_without) = _ratios(mine, hand), _ratios(floor, hand)
     print(f"  storch / hand-written per update (median of paired ratios): with the environment "
-          f"{statistics.median(with_env):.2f}, without it {statistics.median(without_env):.2f}")
+          f"{storch_with:.2f}, without it {storch_without:.2f}")
+    print(f"  floor / hand-written: with the environment {floor_with:.2f}, without it {floor_without:.2f}; "
+          f"storch - floor {storch_with - floor_with:.2f} and {storch_without - floor_without:.2f}")
 
 
 def main(argv: list[str] | None = None) -> None:

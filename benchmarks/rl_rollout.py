@@ -11,7 +11,11 @@ REINFORCE on the reward to go and a moving-average baseline per decision:
   step (its single-sample nodes form one chain: the episodes carry one plate whatever ``T``), one
   ``storch.add_cost`` per reward; storch credits each decision with the costs after it and keeps one
   average per decision's reward to go;
-* ``storch compiled``: the storch step under ``storch.compile_step`` (traced once, replayed).
+* ``storch compiled``: the storch step under ``storch.compile_step`` (traced once, replayed);
+* ``floor``: the hand-written step with its inputs on a tensor subclass whose ``__torch_function__``
+  only calls the function (``common.FloorTensor``): what any library built on a tensor subclass pays
+  for the protocol before doing any work of its own. ``storch - floor`` (the difference of the two
+  ratios) is storch's own cost, as a fraction of the hand-written step.
 
 ``--check`` seeds both identically and compares the gradients (they draw their actions with the
 same torch calls, so the draws align). The table reports the median step time over interleaved
@@ -37,6 +41,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import storch  # noqa: E402
-from common import ProcessBench, StepBench, serve_steps  # noqa: E402
+from common import ProcessBench, StepBench, floor_view, serve_steps  # noqa: E402
 
 __all__ = ["Policy", "HandWrittenBaseline", "hand_written_step", "storch_step", "check", "main"]
 
@@ -80,11 +85,17 @@ class HandWrittenBaseline:
             self.updated = True
 
 
-def hand_written_step(policy: Policy, targets: torch.Tensor, baseline: HandWrittenBaseline) -> torch.Tensor:
-    """REINFORCE on the reward to go with a per-step moving average; accumulates ``.grad``."""
+def hand_written_step(
+    policy: Policy, targets: torch.Tensor, baseline: HandWrittenBaseline, data: Callable = lambda t: t
+) -> torch.Tensor:
+    """REINFORCE on the reward to go with a per-step moving average; accumulates ``.grad``.
+
+    ``data`` is applied to the step's input tensors (the targets, the initial state and action):
+    ``common.floor_view`` makes it the *floor*, the same step on a do-nothing tensor subclass."""
     n, length = targets.shape
-    h = torch.zeros(n, policy.cell.hidden_size)
-    previous = torch.full((n,), policy.head.out_features)
+    targets = data(targets)
+    h = data(torch.zeros(n, policy.cell.hidden_size))
+    previous = data(torch.full((n,), policy.head.out_features))
     log_probs, costs = [], []
     for t in range(length):
         h = policy.cell(policy.embed(previous), h)
@@ -97,7 +108,7 @@ def hand_written_step(policy: Policy, targets: torch.Tensor, baseline: HandWritt
     to_go = cost.flip(1).cumsum(1).flip(1)
     surrogate = (log_p * (to_go - baseline.value)).mean(0).sum()
     surrogate.backward()
-    baseline.update(to_go.mean(0))
+    baseline.update(to_go.mean(0).as_subclass(torch.Tensor))
     return cost.sum(1).mean()
 
 
@@ -143,21 +154,40 @@ def check(length: int = 20, seed: int = 0, steps: int = 2) -> float:
     return worst
 
 
+def check_floor(length: int = 20, seed: int = 0) -> float:
+    """The largest difference between the floor's gradient and the hand-written step's on the same
+    draws (the same operations on a do-nothing subclass: 0.0)."""
+    policy, targets = _setup(length, seed)
+    grads = []
+    for data in (lambda t: t, floor_view):
+        torch.manual_seed(100)
+        policy.zero_grad()
+        hand_written_step(policy, targets, HandWrittenBaseline(length), data)
+        grads.append([p.grad.clone() for p in policy.parameters()])
+    return max((a - b).abs().max().item() for a, b in zip(*grads))
+
+
 def _variants(length: int, compiled: bool) -> dict:
     policy, targets = _setup(length)
     baseline = HandWrittenBaseline(length)
     cell = storch.make_left_broadcastable(policy.cell)
     method = storch.method.ScoreFunction("action", baseline_factory="moving_average")
 
+    floor_baseline = HandWrittenBaseline(length)
+
     def hand_written() -> None:
         policy.zero_grad()
         hand_written_step(policy, targets, baseline)
+
+    def floor() -> None:
+        policy.zero_grad()
+        hand_written_step(policy, targets, floor_baseline, floor_view)
 
     def eager() -> None:
         policy.zero_grad()
         storch_step(policy, cell, method, targets)
 
-    variants = {"hand-written": hand_written, "storch": eager}
+    variants = {"hand-written": hand_written, "storch": eager, "floor": floor}
     if compiled:
         step = storch.compile_step(functools.partial(storch_step, policy, cell, method), policy, method)
 
@@ -204,18 +234,20 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--gc-freeze needs --processes (each variant's process freezes its own objects)")
     if args.check:
         for length in (5, 40):
-            print(f"T = {length}: largest |storch - hand-written| gradient difference {check(length):.2e}")
+            print(f"T = {length}: largest |storch - hand-written| gradient difference {check(length):.2e}; "
+                  f"|floor - hand-written| {check_floor(length):.2e}")
         return
     rounds = args.rounds or (3 if args.quick else 20)
     where = "each variant in its own process, CPU time" if args.processes else "one process, wall clock"
     where += ", gc.freeze() after warm-up" if args.gc_freeze else ""
     print(f"{EPISODES} episodes, GRU policy ({HIDDEN} units, {ACTIONS} actions), reward after each decision; "
           f"one thread, median of {rounds} interleaved rounds ({where})")
-    print(f"{'T':>6s} {'hand-written ms':>16s} {'storch ms':>10s} {'ratio':>6s} {'compiled ms':>12s} {'ratio':>6s}")
+    print(f"{'T':>6s} {'hand-written ms':>16s} {'storch ms':>10s} {'ratio':>6s} {'floor ms':>9s} {'ratio':>6s} "
+          f"{'storch - floor':>14s} {'compiled ms':>12s} {'ratio':>6s}")
     for length in args.lengths:
         warmup = 1 if length >= 1000 else 2
         if args.processes:
-            names = ["hand-written", "storch"] + ([] if args.no_compile else ["storch compiled"])
+            names = ["hand-written", "storch", "floor"] + ([] if args.no_compile else ["storch compiled"])
             bench = ProcessBench(
                 lambda name: [sys.executable, __file__, "--serve", name, "--lengths", str(length)]
                 + (["--gc-freeze"] if args.gc_freeze else []),
@@ -228,7 +260,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.processes:
             bench.close()
         times = bench.summary()
-        row = f"{length:6d} {times['hand-written']:16.2f} {times['storch']:10.2f} {bench.ratio('storch', 'hand-written'):6.2f}"
+        ratio, floor_ratio = bench.ratio("storch", "hand-written"), bench.ratio("floor", "hand-written")
+        row = (f"{length:6d} {times['hand-written']:16.2f} {times['storch']:10.2f} {ratio:6.2f} {times['floor']:9.2f} "
+               f"{floor_ratio:6.2f} {ratio - floor_ratio:14.2f}")
         if "storch compiled" in times:
             row += f" {times['storch compiled']:12.2f} {bench.ratio('storch compiled', 'hand-written'):6.2f}"
         print(row, flush=True)
