@@ -23,6 +23,7 @@ the newer step is kept and the older tensor is re-indexed along the ancestry.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from typing import TYPE_CHECKING, Iterable, Sequence
@@ -475,7 +476,15 @@ def _earlier_chain_step(layout: PlateLayout, name: str) -> str:
 
 
 EMPTY_LAYOUT = PlateLayout()
-_interned: "weakref.WeakValueDictionary[tuple[int, ...], PlateLayout]" = weakref.WeakValueDictionary()
+#: the interned layouts, by the ids of their plates: a weak reference to each, removed by its callback
+#: when the layout dies (what ``weakref.WeakValueDictionary`` does, without its Python-level methods:
+#: a new step of a rollout interns its node's layout at every decision)
+_interned: dict[tuple[int, ...], weakref.ref] = {}
+
+
+def _forget_interned(ref: weakref.ref, key: tuple[int, ...]) -> None:
+    if _interned.get(key) is ref:  # (not a newer layout interned under the same plates)
+        del _interned[key]
 
 
 def layout_of_plates(plates: Sequence[Plate]) -> PlateLayout:
@@ -487,13 +496,14 @@ def layout_of_plates(plates: Sequence[Plate]) -> PlateLayout:
     """
     if not plates:
         return EMPTY_LAYOUT
-    key = tuple(id(p) for p in plates)
-    layout = _interned.get(key)
+    key = tuple(map(id, plates))
+    ref = _interned.get(key)
+    layout = None if ref is None else ref()
     if layout is None:
         if len(plates) > MAX_PLATES:
             raise TooManyPlatesError(plates)
         layout = PlateLayout(plates)
-        _interned[key] = layout
+        _interned[key] = weakref.ref(layout, functools.partial(_forget_interned, key=key))
     return layout
 
 

@@ -384,7 +384,7 @@ class Method(nn.Module, DeclaresStepState):
             plate.weight = weight
         # parameters computed while sampling with dispatch disabled: plated where the samples' graph may
         # hold them (relaxed, reparameterized), else forgotten (computed again, plated, if read)
-        if tensor.requires_grad:
+        if samples.requires_grad:  # (the node's own flag; read on the plain samples, not through dispatch)
             restore_lazy_plates(distr, parents)
         else:
             forget_lazy_plain_values(distr, parents)
