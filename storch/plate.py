@@ -23,7 +23,6 @@ the newer step is kept and the older tensor is re-indexed along the ancestry.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import weakref
 from typing import TYPE_CHECKING, Iterable, Sequence
@@ -479,12 +478,18 @@ EMPTY_LAYOUT = PlateLayout()
 #: the interned layouts, by the ids of their plates: a weak reference to each, removed by its callback
 #: when the layout dies (what ``weakref.WeakValueDictionary`` does, without its Python-level methods:
 #: a new step of a rollout interns its node's layout at every decision)
-_interned: dict[tuple[int, ...], weakref.ref] = {}
+_interned: dict[tuple[int, ...], "_InternedRef"] = {}
 
 
-def _forget_interned(ref: weakref.ref, key: tuple[int, ...]) -> None:
-    if _interned.get(key) is ref:  # (not a newer layout interned under the same plates)
-        del _interned[key]
+class _InternedRef(weakref.ref):
+    """A weak reference to an interned layout that knows its key (one object per entry)."""
+
+    __slots__ = ("key",)
+
+
+def _forget_interned(ref: _InternedRef) -> None:
+    if _interned.get(ref.key) is ref:  # (not a newer layout interned under the same plates)
+        del _interned[ref.key]
 
 
 def layout_of_plates(plates: Sequence[Plate]) -> PlateLayout:
@@ -503,7 +508,8 @@ def layout_of_plates(plates: Sequence[Plate]) -> PlateLayout:
         if len(plates) > MAX_PLATES:
             raise TooManyPlatesError(plates)
         layout = PlateLayout(plates)
-        _interned[key] = weakref.ref(layout, functools.partial(_forget_interned, key=key))
+        ref = _interned[key] = _InternedRef(layout, _forget_interned)
+        ref.key = key
     return layout
 
 

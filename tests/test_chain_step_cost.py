@@ -150,3 +150,21 @@ def test_next_step_is_the_constructor_s_step():
         assert a is b or (isinstance(a, torch.Tensor) and torch.equal(a, b)) or a == b, name
     assert fast.order > built.order and root._extended_by() is fast and not root.is_tip and fast.is_tip
     assert fast.descends_from(root) and fast.weight == built.weight and fast.has_uniform_weight
+
+
+def test_interned_layouts_are_shared_while_alive_and_forgotten_when_they_die():
+    import gc
+
+    from storch import plate as plate_module
+    from storch.plate import Plate, layout_of_plates
+
+    a, b = Plate("x", 2), Plate("y", 3)
+    layout = layout_of_plates((a, b))
+    assert layout_of_plates([a, b]) is layout and layout_of_plates((b, a)) is not layout
+    key = (id(a), id(b))
+    assert plate_module._interned[key]() is layout
+    del layout
+    gc.collect()
+    assert key not in plate_module._interned  # the dead layout's entry went with it
+    again = layout_of_plates((a, b))
+    assert plate_module._interned[key]() is again and layout_of_plates((a, b)) is again
