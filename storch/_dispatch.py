@@ -902,7 +902,7 @@ def _holds(plates: tuple[Plate, ...], p: Plate, equal: bool) -> bool:
     return False
 
 
-def _relabels(src: PlateLayout, union: PlateLayout) -> bool:
+def relabels(src: PlateLayout, union: PlateLayout) -> bool:
     """Whether ``src`` holds ``union``'s plates at the same positions, up to older steps of single-sample
     chains in place of newer ones (one sample per step, at the same place: relabelled, nothing moves)."""
     a, b = src.plates, union.plates
@@ -971,7 +971,7 @@ def align_tensor(
     src = t._layout
     n_src = len(src.sizes)
     pad = 0 if event_ndim is None else max(0, event_ndim - (_dim(t) - n_src))
-    if src is union or src.plates == union.plates or _relabels(src, union):
+    if src is union or src.plates == union.plates or relabels(src, union):
         if pad:
             t = t[(slice(None),) * n_src + (None,) * pad]
     else:

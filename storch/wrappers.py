@@ -27,7 +27,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from storch._dispatch import align_tensor, expand_plain, no_dispatch, plate_dimension_error, union_of_layouts
+from storch._dispatch import align_tensor, expand_plain, no_dispatch, plate_dimension_error, relabels, union_of_layouts
 from storch.exceptions import IllegalStorchExposeError
 from storch.plate import EMPTY_LAYOUT, PlateLayout
 from storch.tensor import Tensor, layout_of, wrap_new
@@ -410,6 +410,10 @@ def _call_flattened_tensors(fn: Callable, args: tuple) -> Any:
     with no_dispatch():  # `_flatten_plates` of each argument and `_invoke`, in one block
         flat = []
         for a, p in zip(args, plated):
+            base = _flat_base(a, union, lead) if p else None
+            if base is not None:  # a recurrent state, this wrapper's own output: its flat tensor, no new view
+                flat.append(base)
+                continue
             t = align_tensor(a, union, expand=True) if p else expand_plain(a, union)
             flat.append(t.reshape((lead,) + t.shape[n:]))
         out = fn(*flat)
@@ -421,6 +425,32 @@ def _call_flattened_tensors(fn: Callable, args: tuple) -> Any:
         return _restore_plates(_unflatten(out, fn, union, ()), fn, union)
     out = _map(functools.partial(_unflatten, fn=fn, union=union, batch=()), out)
     return _map(functools.partial(_restore_plates, fn=fn, layout=union), out)
+
+
+def _flat_base(t: torch.Tensor, union: PlateLayout, lead: int) -> torch.Tensor | None:
+    """The tensor that ``t`` views with its plates flattened into one first dimension of size ``lead``,
+    where ``t`` is laid out as ``union`` (up to an older chain step, which sits at the same place) and
+    views a contiguous tensor of exactly that flattened shape, at the same memory, in its autograd graph:
+    the output of an earlier call of the wrapper (a recurrent cell's state, which
+    `_call_flattened_tensors` returns reshaped) is one. Passing that tensor instead of flattening ``t``
+    again gives the function the same values and the same gradients, without a view and its autograd
+    node per call. ``None`` otherwise. Call with torch functions disabled."""
+    base = t._base
+    if base is None or type(base) is not torch.Tensor:
+        return None
+    n = len(union.sizes)
+    if base.dim() != t.dim() - n + 1 or base.shape[0] != lead or base.shape[1:] != t.shape[n:]:
+        return None
+    src = t._layout
+    if not (src is union or src.plates == union.plates or relabels(src, union)):
+        return None
+    if t.data_ptr() != base.data_ptr() or not (t.is_contiguous() and base.is_contiguous()):
+        return None
+    grad_fn = t.grad_fn
+    if grad_fn is None:  # no graph: the same values are all that counts, unless the base has a graph
+        return None if base.requires_grad else base
+    base_fn = base.grad_fn
+    return base if base_fn is not None and grad_fn.next_functions[0][0] is base_fn else None
 
 
 class LeftBroadcastable(nn.Module):

@@ -333,3 +333,60 @@ def test_deterministic_on_tensor_arguments_gives_every_output_the_plates():
     with storch.wrappers.ignore_wrapping():
         out = storch.deterministic(lambda a: a * 2)(z)
     assert type(out) is torch.Tensor
+
+
+def _recurrent_rollout(use_flat_base: bool, detach_at: int | None = None, steps: int = 6):
+    """A GRU cell through make_left_broadcastable fed its own state, with a single-sample chain of
+    actions (one ScoreFunction node per step); the gradients of the cell's parameters."""
+    from torch.distributions import Categorical
+
+    from storch import wrappers
+
+    torch.manual_seed(3)
+    gru, head = torch.nn.GRUCell(4, 5).double(), torch.nn.Linear(5, 3).double()
+    embed = torch.nn.Embedding(4, 4).double()
+    cell = storch.make_left_broadcastable(gru)
+    method = storch.method.ScoreFunction("a")
+    original = wrappers._flat_base
+    if not use_flat_base:
+        wrappers._flat_base = lambda t, union, lead: None
+    try:
+        h = storch.denote_independent(torch.zeros(2, 5, dtype=torch.float64), 0, "episodes")
+        previous = storch.denote_independent(torch.full((2,), 3), 0, "episodes")
+        for t in range(steps):
+            h = cell(embed(previous), h)
+            if t == detach_at:
+                h = h.detach()
+            action = method(Categorical(logits=head(h)))
+            storch.add_cost((h.sum(-1) + action.float()) ** 2, f"c{t}")
+            previous = action
+        storch.backward()
+    finally:
+        wrappers._flat_base = original
+    return [p.grad.clone() if p.grad is not None else None for p in (*gru.parameters(), *head.parameters())]
+
+
+@pytest.mark.parametrize("detach_at", [None, 2])
+def test_a_recurrent_state_passed_flat_gives_the_same_gradients(detach_at):
+    """The cell's own earlier output is handed to it as its flat tensor (no new view): the same
+    gradients as flattening it again (up to the order in which autograd sums a tensor's gradients),
+    also where the user detached the state (no link comes back)."""
+    fast, slow = _recurrent_rollout(True, detach_at), _recurrent_rollout(False, detach_at)
+    assert all(a is not None for a in slow)
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_flat_base_is_found_for_the_cell_s_own_output_only():
+    from storch import wrappers
+    from storch._dispatch import no_dispatch
+
+    cell = storch.make_left_broadcastable(torch.nn.GRUCell(4, 5))
+    x = storch.denote_independent(torch.randn(3, 4), 0, "data")
+    h = cell(x, storch.denote_independent(torch.zeros(3, 5), 0, "data"))
+    with no_dispatch():
+        assert wrappers._flat_base(h, h._layout, 3) is h._base
+        assert wrappers._flat_base(h * 1.0, h._layout, 3) is None  # not a view
+        assert wrappers._flat_base(h.detach(), h._layout, 3) is None  # detached: no link to the graph
+        assert wrappers._flat_base(h[..., :2], h._layout, 3) is None  # another view of the same tensor
+        assert wrappers._flat_base(h, h._layout, 1) is None  # another flattened size
