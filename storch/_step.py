@@ -104,7 +104,8 @@ def note_sampled(plate: Plate) -> None:
     """Remember the plate of a node sampled in this step."""
     n = len(_SAMPLED)
     if n >= _PRUNE_AT and n & (n - 1) == 0:  # at 64, 128, 256, ... entries (amortised O(1) per node):
-        _SAMPLED.replace([r for r in _SAMPLED.items() if r() is not None])  # drop nodes of steps that never reached backward
+        # drop the nodes of steps that never reached backward
+        _SAMPLED.replace([r for r in _SAMPLED.items() if r() is not None])
     _SAMPLED.append(weakref.ref(plate))
 
 

@@ -171,7 +171,9 @@ def check_floating_parameters(distr: Distribution, method: str, node: str) -> No
     _refuse_integer_parameters(distribution_facts(distr).integer_parameters, distr, method, node)
 
 
-def _refuse_integer_parameters(found: list[tuple[str, str, torch.dtype]], distr: Distribution, method: str, node: str) -> None:
+def _refuse_integer_parameters(
+    found: list[tuple[str, str, torch.dtype]], distr: Distribution, method: str, node: str
+) -> None:
     """`check_floating_parameters` on the integer parameters of `DistributionFacts` found already."""
     if not found:
         return
