@@ -152,7 +152,10 @@ _OPERATOR_TYPES: frozenset = frozenset([torch._ops.OpOverload, torch._ops.OpOver
 
 # Full reductions to a boolean are harmless (no gradient) and torch.distributions uses them for
 # argument validation: they may drop plates and then return a plain tensor.
-_MAY_DROP_PLATES = (torch.all, _T.all, torch.any, _T.any, torch._is_all_true, torch._is_any_true)
+_MAY_DROP_PLATES = (torch.all, _T.all, torch.any, _T.any)
+# torch's own checks that every (any) element is true, at every argument validation of torch.distributions:
+# they always reduce everything, plates included, to a plain boolean, so they run on the plain tensors
+_WHOLE_TENSOR_CHECKS = (torch._is_all_true, torch._is_any_true)
 
 # Functions that need their arguments to have exactly the same shape: expand to a common shape.
 _EQUAL_SHAPES = (
@@ -247,7 +250,7 @@ def _build_treatments() -> dict[Callable, Treatment]:
         mark(_named([name], (torch, _T)), prepare=_refuse_host_read(name))
     getters = [getattr(_T, name).__get__ for name in _PROPERTIES if hasattr(_T, name)]
     setters = [getattr(_T, name).__set__ for name in _SETTERS if hasattr(_T, name)]
-    mark(getters + setters + _named(_PASSTHROUGH_METHODS, (_T,)), kind="passthrough")
+    mark(getters + setters + _named(_PASSTHROUGH_METHODS, (_T,)) + list(_WHOLE_TENSOR_CHECKS), kind="passthrough")
     return {func: Treatment(**values) for func, values in fields.items()}
 
 

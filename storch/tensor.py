@@ -152,6 +152,8 @@ class Tensor(torch.Tensor):
     def dim(self) -> int:
         return _call_plain(_T.dim, (), (self,))
 
+    ndimension = dim  # (torch.distributions asks every Categorical's parameter)
+
     def size(self, *args: Any, **kwargs: Any) -> Any:
         """The shape, as ``torch.Tensor.size``; to torch's check of a value before ``log_prob``
         (``Distribution._validate_sample``), the shape once aligned with the distribution's plates

@@ -85,7 +85,11 @@ def test_dimension_fields() -> None:
     assert treatment_of(T.T.__get__) == Treatment(implicit_dims=(0, -1))
     assert treatment_of(T.mT.__get__) == Treatment(implicit_dims=(-2, -1))
     assert treatment_of(torch.all) == Treatment(may_drop_plates=True, dim_positions=(1,))
-    assert treatment_of(torch._is_all_true) == Treatment(may_drop_plates=True)
+    # torch's checks of a whole tensor (argument validation) run on the plain tensor: plates and all
+    assert treatment_of(torch._is_all_true) == treatment_of(torch._is_any_true) == Treatment("passthrough")
+    x = storch.denote_independent(torch.tensor([[True, True], [True, False]]), 0, "data")
+    assert type(torch._is_all_true(x)) is torch.Tensor and not torch._is_all_true(x).item()
+    assert torch._is_any_true(x).item() and torch._is_all_true(x[..., 0]).item()
     assert all(t.checks_dims for t in map(treatment_of, (torch.sum, T.unsqueeze, T.T.__get__)))
 
 
