@@ -850,21 +850,20 @@ def union_of_layouts(layouts: list[PlateLayout]) -> PlateLayout:
 
 
 def _ahead_of(newer: PlateLayout, older: PlateLayout, first: bool) -> bool:
-    """Whether ``newer`` is the union of the two layouts: it holds ``older``'s plates at the same
-    positions, some replaced by newer steps of their single-sample chains, and lists them newest
-    first. ``first``: ``newer`` comes first in the union, so an independent plate equal to
-    ``older``'s counts as it (a merge keeps the first of two equal plates)."""
-    a, b = newer.plates, older.plates
-    if len(a) != len(b):
+    """Whether ``newer`` is the union of the two layouts: ``older`` `relabels` to it (the same plates
+    at the same positions, some replaced by newer steps of their single-sample chains) and it lists
+    its plates newest first. ``first``: ``newer`` comes first in the union, so an independent plate
+    equal to ``older``'s counts as it; else it must be the same object (a merge keeps the first of
+    two equal plates)."""
+    if not relabels(older, newer):
         return False
-    for p, q in zip(a, b):
-        if not (p is q or (first and p == q) or (
-            type(p) is ChainPlate and type(q) is ChainPlate and p.chain is q.chain and p.depth > q.depth
-        )):
+    previous = None
+    for p, q in zip(newer.plates, older.plates):
+        if previous is not None and previous.order < p.order:
             return False
-    for p, q in zip(a, a[1:]):
-        if p.order < q.order:
+        if not first and p is not q and type(p) is not ChainPlate:
             return False
+        previous = p
     return True
 
 
